@@ -1,0 +1,17 @@
+// The CPU kernels, compiled once per instruction set (instantiate_<isa>.cpp) from the same
+// templated sources: forward.h (the CPU forward) and backward.h (the CPU backward).
+#pragma once
+
+#include "fmha/params.h"
+
+namespace fmha::cpu {
+#define FMHA_DECLARE_ISA(ns)                \
+  namespace ns {                            \
+  void forward(const FwdParams& p);         \
+  void backward(const BwdParams& p);        \
+  }
+FMHA_DECLARE_ISA(scalar)
+FMHA_DECLARE_ISA(avx2)
+FMHA_DECLARE_ISA(avx512)
+#undef FMHA_DECLARE_ISA
+}  // namespace fmha::cpu

@@ -1,0 +1,226 @@
+// Tile machinery shared by the CPU forward and backward: where a sequence lives, which keys a
+// query row may see, loading tiles into the accumulation type, and the score pipeline
+//   S = scale * Q Kᵀ  ->  softcap  ->  + bias + ALiBi  ->  mask (-inf)
+// applied to one (rows x cols) tile. Included once per ISA (FMHA_CPU_ISA_NS) so every loop
+// here is compiled, and vectorised, with that ISA's flags.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "cpu/vexp.h"
+#include "fmha/numeric.h"
+#include "fmha/params.h"
+#include "fmha/philox.h"
+
+#ifndef FMHA_CPU_ISA_NS
+#error "include through csrc/cpu/instantiate_<isa>.cpp"
+#endif
+
+namespace fmha::cpu::FMHA_CPU_ISA_NS {
+
+// Tile shape. Br query rows share every K/V tile loaded, so larger Br means fewer K/V
+// conversions per flop; Br x Bc floats of S (8 KiB) plus the Q, K, V tiles stay in L1/L2 for
+// head_dim <= 128.
+constexpr int kBr = 32;
+constexpr int kBc = 64;
+
+// One sequence of the batch: its first packed row (varlen) and its lengths.
+struct Seq {
+  int64_t q_first = 0, k_first = 0;  // first row in the packed tensors (varlen), else 0
+  int sq = 0, sk = 0;
+  int off = 0;  // alignment of the causal/window diagonal: sk - sq (bottom-right) or 0
+};
+
+inline Seq seq_of(const FwdParams& p, int b) {
+  Seq s;
+  if (p.cu_seqlens_q) {
+    s.q_first = p.cu_seqlens_q[b];
+    s.k_first = p.cu_seqlens_k[b];
+    s.sq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    s.sk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+  } else {
+    s.sq = p.seqlen_q;
+    s.sk = p.seqlen_k;
+  }
+  s.off = p.bottom_right ? s.sk - s.sq : 0;
+  return s;
+}
+
+// Element offset of row `i` of sequence b in a (batch, seqlen, heads, dim) tensor.
+inline int64_t row_offset(const FwdParams& p, int b, int64_t batch_stride, int64_t row_stride,
+                          int64_t first_row_of_seq, int i) {
+  return p.cu_seqlens_q ? (first_row_of_seq + i) * row_stride
+                        : b * batch_stride + int64_t(i) * row_stride;
+}
+
+// Keys visible to query row i: [key_lo(i), key_hi(i)] (empty when lo > hi). Both bounds
+// grow with i, which is what lets a tile of rows visit one contiguous range of key tiles.
+inline int key_lo(const FwdParams& p, const Seq& s, int i) {
+  return p.window_left < 0 ? 0 : std::max(0, i + s.off - p.window_left);
+}
+inline int key_hi(const FwdParams& p, const Seq& s, int i) {
+  return p.window_right < 0 ? s.sk - 1 : std::min(s.sk - 1, i + s.off + p.window_right);
+}
+// Query rows that see at least one key of [j0, j1]: [query_lo, query_hi].
+inline int query_lo(const FwdParams& p, const Seq& s, int j0) {
+  return p.window_right < 0 ? 0 : std::max(0, j0 - s.off - p.window_right);
+}
+inline int query_hi(const FwdParams& p, const Seq& s, int j1) {
+  return p.window_left < 0 ? s.sq - 1 : std::min(s.sq - 1, j1 - s.off + p.window_left);
+}
+
+// A per-thread bump allocator for tile buffers: no allocation inside the loops, memory
+// O(tile) per thread whatever the sequence length.
+class Workspace {
+ public:
+  template <typename A>
+  static int64_t bytes(int64_t n) { return (n * int64_t(sizeof(A)) + 63) / 64 * 64; }
+
+  // Starts a task that will take at most `total` bytes: buffers never move while in use.
+  void begin(int64_t total) {
+    used_ = 0;
+    if (total > int64_t(buf_.size()) * 64) buf_.resize(size_t(total / 64 + 1));
+  }
+
+  template <typename A>
+  A* take(int64_t n) {
+    const int64_t need = bytes<A>(n);
+    if (used_ + need > int64_t(buf_.size()) * 64) std::abort();  // begin() sized it wrongly
+    A* out = reinterpret_cast<A*>(reinterpret_cast<char*>(buf_.data()) + used_);
+    used_ += need;
+    return out;
+  }
+
+ private:
+  struct alignas(64) Line { char b[64]; };
+  std::vector<Line> buf_;
+  int64_t used_ = 0;
+};
+
+inline Workspace& thread_workspace() {
+  thread_local Workspace ws;
+  return ws;
+}
+
+// Copies rows [0, n) of a (rows, dim) slice with element row stride `stride` into a dense
+// (n, ld) buffer of the accumulation type, zero-filling columns [dim, ld).
+template <typename T, typename A>
+inline void load_rows(const T* src, int64_t stride, int n, int dim, A* dst, int ld) {
+  for (int r = 0; r < n; ++r) {
+    const T* s = src + r * stride;
+    A* d = dst + int64_t(r) * ld;
+#pragma omp simd
+    for (int t = 0; t < dim; ++t) d[t] = to_acc<A>(s[t]);
+    for (int t = dim; t < ld; ++t) d[t] = A(0);
+  }
+}
+
+template <typename T, typename A>
+inline void store_row(const A* src, int dim, T* dst) {
+#pragma omp simd
+  for (int t = 0; t < dim; ++t) dst[t] = Store<T>::from(src[t]);
+}
+
+template <typename A>
+inline A neg_inf() { return -std::numeric_limits<A>::infinity(); }
+
+// Adds a broadcast bias tile (any float dtype) to S.
+template <typename B, typename A>
+inline void add_bias(const Broadcast4& bias, int b, int h, int i0, int nr, int j0, int nc,
+                     A* S, int ld) {
+  const B* base = static_cast<const B*>(bias.ptr) + b * bias.batch_stride + h * bias.head_stride;
+  for (int r = 0; r < nr; ++r) {
+    const B* row = base + int64_t(i0 + r) * bias.row_stride + int64_t(j0) * bias.col_stride;
+    A* srow = S + int64_t(r) * ld;
+    if (bias.col_stride == 1) {
+#pragma omp simd
+      for (int c = 0; c < nc; ++c) srow[c] += to_acc<A>(row[c]);
+    } else {
+      for (int c = 0; c < nc; ++c) srow[c] += to_acc<A>(row[c * bias.col_stride]);
+    }
+  }
+}
+
+// The score pipeline on one tile: rows i0..i0+nr of query head h, keys j0..j0+nc of
+// sequence b. Qf (nr x ldq) and Kf (nc x ldq) are dense tiles in the accumulation type.
+// S receives the final scores with invisible entries at -inf; when softcap is on, Tcap (if
+// given) receives tanh(raw / softcap), which the backward needs for the softcap gradient.
+template <typename A>
+inline void score_tile(const FwdParams& p, const Seq& s, int b, int h, int i0, int nr, int j0,
+                       int nc, const A* Qf, const A* Kf, int ldq, A* S, int ld, A* Tcap) {
+  const A scale = A(p.scale);
+  // S = scale * Q Kᵀ: dot products along head_dim (contiguous in both tiles).
+  for (int r = 0; r < nr; ++r) {
+    const A* q = Qf + int64_t(r) * ldq;
+    for (int c = 0; c < nc; ++c) {
+      const A* k = Kf + int64_t(c) * ldq;
+      A acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int t = 0; t < ldq; ++t) acc += q[t] * k[t];
+      S[int64_t(r) * ld + c] = acc * scale;
+    }
+  }
+  if (p.softcap > 0) {  // s = cap * tanh(s / cap)  (Gemma 2 / Grok logit capping)
+    const A cap = A(p.softcap), inv = A(1) / cap;
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < nc; ++c) {
+        const A t = std::tanh(S[int64_t(r) * ld + c] * inv);
+        if (Tcap) Tcap[int64_t(r) * ld + c] = t;
+        S[int64_t(r) * ld + c] = cap * t;
+      }
+  }
+  if (p.bias.ptr) {
+    switch (p.bias.dtype) {
+      case DType::kFloat64: add_bias<double>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
+      case DType::kFloat32: add_bias<float>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
+      case DType::kBFloat16: add_bias<bf16_t>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
+      case DType::kFloat16: add_bias<f16_t>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
+    }
+  }
+  if (p.alibi_slopes) {  // ALiBi (Press et al. 2022): -slope * distance to the diagonal
+    const A slope = A(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride]);
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < nc; ++c)
+        S[int64_t(r) * ld + c] -= slope * A(std::abs(i0 + r + s.off - (j0 + c)));
+  }
+  // Visibility: the window (causal is its right edge at 0) and the boolean mask.
+  for (int r = 0; r < nr; ++r) {
+    const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
+    A* srow = S + int64_t(r) * ld;
+    for (int c = 0; c < nc; ++c) {
+      const int j = j0 + c;
+      if (j < lo || j > hi) srow[c] = neg_inf<A>();
+    }
+    if (p.mask.ptr) {
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
+                         h * p.mask.head_stride + int64_t(i) * p.mask.row_stride +
+                         int64_t(j0) * p.mask.col_stride;
+      for (int c = 0; c < nc; ++c)
+        if (!m[c * p.mask.col_stride]) srow[c] = neg_inf<A>();
+    }
+  }
+}
+
+// Dropout on one tile row: multiplies P[c] (key j0 + c of row i) by 1/(1-p) where kept and
+// by 0 where dropped. The draw is a pure function of (seed, offset, b, h, i, j).
+template <typename A>
+inline void dropout_row(const FwdParams& p, int b, int h, int i, int j0, int nc, A* P) {
+  const DropoutKey key(p.seed, p.offset);
+  const uint32_t threshold = dropout_threshold(p.dropout_p);
+  const A keep_scale = A(1.0 / (1.0 - p.dropout_p));
+  const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
+  int c = 0;
+  while (c < nc) {
+    const int j = j0 + c;
+    const Philox4 r = philox4x32_10(uint32_t(j >> 2), uint32_t(i), bh, key.c3, key.k0, key.k1);
+    for (int w = j & 3; w < 4 && c < nc; ++w, ++c)
+      P[c] = r.x[w] >= threshold ? P[c] * keep_scale : A(0);
+  }
+}
+
+}  // namespace fmha::cpu::FMHA_CPU_ISA_NS

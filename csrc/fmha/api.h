@@ -1,0 +1,34 @@
+// The core's entry points: what the bindings call. Backends are selected here; kernels
+// live in csrc/cpu (one translation unit per instruction set) and csrc/cuda.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fmha/params.h"
+
+namespace fmha {
+
+// ---- CPU ----
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* isa_name(CpuIsa isa);
+CpuIsa best_cpu_isa();                   // what this CPU (and OS) supports
+std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "avx512bf16"}
+// The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512) if set, else the
+// best supported. Forcing a level the CPU lacks is an error.
+CpuIsa active_cpu_isa();
+void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
+
+void cpu_forward(const FwdParams& p);
+void cpu_backward(const BwdParams& p);
+
+// Validates sizes, window and dropout fields shared by every backend (cheap; the Python
+// layer has already produced friendlier messages for anything a user can pass).
+void check_params(const FwdParams& p);
+
+// ---- CUDA (present when built with nvcc; reports no device when none is usable) ----
+bool cuda_built();
+int cuda_device_count();  // 0 when there is no driver or no GPU
+std::string cuda_status();  // why there is no GPU, or the devices found
+
+}  // namespace fmha

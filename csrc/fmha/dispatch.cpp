@@ -1,0 +1,124 @@
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "cpu/kernels.h"
+#include "fmha/api.h"
+#include "fmha/error.h"
+
+namespace fmha {
+
+const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return "scalar";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+std::vector<std::string> cpu_features() {
+  std::vector<std::string> f;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  // libgcc checks XCR0 too, so a feature the OS does not save is reported absent.
+  if (__builtin_cpu_supports("avx2")) f.push_back("avx2");
+  if (__builtin_cpu_supports("fma")) f.push_back("fma");
+  if (__builtin_cpu_supports("f16c")) f.push_back("f16c");
+  if (__builtin_cpu_supports("avx512f")) f.push_back("avx512f");
+  if (__builtin_cpu_supports("avx512bw")) f.push_back("avx512bw");
+  if (__builtin_cpu_supports("avx512vl")) f.push_back("avx512vl");
+  if (__builtin_cpu_supports("avx512dq")) f.push_back("avx512dq");
+  if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
+#endif
+  return f;
+}
+
+static bool has(const std::vector<std::string>& f, const char* name) {
+  for (const auto& s : f) if (s == name) return true;
+  return false;
+}
+
+CpuIsa best_cpu_isa() {
+  const auto f = cpu_features();
+  if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
+      has(f, "fma") && has(f, "f16c"))
+    return CpuIsa::kAvx512;
+  if (has(f, "avx2") && has(f, "fma") && has(f, "f16c")) return CpuIsa::kAvx2;
+  return CpuIsa::kScalar;
+}
+
+namespace {
+std::once_flag isa_once;
+CpuIsa isa_value = CpuIsa::kScalar;
+std::string isa_error;
+
+void init_isa() {
+  isa_value = best_cpu_isa();
+  const char* env = std::getenv("FMHA_CPU_ISA");
+  if (env == nullptr || *env == '\0') return;
+  CpuIsa wanted;
+  if (!std::strcmp(env, "scalar")) wanted = CpuIsa::kScalar;
+  else if (!std::strcmp(env, "avx2")) wanted = CpuIsa::kAvx2;
+  else if (!std::strcmp(env, "avx512")) wanted = CpuIsa::kAvx512;
+  else {
+    isa_error = concat("FMHA_CPU_ISA: got '", env, "', expected one of scalar, avx2, avx512");
+    return;
+  }
+  if (int(wanted) > int(isa_value)) {
+    isa_error = concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
+                       isa_name(isa_value));
+    return;
+  }
+  isa_value = wanted;
+}
+}  // namespace
+
+CpuIsa active_cpu_isa() {
+  std::call_once(isa_once, init_isa);
+  if (!isa_error.empty()) throw Unsupported(isa_error);
+  return isa_value;
+}
+
+void set_cpu_isa(CpuIsa isa) {
+  std::call_once(isa_once, init_isa);
+  if (int(isa) > int(best_cpu_isa()))
+    throw Unsupported(concat("CPU ISA ", isa_name(isa), " is not supported by this CPU (best: ",
+                             isa_name(best_cpu_isa()), ")"));
+  isa_value = isa;
+  isa_error.clear();
+}
+
+void check_params(const FwdParams& p) {
+  FMHA_CHECK_ARG(p.q && p.k && p.v && p.o && p.lse, "q, k, v, out and lse must be non-null");
+  FMHA_CHECK_ARG(p.batch > 0 && p.heads_q > 0 && p.heads_kv > 0, "batch and heads must be > 0");
+  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
+                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
+  FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "seqlens must be > 0");
+  FMHA_CHECK_ARG(p.head_dim > 0 && p.head_dim_v > 0, "head_dim must be > 0");
+  FMHA_CHECK_ARG(p.dropout_p >= 0.0 && p.dropout_p < 1.0, "dropout_p must be in [0, 1), got ",
+                 p.dropout_p);
+  FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1, "window entries must be >= -1");
+  FMHA_CHECK_ARG(p.softcap >= 0.0, "softcap must be >= 0");
+}
+
+void cpu_forward(const FwdParams& p) {
+  check_params(p);
+  switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512: return cpu::avx512::forward(p);
+    case CpuIsa::kAvx2: return cpu::avx2::forward(p);
+    case CpuIsa::kScalar: return cpu::scalar::forward(p);
+  }
+}
+
+void cpu_backward(const BwdParams& p) {
+  check_params(p);
+  FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512: return cpu::avx512::backward(p);
+    case CpuIsa::kAvx2: return cpu::avx2::backward(p);
+    case CpuIsa::kScalar: return cpu::scalar::backward(p);
+  }
+}
+
+}  // namespace fmha

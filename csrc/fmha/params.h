@@ -1,0 +1,98 @@
+// The single contract between the Python layer and every kernel (CPU, CUDA, emulated CUDA).
+//
+// Everything is raw pointers, element strides and sizes: the core knows nothing of Python,
+// torch or DLPack. One struct describes a forward call; the backward extends it with the
+// gradient tensors. Semantics (one definition, every backend) are in shared/design.md and
+// in python/fmha/reference.py, which is the executable form of that definition.
+#pragma once
+
+#include <cstdint>
+
+namespace fmha {
+
+enum class DType : int { kFloat64 = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat64: return "float64";
+    case DType::kFloat32: return "float32";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+  }
+  return "?";
+}
+
+// A broadcastable (batch, heads, seqlen_q, seqlen_k) operand: bias (float) or mask (bool).
+// A broadcast dimension has stride 0, so a key-padding mask (batch, 1, 1, seqlen_k) costs
+// batch*seqlen_k bytes, never batch*heads*seqlen_q*seqlen_k.
+struct Broadcast4 {
+  const void* ptr = nullptr;  // nullptr: absent
+  DType dtype = DType::kFloat32;  // bias only; a mask is always one byte per element (0/1)
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
+};
+
+struct FwdParams {
+  // --- tensors (layout (batch, seqlen, heads, head_dim), any element strides) ---
+  const void* q = nullptr;  // (b, seqlen_q, heads_q, head_dim)
+  const void* k = nullptr;  // (b, seqlen_k, heads_kv, head_dim)
+  const void* v = nullptr;  // (b, seqlen_k, heads_kv, head_dim_v)
+  void* o = nullptr;        // (b, seqlen_q, heads_q, head_dim_v), same dtype as q
+  // (b, heads_q, seqlen_q), or (heads_q, total_q) when varlen: natural-log logsumexp of
+  // each row; float32, float64 for float64 inputs (the backward recomputes P from it).
+  void* lse = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0, lse_row_stride = 1;
+  // The last dimension of q, k, v, o is contiguous (the Python layer guarantees it).
+
+  // --- sizes ---
+  int batch = 0, heads_q = 0, heads_kv = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // maxima when varlen
+  int head_dim = 0, head_dim_v = 0;
+  DType dtype = DType::kFloat32;
+
+  // --- variable-length batches: when set, sequence b owns rows [cu[b], cu[b+1]) of the
+  // packed (total, heads, dim) tensors and batch strides are unused. ---
+  const int32_t* cu_seqlens_q = nullptr;  // (batch + 1)
+  const int32_t* cu_seqlens_k = nullptr;  // (batch + 1)
+
+  // --- score pipeline: s = scale*q.k -> softcap -> + bias + alibi -> mask -> softmax ---
+  double scale = 1.0;
+  double softcap = 0.0;  // 0: off; else s = softcap * tanh(s / softcap)
+  Broadcast4 bias;      // float additive bias
+  Broadcast4 mask;      // bool, nonzero = may attend
+  const double* alibi_slopes = nullptr;  // adds -slope * |i + offset - j|
+  int64_t alibi_batch_stride = 0, alibi_head_stride = 1;
+  // Query i sees key j iff i + off - window_left <= j <= i + off + window_right, where
+  // off = seqlen_k - seqlen_q (bottom_right) or 0 (top-left); a negative window is unbounded.
+  // causal is window_right = 0.
+  int window_left = -1, window_right = -1;
+  bool bottom_right = true;
+
+  // --- dropout on the probabilities: Philox4x32-10 keyed by (seed, offset), indexed by
+  // (batch, head_q, i, j); see csrc/fmha/philox.h ---
+  double dropout_p = 0.0;
+  uint64_t seed = 0, offset = 0;
+
+  int num_threads = 0;  // CPU: 0 = library default
+};
+
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;  // like o
+  void* dq = nullptr;          // like q
+  void* dk = nullptr;          // like k
+  void* dv = nullptr;          // like v
+  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  // Gradient of the bias, reduced over its broadcast dimensions: contiguous, shape
+  // (dbias_batch, dbias_heads, dbias_rows, dbias_cols), each extent the full size or 1;
+  // float32, float64 for float64 inputs.
+  void* dbias = nullptr;
+  int dbias_batch = 0, dbias_heads = 0, dbias_rows = 0, dbias_cols = 0;
+};
+
+}  // namespace fmha

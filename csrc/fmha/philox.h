@@ -1,0 +1,53 @@
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
+// SC 2011), the counter-based generator behind dropout on every backend.
+//
+// The dropout mask is a pure function of its coordinates, so the CPU, the GPU and any tiling
+// agree: for element (b, h, i, j) of query head h,
+//   key     = (lo32(seed), hi32(seed) + hi32(offset))
+//   counter = (j >> 2, i, b * heads_q + h, lo32(offset))
+//   r       = philox(counter, key)[j & 3];   kept iff r >= dropout_threshold(p)
+// python/fmha/_philox.py implements the same and is checked against Random123's vectors.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FMHA_HD __host__ __device__ __forceinline__
+#else
+#define FMHA_HD inline
+#endif
+
+namespace fmha {
+
+struct Philox4 { uint32_t x[4]; };
+
+FMHA_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                              uint32_t k0, uint32_t k1) {
+  constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;   // round multipliers
+  constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;   // Weyl key increments
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t(M0) * c0, p1 = uint64_t(M1) * c2;
+    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0);
+    const uint32_t hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += W0; k1 += W1;  // the bump after the last round is unused
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+// Elements whose 32-bit draw is below this are dropped: P(drop) = threshold / 2^32 = p
+// up to 2^-32.
+inline uint32_t dropout_threshold(double p) {
+  return uint32_t(std::min(p * 4294967296.0, 4294967295.0));
+}
+
+struct DropoutKey {
+  uint32_t k0, k1, c3;
+  DropoutKey(uint64_t seed, uint64_t offset)
+      : k0(uint32_t(seed)), k1(uint32_t(seed >> 32) + uint32_t(offset >> 32)),
+        c3(uint32_t(offset)) {}
+};
+
+}  // namespace fmha

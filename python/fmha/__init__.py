@@ -1,0 +1,53 @@
+"""fmha: fused multi-head attention.
+
+Exact scaled-dot-product attention, forward and backward, computed FlashAttention-2 style
+(tiled, online softmax, O(n) memory) by hand-written C++ kernels, for torch tensors (with
+autograd and torch.compile) and NumPy arrays.
+
+    import fmha
+    out = fmha.attention(q, k, v, causal=True)      # q: (batch, seqlen, heads, head_dim)
+
+See ``fmha.attention`` for the arguments and ``fmha.reference`` for the exact semantics.
+"""
+
+import sys as _sys
+
+from . import _C
+from ._api import (attention, attention_backward, attention_varlen, get_num_threads,
+                   set_num_threads)
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "attention_varlen", "attention_backward", "set_num_threads",
+           "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status"]
+
+
+def backends() -> list:
+    """Backends usable in this process: always "cpu"; "cuda" when built with CUDA and a GPU
+    is present."""
+    out = ["cpu"]
+    if _C.cuda_built() and _C.cuda_device_count() > 0:
+        out.append("cuda")
+    return out
+
+
+def cpu_isa() -> str:
+    """Instruction set of the CPU kernels in use: "avx512", "avx2" or "scalar" (set
+    FMHA_CPU_ISA to force a lower one)."""
+    return _C.cpu_isa()
+
+
+def cpu_features() -> list:
+    """CPU features the kernels care about, as detected at run time."""
+    return list(_C.cpu_features())
+
+
+def cuda_status() -> str:
+    """Why there is no GPU, or which GPUs were found."""
+    return _C.cuda_status()
+
+
+# The torch operators are registered as soon as torch is around, so that a first call inside
+# torch.compile finds them already defined.
+if "torch" in _sys.modules:
+    from . import _torch  # noqa: F401

@@ -1,0 +1,285 @@
+"""Argument validation and normalisation, shared by the NumPy and torch paths.
+
+Every user-facing entry point funnels through :func:`prepare`, which checks each argument
+and raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (wrong value) naming the
+argument, what was received and what was expected. What comes out (:class:`Spec`) is what
+the core's params struct needs; nothing past this point has to think about user input.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+#: Largest head_dim the CPU kernels accept (their tiles are sized per call; past this the
+#: per-thread workspace stops fitting in L2 and nothing is gained over a plain GEMM).
+MAX_HEAD_DIM_CPU = 1024
+_MAX_SEQLEN = 2**31 - 1
+
+_NUMPY_FLOATS = {np.dtype(np.float64): "float64", np.dtype(np.float32): "float32",
+                 np.dtype(np.float16): "float16"}
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "device")
+
+
+def kind_of(x) -> str:
+    """'numpy', 'torch', or raise TypeError."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if _is_torch(x):
+        return "torch"
+    return ""
+
+
+def dtype_name(x) -> str:
+    """'float64' | 'float32' | 'bfloat16' | 'float16' | '<other>' of an array."""
+    if isinstance(x, np.ndarray):
+        return _NUMPY_FLOATS.get(x.dtype, str(x.dtype))
+    return str(x.dtype).replace("torch.", "")
+
+
+_FLOAT_NAMES = ("float64", "float32", "bfloat16", "float16")
+
+
+def _describe(x) -> str:
+    if isinstance(x, np.ndarray) or _is_torch(x):
+        return f"{kind_of(x)} array of shape {tuple(x.shape)} and dtype {dtype_name(x)}"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def _check_array(name: str, x, kind: str, ndims: Tuple[int, ...]):
+    k = kind_of(x)
+    if not k:
+        raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {_describe(x)}")
+    if k != kind:
+        raise TypeError(f"{name}: expected a {kind} array like q, got a {k} array")
+    if x.ndim not in ndims:
+        want = " or ".join(str(n) for n in ndims)
+        raise ValueError(f"{name}: expected {want} dimensions, got shape {tuple(x.shape)}")
+
+
+def _check_float(name: str, x, like_dtype: Optional[str] = None):
+    dt = dtype_name(x)
+    if dt not in _FLOAT_NAMES:
+        raise TypeError(f"{name}: expected a floating-point dtype ({', '.join(_FLOAT_NAMES)}), "
+                        f"got {dt}")
+    if like_dtype is not None and dt != like_dtype:
+        raise TypeError(f"{name}: dtype {dt} differs from q's {like_dtype}")
+
+
+def _check_number(name: str, x, *, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {_describe(x)}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number, got {x}")
+    if lo is not None and (x < lo or (lo_open and x == lo)):
+        raise ValueError(f"{name}: expected {'>' if lo_open else '>='} {lo}, got {x}")
+    if hi is not None and (x > hi or (hi_open and x == hi)):
+        raise ValueError(f"{name}: expected {'<' if hi_open else '<='} {hi}, got {x}")
+    return x
+
+
+def _check_int(name: str, x, lo: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {_describe(x)}")
+    if int(x) < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {int(x)}")
+    return int(x)
+
+
+def _broadcastable(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    for s, t in zip(reversed(shape), reversed(target)):
+        if s != 1 and s != t:
+            return False
+    return True
+
+
+@dataclass
+class Spec:
+    """Normalised arguments of one call (what the params struct needs)."""
+
+    kind: str            # "numpy" | "torch"
+    dtype: str           # q's dtype name
+    varlen: bool
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int        # max over sequences when varlen
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    softcap: float
+    window_left: int
+    window_right: int
+    bottom_right: bool
+    dropout_p: float
+    bias_shape: Optional[Tuple[int, ...]]  # the user's bias shape (for dbias)
+
+    @property
+    def full(self) -> Tuple[int, int, int, int]:
+        """(batch, heads_q, seqlen_q, seqlen_k): what bias and mask broadcast to."""
+        return (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+
+    def settings(self) -> dict:
+        """The keyword settings of fmha._C.forward / backward (seed/offset/threads apart)."""
+        return dict(scale=self.scale, softcap=self.softcap, window_left=self.window_left,
+                    window_right=self.window_right, bottom_right=self.bottom_right,
+                    dropout_p=self.dropout_p)
+
+
+def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right", scale=None,
+            bias=None, mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> Spec:
+    """Validates every argument of an attention call; returns the normalised :class:`Spec`."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    kind = kind_of(q)
+    if not kind:
+        raise TypeError(f"q: expected a torch.Tensor or numpy.ndarray, got {_describe(q)}")
+    nd = (3,) if varlen else (4,)
+    layout = "(total_tokens, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x, kind, nd)
+    _check_float("q", q)
+    dt = dtype_name(q)
+    _check_float("k", k, dt)
+    _check_float("v", v, dt)
+    if kind == "torch":
+        for name, x in (("k", k), ("v", v)):
+            if x.device != q.device:
+                raise ValueError(f"{name}: on device {x.device}, expected q's device {q.device}")
+        if q.device.type != "cpu":
+            raise NotImplementedError(
+                f"q: device {q.device} is not supported by this build of fmha "
+                f"(CPU tensors are; the CUDA kernels are not built yet)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if any(s == 0 for s in x.shape):
+            raise ValueError(f"{name}: every dimension must be non-empty, got shape "
+                             f"{tuple(x.shape)} (layout {layout})")
+    if varlen:
+        total_q, heads_q, head_dim = q.shape
+        total_k, heads_kv, head_dim_k = k.shape
+        if v.shape[0] != total_k:
+            raise ValueError(f"v: {v.shape[0]} tokens, expected k's {total_k}")
+        batch = None
+    else:
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        b_k, seqlen_k, heads_kv, head_dim_k = k.shape
+        if b_k != batch or v.shape[0] != batch:
+            raise ValueError(f"k, v: batch sizes {b_k} and {v.shape[0]} differ from q's {batch}")
+        if v.shape[1] != seqlen_k:
+            raise ValueError(f"v: seqlen {v.shape[1]} differs from k's {seqlen_k}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"k: head_dim {head_dim_k} differs from q's {head_dim}")
+    if v.shape[-2] != heads_kv:
+        raise ValueError(f"v: {v.shape[-2]} heads, expected k's {heads_kv}")
+    head_dim_v = v.shape[-1]
+    if heads_q % heads_kv:
+        raise ValueError(f"q, k: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
+                         f"for grouped-query attention")
+    for name, d in (("q", head_dim), ("v", head_dim_v)):
+        if d > MAX_HEAD_DIM_CPU:
+            raise ValueError(f"{name}: head_dim {d} is over the limit of {MAX_HEAD_DIM_CPU}")
+
+    if varlen:
+        batch, seqlen_q, seqlen_k = _check_cu_seqlens(
+            kind, q, cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    elif max_seqlen_q is not None or max_seqlen_k is not None:
+        raise ValueError("max_seqlen_q/max_seqlen_k: only meaningful with cu_seqlens")
+    for name, n in (("q", seqlen_q), ("k", seqlen_k)):
+        if n > _MAX_SEQLEN:
+            raise ValueError(f"{name}: seqlen {n} is over the limit of {_MAX_SEQLEN}")
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {_describe(causal)}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected a (left, right) pair of ints, got {_describe(window)}")
+    left = _check_int("window[0]", window[0], -1)
+    right = _check_int("window[1]", window[1], -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if alignment not in ("bottom_right", "top_left"):
+        raise ValueError(f"alignment: expected 'bottom_right' or 'top_left', got {alignment!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        scale = _check_number("scale", scale)
+    softcap = _check_number("softcap", softcap, lo=0.0)
+    dropout_p = _check_number("dropout_p", dropout_p, lo=0.0, hi=1.0, hi_open=True)
+
+    full = (batch, heads_q, seqlen_q, seqlen_k)
+    bias_shape = None
+    if bias is not None:
+        _check_array("bias", bias, kind, (1, 2, 3, 4))
+        _check_float("bias", bias)
+        if not _broadcastable(tuple(bias.shape), full):
+            raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to "
+                             f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
+        if kind == "torch" and bias.device != q.device:
+            raise ValueError(f"bias: on device {bias.device}, expected q's device {q.device}")
+        bias_shape = tuple(bias.shape)
+    if mask is not None:
+        _check_array("mask", mask, kind, (1, 2, 3, 4))
+        if dtype_name(mask) != "bool":
+            raise TypeError(f"mask: expected a bool array (True = may attend), got dtype "
+                            f"{dtype_name(mask)}; pass an additive float mask as bias=")
+        if not _broadcastable(tuple(mask.shape), full):
+            raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to "
+                             f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
+        if kind == "torch" and mask.device != q.device:
+            raise ValueError(f"mask: on device {mask.device}, expected q's device {q.device}")
+    if alibi_slopes is not None:
+        _check_array("alibi_slopes", alibi_slopes, kind, (1, 2))
+        _check_float("alibi_slopes", alibi_slopes)
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+    return Spec(kind=kind, dtype=dt, varlen=varlen, batch=batch, heads_q=heads_q,
+                heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
+                head_dim_v=head_dim_v, scale=scale, softcap=softcap, window_left=left,
+                window_right=right, bottom_right=(alignment == "bottom_right"),
+                dropout_p=dropout_p, bias_shape=bias_shape)
+
+
+def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
+    lengths = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if cu is None:
+            raise ValueError(f"{name}: required with varlen inputs (got None)")
+        _check_array(name, cu, kind, (1,))
+        if dtype_name(cu) != "int32":
+            raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
+        host = cu.cpu().numpy() if kind == "torch" else np.asarray(cu)
+        if host.shape[0] < 2:
+            raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {host.shape[0]}")
+        if host[0] != 0:
+            raise ValueError(f"{name}: must start at 0, got {int(host[0])}")
+        if np.any(np.diff(host.astype(np.int64)) < 0):
+            raise ValueError(f"{name}: must be non-decreasing, got {host.tolist()[:16]}")
+        if int(host[-1]) != total:
+            raise ValueError(f"{name}: must end at the packed length {total}, got {int(host[-1])}")
+        lengths.append(np.diff(host.astype(np.int64)))
+    if lengths[0].shape != lengths[1].shape:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: lengths {lengths[0].shape[0] + 1} and "
+                         f"{lengths[1].shape[0] + 1} differ")
+    longest = [int(x.max()) for x in lengths]
+    out = []
+    for name, given, need in (("max_seqlen_q", max_q, longest[0]),
+                              ("max_seqlen_k", max_k, longest[1])):
+        if given is None:
+            out.append(max(need, 1))
+            continue
+        given = _check_int(name, given, 1)
+        if given < need:
+            raise ValueError(f"{name}: {given} is smaller than the longest sequence ({need})")
+        out.append(given)
+    return len(lengths[0]), out[0], out[1]

@@ -1,0 +1,473 @@
+"""Float64 NumPy reference of fmha's attention semantics, forward and backward.
+
+This module is the executable definition of what every fmha backend computes.
+It materialises the full ``(batch, heads, seqlen_q, seqlen_k)`` score and
+probability matrices, so it is meant for testing and for small problems, not
+for speed. Every input is cast to float64 and every result is float64.
+
+Layout (flash-attn's convention)::
+
+    q : (batch, seqlen_q, heads_q,  head_dim)
+    k : (batch, seqlen_k, heads_kv, head_dim)
+    v : (batch, seqlen_k, heads_kv, head_dim_v)
+
+with ``heads_q % heads_kv == 0``; query head ``h`` reads kv head
+``h // (heads_q // heads_kv)`` (grouped-query / multi-query attention).
+
+For one (batch ``b``, query head ``h``), query row ``i`` and key column ``j``::
+
+    S_ij = scale * q_i . k_j                       scale defaults to 1/sqrt(head_dim)
+    S_ij = softcap * tanh(S_ij / softcap)          only if softcap > 0
+    S_ij += bias[b, h, i, j]                       additive bias, NumPy-broadcast
+    S_ij -= slope[b, h] * |i + off - j|            ALiBi, if alibi_slopes given
+    S_ij = -inf unless j is visible                window / causal / boolean mask
+    P_ij = softmax_j(S_ij)                         rows with no finite S_ij give P = 0
+    O_i  = sum_j P_ij Z_ij v_j                     Z: dropout keep-mask / (1 - p)
+
+where ``off = seqlen_k - seqlen_q`` for ``alignment="bottom_right"`` (flash-attn)
+and ``off = 0`` for ``"top_left"`` (torch SDPA), and key ``j`` is visible from
+row ``i`` iff::
+
+    (left  < 0 or j >= i + off - left) and
+    (right < 0 or j <= i + off + right) and mask[b, h, i, j]
+
+for ``window = (left, right)`` (``-1`` = unbounded); ``causal=True`` sets
+``right = 0``. The log-sum-exp ``lse_i = log(sum_j exp(S_ij))`` is returned with
+the output; it is ``-inf`` for a row with no visible key, whose output and
+gradients are all zero.
+
+The backward pass follows FlashAttention-2's formulation::
+
+    dV = (P o Z)^T dO
+    dP = (dO V^T) o Z
+    D_i = sum_j P_ij dP_ij            (= rowsum(dO o O))
+    dS = P o (dP - D)                 (this is also d bias, element-wise)
+    dS_raw = dS o (1 - tanh^2(S_raw / softcap))    only if softcap > 0
+    dQ = scale * dS_raw K,   dK = scale * dS_raw^T Q
+
+with dK and dV summed over the query heads that share a kv head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ._philox import dropout_keep_mask
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "attention_probs",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+]
+
+_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+@dataclass
+class _Intermediates:
+    """Everything the forward pass materialises, kept for the backward pass.
+
+    Per-head tensors are laid out ``(batch, heads_q, seq, dim)``; K and V are
+    gathered per query head (a copy, which is acceptable in a reference).
+    """
+
+    q: np.ndarray          # (B, Hq, Sq, D)
+    k: np.ndarray          # (B, Hq, Sk, D), kv heads repeated per query head
+    v: np.ndarray          # (B, Hq, Sk, Dv)
+    heads_kv: int
+    scale: float
+    softcap: float
+    s_raw: np.ndarray      # scale * Q K^T, before the softcap
+    p: np.ndarray          # softmax probabilities, before dropout
+    lse: np.ndarray        # (B, Hq, Sq)
+    z: Optional[np.ndarray]  # dropout multiplier (keep / (1 - p)), None without dropout
+
+
+def _check_qkv(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "q, k, v must be 4-D (batch, seqlen, heads, head_dim); got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    batch, _, heads_q, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in (batch, seqlen_k, heads_kv): k {k.shape}, v {v.shape}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
+    heads_kv = k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})"
+        )
+    return heads_kv
+
+
+def _repeat_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
+    """(B, Sk, Hkv, D) -> (B, Hq, Sk, D), query head h reading kv head h // group."""
+    heads_kv = x.shape[2]
+    group = heads_q // heads_kv
+    kv_head_of = np.arange(heads_q) // group
+    return np.transpose(x[:, :, kv_head_of, :], (0, 2, 1, 3))
+
+
+def _sum_heads_to_kv(x: np.ndarray, heads_kv: int) -> np.ndarray:
+    """(B, Hq, Sk, D) -> (B, Sk, Hkv, D), summing the query heads of each group."""
+    batch, heads_q, seqlen, dim = x.shape
+    group = heads_q // heads_kv
+    x = x.reshape(batch, heads_kv, group, seqlen, dim).sum(axis=2)
+    return np.transpose(x, (0, 2, 1, 3))
+
+
+def _sum_to_shape(x: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """Reduce ``x`` to ``shape`` by summing over the axes NumPy broadcast."""
+    extra = x.ndim - len(shape)
+    if extra > 0:
+        x = x.sum(axis=tuple(range(extra)))
+    axes = tuple(ax for ax, n in enumerate(shape) if n == 1 and x.shape[ax] != 1)
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+def _key_offset(seqlen_q: int, seqlen_k: int, alignment: str) -> int:
+    if alignment == "bottom_right":
+        return seqlen_k - seqlen_q
+    if alignment == "top_left":
+        return 0
+    raise ValueError(f"alignment must be one of {_ALIGNMENTS}, got {alignment!r}")
+
+
+def _visibility(seqlen_q, seqlen_k, causal, window, offset) -> np.ndarray:
+    """(Sq, Sk) boolean: may row i see column j under the causal/window rule."""
+    left, right = (int(w) for w in window)
+    if causal:
+        right = 0
+    i = np.arange(seqlen_q)[:, None] + offset  # the diagonal column of row i
+    j = np.arange(seqlen_k)[None, :]
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    return visible
+
+
+def _alibi_bias(alibi_slopes, batch, heads_q, seqlen_q, seqlen_k, offset) -> np.ndarray:
+    """-slope * |i + offset - j|, broadcastable to (B, Hq, Sq, Sk)."""
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes.shape == (heads_q,):
+        slopes = slopes[None, :]
+    elif slopes.shape != (batch, heads_q):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), got {slopes.shape}"
+        )
+    distance = np.abs(
+        np.arange(seqlen_q)[:, None] + offset - np.arange(seqlen_k)[None, :]
+    ).astype(np.float64)
+    return -slopes[:, :, None, None] * distance[None, None, :, :]
+
+
+def _masked_softmax(s: np.ndarray):
+    """Row softmax of ``s`` (with -inf entries) and its log-sum-exp.
+
+    A row whose entries are all -inf (or that is empty) gets P = 0 and
+    lse = -inf instead of NaN.
+    """
+    row_max = np.max(s, axis=-1, initial=-np.inf)
+    has_any = np.isfinite(row_max)
+    safe_max = np.where(has_any, row_max, 0.0)
+    e = np.exp(s - safe_max[..., None])  # exp(-inf) = 0 for invisible keys
+    row_sum = e.sum(axis=-1)
+    safe_sum = np.where(has_any, row_sum, 1.0)
+    p = np.where(has_any[..., None], e / safe_sum[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(has_any, safe_max + np.log(safe_sum), -np.inf)
+    return p, lse
+
+
+def _forward(
+    q, k, v, *, scale, causal, window, alignment, bias, mask, alibi_slopes,
+    softcap, dropout_p, seed, offset, batch_index_start=0,
+) -> _Intermediates:
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    heads_kv = _check_qkv(q, k, v)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    scale = float(scale)
+    softcap = float(softcap)
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p!r}")
+    key_offset = _key_offset(seqlen_q, seqlen_k, alignment)
+    full_shape = (batch, heads_q, seqlen_q, seqlen_k)
+
+    qh = np.transpose(q, (0, 2, 1, 3))       # (B, Hq, Sq, D)
+    kh = _repeat_kv(k, heads_q)              # (B, Hq, Sk, D)
+    vh = _repeat_kv(v, heads_q)              # (B, Hq, Sk, Dv)
+
+    s_raw = scale * np.einsum("bhid,bhjd->bhij", qh, kh)
+    s = softcap * np.tanh(s_raw / softcap) if softcap > 0 else s_raw
+    if bias is not None:
+        s = s + np.broadcast_to(np.asarray(bias, dtype=np.float64), full_shape)
+    if alibi_slopes is not None:
+        s = s + _alibi_bias(alibi_slopes, batch, heads_q, seqlen_q, seqlen_k, key_offset)
+
+    visible = _visibility(seqlen_q, seqlen_k, causal, window, key_offset)[None, None]
+    if mask is not None:
+        visible = visible & np.broadcast_to(np.asarray(mask, dtype=bool), full_shape)
+    s = np.where(visible, s, -np.inf)
+
+    p, lse = _masked_softmax(s)
+
+    z = None
+    if dropout_p > 0.0:
+        keep = dropout_keep_mask(
+            seed, offset, batch, heads_q, seqlen_q, seqlen_k, dropout_p,
+            batch_index_start=batch_index_start,
+        )
+        # p == 1 drops everything; the 1/(1-p) rescale is then moot.
+        rescale = 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+        z = keep * rescale
+
+    return _Intermediates(
+        q=qh, k=kh, v=vh, heads_kv=heads_kv, scale=scale, softcap=softcap,
+        s_raw=s_raw, p=p, lse=lse, z=z,
+    )
+
+
+def _output(it: _Intermediates) -> np.ndarray:
+    """O = (P o Z) V in (B, Sq, Hq, Dv) layout."""
+    pz = it.p if it.z is None else it.p * it.z
+    out = np.einsum("bhij,bhjd->bhid", pz, it.v)
+    return np.transpose(out, (0, 2, 1, 3))
+
+
+def _backward(dout, it: _Intermediates, bias_shape):
+    """Gradients (dq, dk, dv, dbias) from the forward intermediates."""
+    batch, heads_q, seqlen_q, _ = it.q.shape
+    expected = (batch, seqlen_q, heads_q, it.v.shape[-1])
+    if np.shape(dout) != expected:
+        raise ValueError(f"dout must have shape {expected} (like out), got {np.shape(dout)}")
+    do = np.transpose(np.asarray(dout, dtype=np.float64), (0, 2, 1, 3))  # (B, Hq, Sq, Dv)
+    p, z = it.p, it.z
+    pz = p if z is None else p * z
+
+    dv = np.einsum("bhij,bhid->bhjd", pz, do)
+    dp = np.einsum("bhid,bhjd->bhij", do, it.v)
+    if z is not None:
+        dp = dp * z
+    d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = rowsum(dO o O)
+    ds = p * (dp - d)
+
+    dbias = None if bias_shape is None else _sum_to_shape(ds, bias_shape)
+
+    if it.softcap > 0:
+        t = np.tanh(it.s_raw / it.softcap)
+        ds = ds * (1.0 - t * t)
+
+    dq = it.scale * np.einsum("bhij,bhjd->bhid", ds, it.k)
+    dk = it.scale * np.einsum("bhij,bhid->bhjd", ds, it.q)
+
+    dq = np.transpose(dq, (0, 2, 1, 3))
+    dk = _sum_heads_to_kv(dk, it.heads_kv)
+    dv = _sum_heads_to_kv(dv, it.heads_kv)
+    return dq, dk, dv, dbias
+
+
+def attention_forward(
+    q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
+    bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+):
+    """Reference attention forward pass.
+
+    Parameters
+    ----------
+    q, k, v : array_like
+        ``(batch, seqlen_q, heads_q, head_dim)``, ``(batch, seqlen_k, heads_kv,
+        head_dim)`` and ``(batch, seqlen_k, heads_kv, head_dim_v)``.
+    scale : float, optional
+        Score scale; ``1/sqrt(head_dim)`` when None.
+    causal : bool
+        Shorthand for a right window of 0 (the left window is kept).
+    window : (int, int)
+        ``(left, right)`` sliding window around the diagonal; -1 is unbounded.
+    alignment : {"bottom_right", "top_left"}
+        Where the diagonal sits when seqlen_q != seqlen_k.
+    bias : array_like, optional
+        Additive float bias, broadcastable to ``(batch, heads_q, seqlen_q, seqlen_k)``.
+    mask : array_like of bool, optional
+        True = may attend; broadcastable like ``bias``.
+    alibi_slopes : array_like, optional
+        ``(heads_q,)`` or ``(batch, heads_q)`` ALiBi slopes.
+    softcap : float
+        Tanh soft-capping of the scaled scores when > 0.
+    dropout_p, seed, offset :
+        Dropout probability and Philox state (see :mod:`fmha._philox`).
+
+    Returns
+    -------
+    out : ndarray, (batch, seqlen_q, heads_q, head_dim_v), float64
+    lse : ndarray, (batch, heads_q, seqlen_q), float64 (natural log; -inf for
+        rows with no visible key)
+    """
+    it = _forward(
+        q, k, v, scale=scale, causal=causal, window=window, alignment=alignment,
+        bias=bias, mask=mask, alibi_slopes=alibi_slopes, softcap=softcap,
+        dropout_p=dropout_p, seed=seed, offset=offset,
+    )
+    return _output(it), it.lse
+
+
+def attention_backward(
+    dout, q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
+    bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+):
+    """Reference attention backward pass.
+
+    Recomputes the forward pass with the same arguments as
+    :func:`attention_forward` and returns the gradients of ``sum(out * dout)``.
+
+    Returns
+    -------
+    dq : ndarray, shaped like q
+    dk, dv : ndarrays, shaped like k and v (summed over the query heads of
+        each kv head)
+    dbias : ndarray shaped like ``bias`` (summed over its broadcast axes), or
+        None when ``bias`` is None
+    """
+    it = _forward(
+        q, k, v, scale=scale, causal=causal, window=window, alignment=alignment,
+        bias=bias, mask=mask, alibi_slopes=alibi_slopes, softcap=softcap,
+        dropout_p=dropout_p, seed=seed, offset=offset,
+    )
+    bias_shape = None if bias is None else np.shape(bias)
+    return _backward(dout, it, bias_shape)
+
+
+def attention_probs(
+    q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
+    bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+):
+    """Softmax probabilities after masking and before dropout.
+
+    Takes the arguments of :func:`attention_forward` (the dropout arguments are
+    accepted and ignored) and returns ``P`` of shape
+    ``(batch, heads_q, seqlen_q, seqlen_k)``; a row with no visible key is 0.
+    """
+    it = _forward(
+        q, k, v, scale=scale, causal=causal, window=window, alignment=alignment,
+        bias=bias, mask=mask, alibi_slopes=alibi_slopes, softcap=softcap,
+        dropout_p=0.0, seed=seed, offset=offset,
+    )
+    return it.p
+
+
+def _check_cu_seqlens(cu_seqlens, total, name):
+    cu = np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
+    if cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0, be non-decreasing and end at {total}; got {cu.tolist()}"
+        )
+    return cu
+
+
+def _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    """Yield (b, slice_q, slice_k, per-sequence alibi slopes) for each sequence."""
+    q = np.asarray(q)
+    k = np.asarray(k)
+    v = np.asarray(v)
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(
+            "varlen q, k, v must be 3-D (total_tokens, heads, head_dim); got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    cu_q = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if cu_q.size != cu_k.size:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.size} and {cu_k.size}"
+        )
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes is not None and slopes.ndim == 2 and slopes.shape[0] != cu_q.size - 1:
+        raise ValueError(
+            f"alibi_slopes of shape {slopes.shape} must have one row per sequence ({cu_q.size - 1})"
+        )
+    for b in range(cu_q.size - 1):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        seq_slopes = slopes
+        if slopes is not None and slopes.ndim == 2:
+            seq_slopes = slopes[b]
+        yield b, sq, sk, seq_slopes
+
+
+def attention_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=(-1, -1),
+    alignment="bottom_right", alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+):
+    """Reference forward pass over a packed variable-length batch.
+
+    ``q`` is ``(total_q, heads_q, head_dim)``, ``k``/``v`` are ``(total_k,
+    heads_kv, dim)``; sequence ``b`` occupies rows ``cu_seqlens_q[b] :
+    cu_seqlens_q[b+1]`` of ``q`` (likewise for ``k``/``v``). Each sequence is
+    attended independently, with ``b`` as its dropout batch index and, when
+    ``alibi_slopes`` is ``(batch, heads_q)``, its own row of slopes.
+
+    Returns ``out`` ``(total_q, heads_q, head_dim_v)`` and ``lse``
+    ``(heads_q, total_q)``.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    out = np.zeros(q.shape[:2] + v.shape[2:], dtype=np.float64)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float64)
+    for b, sq, sk, slopes in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        it = _forward(
+            q[None, sq], k[None, sk], v[None, sk], scale=scale, causal=causal, window=window,
+            alignment=alignment, bias=None, mask=None, alibi_slopes=slopes, softcap=softcap,
+            dropout_p=dropout_p, seed=seed, offset=offset, batch_index_start=b,
+        )
+        out[sq] = _output(it)[0]
+        lse[:, sq] = it.lse[0]
+    return out, lse
+
+
+def attention_varlen_backward(
+    dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=(-1, -1),
+    alignment="bottom_right", alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+):
+    """Reference backward pass over a packed variable-length batch.
+
+    Arguments as :func:`attention_varlen_forward`, plus ``dout`` shaped like
+    its ``out``. Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
+    """
+    dout = np.asarray(dout, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    for b, sq, sk, slopes in _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        it = _forward(
+            q[None, sq], k[None, sk], v[None, sk], scale=scale, causal=causal, window=window,
+            alignment=alignment, bias=None, mask=None, alibi_slopes=slopes, softcap=softcap,
+            dropout_p=dropout_p, seed=seed, offset=offset, batch_index_start=b,
+        )
+        dq_b, dk_b, dv_b, _ = _backward(dout[None, sq], it, None)
+        dq[sq] = dq_b[0]
+        dk[sk] = dk_b[0]
+        dv[sk] = dv_b[0]
+    return dq, dk, dv
