@@ -29,6 +29,14 @@ def _lse_shape(q: Tensor, full, varlen: bool):
     return (full[1], q.shape[0]) if varlen else full[:3]
 
 
+def _detached(*xs):
+    """DLPack refuses tensors that require grad; the op's own autograd formula handles them.
+    The kernels also need a unit stride in the last dimension (copied only when missing)."""
+    return tuple(None if x is None else
+                 (_last_contiguous(x.detach()) if x.dtype != torch.bool else x.detach())
+                 for x in xs)
+
+
 def _rng_pair(rng: Optional[Tensor]):
     if rng is None:
         return 0, 0
@@ -55,7 +63,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[
         rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
         window_right: int, bottom_right: bool, dropout_p: float) -> Tuple[Tensor, Tensor]:
     """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout."""
-    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    q, k, v, bias, mask, alibi_slopes = _detached(q, k, v, bias, mask, alibi_slopes)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = torch.empty(_lse_shape(q, full, cu_seqlens_q is not None),
@@ -84,7 +92,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
         bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad."""
-    q, k, v, out, dout = (_last_contiguous(x) for x in (q, k, v, out, dout))
+    dout, q, k, v, out, lse, bias, mask, alibi_slopes = _detached(
+        dout, q, k, v, out, lse, bias, mask, alibi_slopes)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = None

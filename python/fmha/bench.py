@@ -1,0 +1,199 @@
+"""Side-by-side benchmark: fmha vs torch SDPA vs naive attention, in one process.
+
+    python -m fmha.bench                   # the standard suite, float32 and bfloat16
+    python -m fmha.bench --quick           # two small shapes, for a smoke run
+    python -m fmha.bench --out benchmarks/cpu.json
+
+For every case it times the forward and the forward+backward of each implementation on the
+same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
+causal; backward 2.5× forward) and the ratio fmha / torch SDPA, and writes the rows to a JSON
+file (and a CSV beside it). Speed is only ever reported here, never asserted by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+# (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+STANDARD_SUITE = [
+    ("b1h8s2048d64", 1, 8, 8, 2048, 2048, 64, False),
+    ("b1h8s2048d64-causal", 1, 8, 8, 2048, 2048, 64, True),
+    ("b1h8s4096d128", 1, 8, 8, 4096, 4096, 128, False),
+    ("b4h16s512d64", 4, 16, 16, 512, 512, 64, False),
+    ("b1h8s16384d64-causal", 1, 8, 8, 16384, 16384, 64, True),
+    ("decode-gqa-b8h32kv8-sk4096d128", 8, 32, 8, 1, 4096, 128, False),
+]
+QUICK_SUITE = [
+    ("b1h4s512d64", 1, 4, 4, 512, 512, 64, False),
+    ("b1h4s512d64-causal", 1, 4, 4, 512, 512, 64, True),
+]
+NAIVE_MAX_SCORES = 2**28  # skip the naive formula when b·h·sq·sk floats exceed 1 GiB
+
+
+@dataclass
+class Row:
+    case: str
+    dtype: str
+    pass_: str  # "fwd" | "fwd+bwd"
+    impl: str   # "fmha" | "torch_sdpa" | "naive"
+    median_s: float
+    gflops: float
+    ratio_vs_sdpa: Optional[float]
+
+
+def flops(b, h, sq, sk, d, causal, with_bwd):
+    f = 4.0 * b * h * sq * sk * d
+    if causal:
+        f /= 2
+    return f * (3.5 if with_bwd else 1.0)
+
+
+def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20):
+    fn()  # warm-up: thread pools, allocations, first-touch
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_seconds and
+                                    len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
+    import torch
+    import torch.nn.functional as F
+
+    import fmha
+
+    if threads:
+        torch.set_num_threads(threads)
+    fmha.set_num_threads(torch.get_num_threads())
+    rows: List[Row] = []
+    total = len(cases) * len(dtypes) * len(passes)
+    done = 0
+    print(f"fmha {fmha.__version__} | CPU ISA {fmha.cpu_isa()} | threads "
+          f"{torch.get_num_threads()} | torch {torch.__version__}", flush=True)
+    for (name, b, hq, hkv, sq, sk, d, causal) in cases:
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+            k = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+            v = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+            gqa = hq != hkv
+            # SDPA's is_causal is top-left; fmha's default is bottom-right. Identical when
+            # sq == sk, which holds for every causal case of the suite.
+            impls = {
+                "fmha": lambda q=q, k=k, v=v: fmha.attention(q, k, v, causal=causal),
+                # SDPA takes (b, h, s, d): transposed views, no copies; made inside the
+                # timed function so that autograd sees them.
+                "torch_sdpa": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                    enable_gqa=gqa).transpose(1, 2),
+            }
+            if b * hq * sq * sk <= NAIVE_MAX_SCORES:
+                def naive(q=q, k=k, v=v):
+                    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                    kk = kt.repeat_interleave(hq // hkv, 1) if gqa else kt
+                    vv = vt.repeat_interleave(hq // hkv, 1) if gqa else vt
+                    s = (qt @ kk.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+                    if causal:
+                        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1),
+                                          float("-inf"))
+                    return torch.softmax(s, -1) @ vv
+                impls["naive"] = naive
+            for pass_ in passes:
+                done += 1
+                print(f"[{done}/{total}] {name} {dtype_name} {pass_}", end="", flush=True)
+                f = flops(b, hq, sq, sk, d, causal, pass_ == "fwd+bwd")
+                secs = {}
+                for impl, fn in impls.items():
+                    if pass_ == "fwd":
+                        def step(fn=fn):
+                            with torch.no_grad():
+                                fn()
+                    else:
+                        for x in (q, k, v):
+                            x.requires_grad_(True)
+
+                        def step(fn=fn):
+                            for x in (q, k, v):
+                                x.grad = None
+                            fn().sum().backward()
+                    secs[impl] = _time(step)
+                    for x in (q, k, v):
+                        x.requires_grad_(False)
+                for impl, s in secs.items():
+                    ratio = secs["torch_sdpa"] / s if impl != "torch_sdpa" else None
+                    rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9, ratio))
+                print("  " + "  ".join(f"{i} {f / s / 1e9:7.1f} GFLOP/s" for i, s in
+                                       secs.items()) +
+                      f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x", flush=True)
+    _print_table(rows)
+    if out_path:
+        meta = dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
+                                     sys.argv[1:]),
+                    fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
+                    cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
+                    machine=platform.processor() or platform.machine(),
+                    date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as fh:
+            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
+        with open(os.path.splitext(out_path)[0] + ".csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["case", "dtype", "pass", "impl", "median_s", "gflops", "ratio_vs_sdpa"])
+            for r in rows:
+                w.writerow([r.case, r.dtype, r.pass_, r.impl, f"{r.median_s:.6f}",
+                            f"{r.gflops:.2f}", "" if r.ratio_vs_sdpa is None
+                            else f"{r.ratio_vs_sdpa:.3f}"])
+        print(f"wrote {out_path}")
+    return rows
+
+
+def _print_table(rows: List[Row]):
+    print("\n| case | dtype | pass | fmha GFLOP/s | torch SDPA GFLOP/s | naive GFLOP/s | fmha / SDPA |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    keys = []
+    for r in rows:
+        if (r.case, r.dtype, r.pass_) not in keys:
+            keys.append((r.case, r.dtype, r.pass_))
+    for key in keys:
+        by = {r.impl: r for r in rows if (r.case, r.dtype, r.pass_) == key}
+        naive = f"{by['naive'].gflops:.1f}" if "naive" in by else "—"
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {by['fmha'].gflops:.1f} | "
+              f"{by['torch_sdpa'].gflops:.1f} | {naive} | {by['fmha'].ratio_vs_sdpa:.2f}× |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m fmha.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two small shapes only")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="JSON result file (CSV written beside it)")
+    a = ap.parse_args(argv)
+    cases = QUICK_SUITE if a.quick else STANDARD_SUITE
+    if a.cases:
+        wanted = set(a.cases.split(","))
+        cases = [c for c in STANDARD_SUITE + QUICK_SUITE if c[0] in wanted]
+        if not cases:
+            ap.error(f"--cases: none of {sorted(wanted)} is a known case")
+    run(cases, a.dtypes.split(","), a.passes.split(","), a.out, a.threads)
+
+
+if __name__ == "__main__":
+    main()
