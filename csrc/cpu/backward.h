@@ -20,6 +20,36 @@
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
+// Dense tiles of one task, in the accumulation type. Row buffers are padded (ldq, ldv) so that
+// they can be the B operand of the GEMM micro-kernel.
+template <typename A>
+struct BwdBuffers {
+  int ldq, ldv;
+  A *Qi, *dOi, *KjT, *VjT, *Kj, *P, *dS, *dSraw, *Tcap, *acc;
+
+  BwdBuffers(const FwdParams& p, int64_t acc_elems) {
+    const int d = p.head_dim, dv = p.head_dim_v;
+    ldq = padded<A>(d);
+    ldv = padded<A>(dv);
+    Workspace& ws = thread_workspace();
+    ws.begin(Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBr) * ldv) +
+             Workspace::bytes<A>(int64_t(kBc) * d) + Workspace::bytes<A>(int64_t(kBc) * dv) +
+             Workspace::bytes<A>(int64_t(kBc) * ldq) + 4 * Workspace::bytes<A>(kBr * kBc) +
+             Workspace::bytes<A>(acc_elems));
+    Qi = ws.take<A>(int64_t(kBr) * ldq);   // scale * Q
+    dOi = ws.take<A>(int64_t(kBr) * ldv);
+    KjT = ws.take<A>(int64_t(kBc) * d);    // Kᵀ (head_dim, kBc): B of S = Q Kᵀ
+    VjT = ws.take<A>(int64_t(kBc) * dv);   // Vᵀ (head_dim_v, kBc): B of dP = dO Vᵀ
+    Kj = ws.take<A>(int64_t(kBc) * ldq);   // K rows: B of dQ += dS K
+    P = ws.take<A>(kBr * kBc);
+    dS = ws.take<A>(kBr * kBc);
+    dSraw = ws.take<A>(kBr * kBc);
+    Tcap = ws.take<A>(kBr * kBc);
+    acc = ws.take<A>(acc_elems);           // the task's gradient accumulator
+    fill(acc, acc_elems, A(0));
+  }
+};
+
 // The tensors of one (batch, query head) needed to rebuild P and dS on a tile.
 template <typename T, typename A>
 struct BwdTile {
@@ -38,75 +68,65 @@ struct BwdTile {
     lse_stride = p.lse_row_stride;
   }
 
-  const T* q_rows(int i0) const {
-    return static_cast<const T*>(p.q) + h * p.q_head_stride +
-           row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
+  // Query-side tiles: Qi = scale * Q rows, dOi = dO rows.
+  void load_q(int i0, int nr, BwdBuffers<A>& t) const {
+    const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
+                 row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
+    const T* g = static_cast<const T*>(p.dout) + h * p.do_head_stride +
+                 row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i0);
+    load_rows(q, p.q_row_stride, nr, p.head_dim, t.Qi, t.ldq);
+    scale_rows(t.Qi, nr, p.head_dim, t.ldq, A(p.scale));
+    load_rows(g, p.do_row_stride, nr, p.head_dim_v, t.dOi, t.ldv);
   }
-  const T* do_rows(int i0) const {
-    return static_cast<const T*>(p.dout) + h * p.do_head_stride +
-           row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i0);
-  }
-  const T* k_rows(int j0) const {
-    return static_cast<const T*>(p.k) + hk * p.k_head_stride +
-           row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
-  }
-  const T* v_rows(int j0) const {
-    return static_cast<const T*>(p.v) + hk * p.v_head_stride +
-           row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
+  // Key-side tiles: Kᵀ, Vᵀ, and K rows when dQ is wanted.
+  void load_k(int j0, int nc, BwdBuffers<A>& t, bool k_rows) const {
+    const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride +
+                 row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
+    const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride +
+                 row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
+    load_rows_t(k, p.k_row_stride, nc, p.head_dim, t.KjT, kBc);
+    load_rows_t(v, p.v_row_stride, nc, p.head_dim_v, t.VjT, kBc);
+    if (k_rows) load_rows(k, p.k_row_stride, nc, p.head_dim, t.Kj, t.ldq);
   }
 
-  // On the tile rows i0..i0+nr x keys j0..j0+nc, from Qi, Kj, Vj, dOi (dense tiles):
-  //   P  <- P ∘ Z           (what multiplies V in the forward; feeds dV)
-  //   dS <- P ∘ (dP - D)    (the gradient of the final scores; it is dbias)
-  //   dSraw <- dS ∘ (1 - tanh²) through the softcap (or dS itself): feeds dQ and dK.
-  // Scratch: S, T (softcap) are overwritten. All buffers are (kBr x kBc).
-  void rebuild(int i0, int nr, int j0, int nc, const A* Qi, const A* Kj, const A* Vj,
-               const A* dOi, A* P, A* dS, A* dSraw, A* Tcap) const {
-    const int d = p.head_dim, dv = p.head_dim_v;
-    score_tile(p, s, b, h, i0, nr, j0, nc, Qi, Kj, d, P, kBc, p.softcap > 0 ? Tcap : nullptr);
+  // On the tile rows i0..i0+nr x keys j0..j0+nc (query/key tiles already loaded):
+  //   P     <- P ∘ Z          (what multiplies V in the forward; feeds dV)
+  //   dS    <- P ∘ (dP - D)   (the gradient of the final scores; it is dbias)
+  //   dSraw <- dS ∘ (1 - tanh²) through the softcap, else dS: feeds dQ and dK.
+  void rebuild(int i0, int nr, int j0, int nc, BwdBuffers<A>& t) const {
+    const int ncp = padded<A>(nc);
+    gemm<false>(nr, ncp, p.head_dim, t.Qi, t.ldq, 1, t.KjT, kBc, t.P, kBc);  // S
+    finish_scores(p, s, b, h, i0, nr, j0, nc, t.P, kBc, p.softcap > 0 ? t.Tcap : nullptr);
+    gemm<false>(nr, ncp, p.head_dim_v, t.dOi, t.ldv, 1, t.VjT, kBc, t.dS, kBc);  // dP
     for (int r = 0; r < nr; ++r) {
       const A L = lse[int64_t(i0 + r) * lse_stride], Dr = D[i0 + r];
-      A* Pr = P + r * kBc;
-      A* dSr = dS + r * kBc;
+      A* Pr = t.P + r * kBc;
+      A* dSr = t.dS + r * kBc;
+      A* dSrawr = t.dSraw + r * kBc;
       if (L == neg_inf<A>()) {  // the row saw no key: no probability, no gradient
-        std::fill(Pr, Pr + nc, A(0));
-        std::fill(dSr, dSr + nc, A(0));
-        std::fill(dSraw + r * kBc, dSraw + r * kBc + nc, A(0));
+        fill(Pr, nc, A(0));
+        fill(dSr, nc, A(0));
+        fill(dSrawr, nc, A(0));
         continue;
       }
-      for (int c = 0; c < nc; ++c) Pr[c] = exp_acc(Pr[c] - L);
-      const A* dor = dOi + int64_t(r) * dv;
-      for (int c = 0; c < nc; ++c) {  // dP = dO Vᵀ
-        const A* vc = Vj + int64_t(c) * dv;
-        A acc = 0;
-#pragma omp simd reduction(+ : acc)
-        for (int t = 0; t < dv; ++t) acc += dor[t] * vc[t];
-        dSr[c] = acc;
-      }
-      if (p.dropout_p > 0) {  // dP ∘ Z, and P ∘ Z for dV, with the forward's very mask
+      exp_sub_sum(Pr, nc, L);  // P = exp(S - lse)
+      if (p.dropout_p > 0) {   // dP ∘ Z, and P ∘ Z for dV, with the forward's very mask
         dropout_row(p, b, h, i0 + r, j0, nc, dSr);
         for (int c = 0; c < nc; ++c) dSr[c] = Pr[c] * (dSr[c] - Dr);
         dropout_row(p, b, h, i0 + r, j0, nc, Pr);
       } else {
+#pragma omp simd
         for (int c = 0; c < nc; ++c) dSr[c] = Pr[c] * (dSr[c] - Dr);
       }
-      A* dSrawr = dSraw + r * kBc;
       if (p.softcap > 0) {
-        const A* Tr = Tcap + r * kBc;
+        const A* Tr = t.Tcap + r * kBc;
         for (int c = 0; c < nc; ++c) dSrawr[c] = dSr[c] * (A(1) - Tr[c] * Tr[c]);
       } else {
-        std::copy(dSr, dSr + nc, dSrawr);
+        for (int c = 0; c < nc; ++c) dSrawr[c] = dSr[c];
       }
     }
   }
 };
-
-template <typename A>
-inline int64_t tile_bytes(int d, int dv) {
-  return 2 * Workspace::bytes<A>(int64_t(kBr) * d) + 2 * Workspace::bytes<A>(int64_t(kBc) * d) +
-         2 * Workspace::bytes<A>(int64_t(kBc) * dv) + Workspace::bytes<A>(int64_t(kBr) * dv) +
-         4 * Workspace::bytes<A>(kBr * kBc);
-}
 
 // Pass 0: D_i = rowsum(dO_i ∘ O_i), in the accumulation type.
 template <typename T, typename A>
@@ -140,48 +160,21 @@ void dkdv_task(const BwdParams& p, int64_t task, const A* D_all) {
   if (j0 >= s.sk) return;
   const int nc = std::min(kBc, s.sk - j0);
   const int d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
-
-  Workspace& ws = thread_workspace();
-  ws.begin(tile_bytes<A>(d, dv) + Workspace::bytes<A>(int64_t(kBc) * (d + dv)));
-  A* Qi = ws.take<A>(int64_t(kBr) * d);
-  A* dOi = ws.take<A>(int64_t(kBr) * dv);
-  A* Kj = ws.take<A>(int64_t(kBc) * d);
-  A* Vj = ws.take<A>(int64_t(kBc) * dv);
-  A* dK = ws.take<A>(int64_t(kBc) * d);
-  A* dV = ws.take<A>(int64_t(kBc) * dv);
-  A* P = ws.take<A>(kBr * kBc);
-  A* dS = ws.take<A>(kBr * kBc);
-  A* dSraw = ws.take<A>(kBr * kBc);
-  A* Tcap = ws.take<A>(kBr * kBc);
-  std::fill(dK, dK + int64_t(nc) * d, A(0));
-  std::fill(dV, dV + int64_t(nc) * dv, A(0));
+  const int ldq = padded<A>(d), ldv = padded<A>(dv);
+  BwdBuffers<A> t(p, int64_t(kBc) * (ldq + ldv));
+  A* dK = t.acc;                       // (nc, ldq): dSᵀ (scale Q) = scale · dSᵀ Q
+  A* dV = t.acc + int64_t(kBc) * ldq;  // (nc, ldv)
 
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BwdTile<T, A> tile(p, b, h, D_all);
-    if (h == hk * group) {
-      load_rows(tile.k_rows(j0), p.k_row_stride, nc, d, Kj, d);
-      load_rows(tile.v_rows(j0), p.v_row_stride, nc, dv, Vj, dv);
-    }
+    if (h == hk * group) tile.load_k(j0, nc, t, false);
     const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
-      load_rows(tile.q_rows(i0), p.q_row_stride, nr, d, Qi, d);
-      load_rows(tile.do_rows(i0), p.do_row_stride, nr, dv, dOi, dv);
-      tile.rebuild(i0, nr, j0, nc, Qi, Kj, Vj, dOi, P, dS, dSraw, Tcap);
-      const A scale = A(p.scale);
-      for (int r = 0; r < nr; ++r) {
-        const A* dor = dOi + int64_t(r) * dv;
-        const A* qr = Qi + int64_t(r) * d;
-        for (int c = 0; c < nc; ++c) {
-          const A pz = P[r * kBc + c], ds = dSraw[r * kBc + c] * scale;
-          A* dVc = dV + int64_t(c) * dv;  // dV += (P∘Z)ᵀ dO
-#pragma omp simd
-          for (int t = 0; t < dv; ++t) dVc[t] += pz * dor[t];
-          A* dKc = dK + int64_t(c) * d;  // dK += scale · dSᵀ Q
-#pragma omp simd
-          for (int t = 0; t < d; ++t) dKc[t] += ds * qr[t];
-        }
-      }
+      tile.load_q(i0, nr, t);
+      tile.rebuild(i0, nr, j0, nc, t);
+      gemm<true>(nc, ldv, nr, t.P, 1, kBc, t.dOi, ldv, dV, ldv);      // dV += (P∘Z)ᵀ dO
+      gemm<true>(nc, ldq, nr, t.dSraw, 1, kBc, t.Qi, ldq, dK, ldq);  // dK += dSᵀ (scale Q)
     }
   }
   T* dk = static_cast<T*>(p.dk) + hk * p.dk_head_stride +
@@ -189,8 +182,8 @@ void dkdv_task(const BwdParams& p, int64_t task, const A* D_all) {
   T* dvp = static_cast<T*>(p.dv) + hk * p.dv_head_stride +
            row_offset(p, b, p.dv_batch_stride, p.dv_row_stride, s.k_first, j0);
   for (int c = 0; c < nc; ++c) {
-    store_row(dK + int64_t(c) * d, d, dk + c * p.dk_row_stride);
-    store_row(dV + int64_t(c) * dv, dv, dvp + c * p.dv_row_stride);
+    store_row(dK + int64_t(c) * ldq, d, dk + c * p.dk_row_stride);
+    store_row(dV + int64_t(c) * ldv, dv, dvp + c * p.dv_row_stride);
   }
 }
 
@@ -205,43 +198,22 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   const Seq& s = tile.s;
   if (i0 >= s.sq) return;
   const int nr = std::min(kBr, s.sq - i0);
-  const int d = p.head_dim, dv = p.head_dim_v;
-
-  Workspace& ws = thread_workspace();
-  ws.begin(tile_bytes<A>(d, dv) + Workspace::bytes<A>(int64_t(kBr) * d));
-  A* Qi = ws.take<A>(int64_t(kBr) * d);
-  A* dOi = ws.take<A>(int64_t(kBr) * dv);
-  A* Kj = ws.take<A>(int64_t(kBc) * d);
-  A* Vj = ws.take<A>(int64_t(kBc) * dv);
-  A* dQ = ws.take<A>(int64_t(kBr) * d);
-  A* P = ws.take<A>(kBr * kBc);
-  A* dS = ws.take<A>(kBr * kBc);
-  A* dSraw = ws.take<A>(kBr * kBc);
-  A* Tcap = ws.take<A>(kBr * kBc);
-  std::fill(dQ, dQ + int64_t(nr) * d, A(0));
-  load_rows(tile.q_rows(i0), p.q_row_stride, nr, d, Qi, d);
-  load_rows(tile.do_rows(i0), p.do_row_stride, nr, dv, dOi, dv);
+  const int d = p.head_dim, ldq = padded<A>(d);
+  BwdBuffers<A> t(p, int64_t(kBr) * ldq);
+  A* dQ = t.acc;  // (nr, ldq)
+  tile.load_q(i0, nr, t);
 
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
-  const A scale = A(p.scale);
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    load_rows(tile.k_rows(j0), p.k_row_stride, nc, d, Kj, d);
-    load_rows(tile.v_rows(j0), p.v_row_stride, nc, dv, Vj, dv);
-    tile.rebuild(i0, nr, j0, nc, Qi, Kj, Vj, dOi, P, dS, dSraw, Tcap);
-    for (int r = 0; r < nr; ++r) {  // dQ += scale · dS K
-      A* dQr = dQ + int64_t(r) * d;
-      for (int c = 0; c < nc; ++c) {
-        const A ds = dSraw[r * kBc + c] * scale;
-        const A* kc = Kj + int64_t(c) * d;
-#pragma omp simd
-        for (int t = 0; t < d; ++t) dQr[t] += ds * kc[t];
-      }
-    }
+    tile.load_k(j0, nc, t, true);
+    tile.rebuild(i0, nr, j0, nc, t);
+    gemm<true>(nr, ldq, nc, t.dSraw, kBc, 1, t.Kj, ldq, dQ, ldq);  // dQ += dS K
   }
+  scale_rows(dQ, nr, d, ldq, A(p.scale));
   T* dq = static_cast<T*>(p.dq) + h * p.dq_head_stride +
           row_offset(p, b, p.dq_batch_stride, p.dq_row_stride, s.q_first, i0);
-  for (int r = 0; r < nr; ++r) store_row(dQ + int64_t(r) * d, d, dq + r * p.dq_row_stride);
+  for (int r = 0; r < nr; ++r) store_row(dQ + int64_t(r) * ldq, d, dq + r * p.dq_row_stride);
 }
 
 // Pass 3: one (row tile x col tile) of dbias, summed over every (b, h, i, j) that the bias
@@ -253,22 +225,9 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int ct = int(task % n_ct), rt = int(task / n_ct % n_rt);
   const int hh = int(task / (int64_t(n_ct) * n_rt) % p.dbias_heads);
   const int bb = int(task / (int64_t(n_ct) * n_rt * p.dbias_heads));
-  const int d = p.head_dim, dv = p.head_dim_v;
   const int out_r0 = rt * kBr, out_nr = std::min(kBr, R - out_r0);
   const int out_c0 = ct * kBc, out_nc = std::min(kBc, C - out_c0);
-
-  Workspace& ws = thread_workspace();
-  ws.begin(tile_bytes<A>(d, dv) + Workspace::bytes<A>(kBr * kBc));
-  A* Qi = ws.take<A>(int64_t(kBr) * d);
-  A* dOi = ws.take<A>(int64_t(kBr) * dv);
-  A* Kj = ws.take<A>(int64_t(kBc) * d);
-  A* Vj = ws.take<A>(int64_t(kBc) * dv);
-  A* acc = ws.take<A>(kBr * kBc);
-  A* P = ws.take<A>(kBr * kBc);
-  A* dS = ws.take<A>(kBr * kBc);
-  A* dSraw = ws.take<A>(kBr * kBc);
-  A* Tcap = ws.take<A>(kBr * kBc);
-  std::fill(acc, acc + kBr * kBc, A(0));
+  BwdBuffers<A> t(p, kBr * kBc);
 
   const int b_lo = p.dbias_batch == 1 ? 0 : bb, b_hi = p.dbias_batch == 1 ? p.batch : bb + 1;
   const int h_lo = p.dbias_heads == 1 ? 0 : hh, h_hi = p.dbias_heads == 1 ? p.heads_q : hh + 1;
@@ -281,17 +240,15 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
       const int j_lo = C == 1 ? 0 : out_c0, j_hi = std::min(s.sk, C == 1 ? s.sk : out_c0 + out_nc);
       for (int i0 = i_lo; i0 < i_hi; i0 += kBr) {
         const int nr = std::min(kBr, i_hi - i0);
-        load_rows(tile.q_rows(i0), p.q_row_stride, nr, d, Qi, d);
-        load_rows(tile.do_rows(i0), p.do_row_stride, nr, dv, dOi, dv);
+        tile.load_q(i0, nr, t);
         for (int j0 = j_lo; j0 < j_hi; j0 += kBc) {
           const int nc = std::min(kBc, j_hi - j0);
-          load_rows(tile.k_rows(j0), p.k_row_stride, nc, d, Kj, d);
-          load_rows(tile.v_rows(j0), p.v_row_stride, nc, dv, Vj, dv);
-          tile.rebuild(i0, nr, j0, nc, Qi, Kj, Vj, dOi, P, dS, dSraw, Tcap);
+          tile.load_k(j0, nc, t, false);
+          tile.rebuild(i0, nr, j0, nc, t);
           for (int r = 0; r < nr; ++r)
             for (int c = 0; c < nc; ++c)
-              acc[(R == 1 ? 0 : i0 + r - out_r0) * kBc + (C == 1 ? 0 : j0 + c - out_c0)] +=
-                  dS[r * kBc + c];
+              t.acc[(R == 1 ? 0 : i0 + r - out_r0) * kBc + (C == 1 ? 0 : j0 + c - out_c0)] +=
+                  t.dS[r * kBc + c];
         }
       }
     }
@@ -299,7 +256,7 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
   A* out = static_cast<A*>(p.dbias) + ((int64_t(bb) * p.dbias_heads + hh) * R) * C;
   for (int r = 0; r < out_nr; ++r)
     for (int c = 0; c < out_nc; ++c)
-      out[int64_t(out_r0 + r) * C + out_c0 + c] = acc[r * kBc + c];
+      out[int64_t(out_r0 + r) * C + out_c0 + c] = t.acc[r * kBc + c];
 }
 
 template <typename T>

@@ -24,16 +24,17 @@ void forward_task(const FwdParams& p, int64_t task) {
   const int nr = std::min(kBr, s.sq - i0);
   const int hk = h / (p.heads_q / p.heads_kv);  // GQA: query head h reads kv head hk
   const int d = p.head_dim, dv = p.head_dim_v;
+  const int ldq = padded<A>(d), ldv = padded<A>(dv);
 
   Workspace& ws = thread_workspace();
-  ws.begin(Workspace::bytes<A>(int64_t(kBr) * d) + Workspace::bytes<A>(int64_t(kBc) * d) +
-           Workspace::bytes<A>(int64_t(kBc) * dv) + Workspace::bytes<A>(kBr * kBc) +
-           Workspace::bytes<A>(int64_t(kBr) * dv) + 2 * Workspace::bytes<A>(kBr));
-  A* Qi = ws.take<A>(int64_t(kBr) * d);
-  A* Kj = ws.take<A>(int64_t(kBc) * d);
-  A* Vj = ws.take<A>(int64_t(kBc) * dv);
-  A* S = ws.take<A>(kBr * kBc);
-  A* O = ws.take<A>(int64_t(kBr) * dv);
+  ws.begin(Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
+           Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBr * kBc) +
+           Workspace::bytes<A>(int64_t(kBr) * ldv) + 2 * Workspace::bytes<A>(kBr));
+  A* Qi = ws.take<A>(int64_t(kBr) * ldq);  // scale * Q, so that S = Qi Kjᵀ is scaled
+  A* KjT = ws.take<A>(int64_t(kBc) * d);   // Kᵀ: (head_dim, kBc)
+  A* Vj = ws.take<A>(int64_t(kBc) * ldv);
+  A* S = ws.take<A>(kBr * kBc);            // scores, then P in place
+  A* O = ws.take<A>(int64_t(kBr) * ldv);
   A* m = ws.take<A>(kBr);
   A* l = ws.take<A>(kBr);
 
@@ -41,47 +42,37 @@ void forward_task(const FwdParams& p, int64_t task) {
   const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
   load_rows(q + row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0),
-            p.q_row_stride, nr, d, Qi, d);
+            p.q_row_stride, nr, d, Qi, ldq);
+  scale_rows(Qi, nr, d, ldq, A(p.scale));
   for (int r = 0; r < nr; ++r) { m[r] = neg_inf<A>(); l[r] = A(0); }
-  std::fill(O, O + int64_t(nr) * dv, A(0));
+  fill(O, int64_t(nr) * ldv, A(0));
 
   // Rows i0..i0+nr-1 together see keys [key_lo(i0), key_hi(last row)].
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
-    const int nc = std::min(kBc, j_end - j0);
-    load_rows(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
-              p.k_row_stride, nc, d, Kj, d);
+    const int nc = std::min(kBc, j_end - j0), ncp = padded<A>(nc);
+    load_rows_t(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
+                p.k_row_stride, nc, d, KjT, kBc);
     load_rows(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
-              p.v_row_stride, nc, dv, Vj, dv);
-    score_tile(p, s, b, h, i0, nr, j0, nc, Qi, Kj, d, S, kBc, static_cast<A*>(nullptr));
+              p.v_row_stride, nc, dv, Vj, ldv);
+    gemm<false>(nr, ncp, d, Qi, ldq, 1, KjT, kBc, S, kBc);  // S = scale · Q Kᵀ
+    finish_scores(p, s, b, h, i0, nr, j0, nc, S, kBc, static_cast<A*>(nullptr));
 
     for (int r = 0; r < nr; ++r) {
       A* Sr = S + r * kBc;
-      A row_max = neg_inf<A>();
-      for (int c = 0; c < nc; ++c) row_max = std::max(row_max, Sr[c]);
-      const A m_new = std::max(m[r], row_max);
-      if (m_new == neg_inf<A>()) continue;  // nothing visible to this row yet
+      const A m_new = std::max(m[r], row_max(Sr, nc));
+      if (m_new == neg_inf<A>()) {  // nothing visible to this row yet: P = 0
+        fill(Sr, nc, A(0));
+        continue;
+      }
       // Rescale what was accumulated under the old maximum (exp(-inf) = 0 the first time).
       const A alpha = exp_acc(m[r] - m_new);
-      A row_sum = 0;
-#pragma omp simd reduction(+ : row_sum)
-      for (int c = 0; c < nc; ++c) {
-        Sr[c] = exp_acc(Sr[c] - m_new);  // S becomes P (unnormalised)
-        row_sum += Sr[c];
-      }
-      l[r] = l[r] * alpha + row_sum;  // the normaliser counts dropped entries too
-      m[r] = m_new;
+      l[r] = l[r] * alpha + exp_sub_sum(Sr, nc, m_new);  // S becomes P (unnormalised); the
+      m[r] = m_new;                                      // normaliser counts dropped entries
       if (p.dropout_p > 0) dropout_row(p, b, h, i0 + r, j0, nc, Sr);
-      A* Or = O + int64_t(r) * dv;
-#pragma omp simd
-      for (int t = 0; t < dv; ++t) Or[t] *= alpha;
-      for (int c = 0; c < nc; ++c) {  // O += P V
-        const A pc = Sr[c];
-        const A* vr = Vj + int64_t(c) * dv;
-#pragma omp simd
-        for (int t = 0; t < dv; ++t) Or[t] += pc * vr[t];
-      }
+      if (alpha != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha);
     }
+    gemm<true>(nr, ldv, nc, S, kBc, 1, Vj, ldv, O, ldv);  // O += P V
   }
 
   // Normalise once; a row that saw no key gets out = 0 and lse = -inf (never NaN).
@@ -91,10 +82,8 @@ void forward_task(const FwdParams& p, int64_t task) {
            (p.cu_seqlens_q ? (s.q_first + i0) * p.lse_row_stride
                            : b * p.lse_batch_stride + int64_t(i0) * p.lse_row_stride);
   for (int r = 0; r < nr; ++r) {
-    A* Or = O + int64_t(r) * dv;
-    const A inv = l[r] > 0 ? A(1) / l[r] : A(0);
-#pragma omp simd
-    for (int t = 0; t < dv; ++t) Or[t] *= inv;
+    A* Or = O + int64_t(r) * ldv;
+    scale_rows(Or, 1, dv, ldv, l[r] > 0 ? A(1) / l[r] : A(0));
     store_row(Or, dv, o + r * p.o_row_stride);
     lse[r * p.lse_row_stride] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf<A>();
   }

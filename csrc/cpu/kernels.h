@@ -9,6 +9,7 @@ namespace fmha::cpu {
   namespace ns {                            \
   void forward(const FwdParams& p);         \
   void backward(const BwdParams& p);        \
+  double fma_peak_gflops(int threads);      \
   }
 FMHA_DECLARE_ISA(scalar)
 FMHA_DECLARE_ISA(avx2)

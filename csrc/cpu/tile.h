@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/gemm.h"
 #include "cpu/vexp.h"
 #include "fmha/numeric.h"
 #include "fmha/params.h"
@@ -120,6 +121,28 @@ inline void load_rows(const T* src, int64_t stride, int n, int dim, A* dst, int 
   }
 }
 
+// Copies rows [0, n) of a (rows, dim) slice into the transposed dense buffer dst[t * ld + r]
+// (the B operand of S = Q Kᵀ and dP = dO Vᵀ).
+template <typename T, typename A>
+inline void load_rows_t(const T* src, int64_t stride, int n, int dim, A* dst, int ld) {
+  for (int r = 0; r < n; ++r) {
+    const T* s = src + r * stride;
+    for (int t = 0; t < dim; ++t) dst[int64_t(t) * ld + r] = to_acc<A>(s[t]);
+  }
+  for (int t = 0; t < dim; ++t)
+    for (int r = n; r < ld; ++r) dst[int64_t(t) * ld + r] = A(0);
+}
+
+// Multiplies rows [0, n) of a dense (n, ld) buffer by x.
+template <typename A>
+inline void scale_rows(A* buf, int n, int dim, int ld, A x) {
+  for (int r = 0; r < n; ++r) {
+    A* row = buf + int64_t(r) * ld;
+#pragma omp simd
+    for (int t = 0; t < dim; ++t) row[t] *= x;
+  }
+}
+
 template <typename T, typename A>
 inline void store_row(const A* src, int dim, T* dst) {
 #pragma omp simd
@@ -128,6 +151,13 @@ inline void store_row(const A* src, int dim, T* dst) {
 
 template <typename A>
 inline A neg_inf() { return -std::numeric_limits<A>::infinity(); }
+
+// Own loops rather than std::fill: a std template instantiated in several ISA translation
+// units is one symbol, and the linker may keep the AVX-512 copy for the portable kernels.
+template <typename A>
+inline void fill(A* x, int64_t n, A value) {
+  for (int64_t i = 0; i < n; ++i) x[i] = value;
+}
 
 // Adds a broadcast bias tile (any float dtype) to S.
 template <typename B, typename A>
@@ -146,25 +176,14 @@ inline void add_bias(const Broadcast4& bias, int b, int h, int i0, int nr, int j
   }
 }
 
-// The score pipeline on one tile: rows i0..i0+nr of query head h, keys j0..j0+nc of
-// sequence b. Qf (nr x ldq) and Kf (nc x ldq) are dense tiles in the accumulation type.
-// S receives the final scores with invisible entries at -inf; when softcap is on, Tcap (if
-// given) receives tanh(raw / softcap), which the backward needs for the softcap gradient.
+// The score pipeline after S = scale * Q Kᵀ (a GEMM, gemm.h) on the tile rows i0..i0+nr of
+// query head h, keys j0..j0+nc of sequence b: softcap, bias, ALiBi, then invisible entries
+// to -inf. Each stage runs only when it is on, and the visibility pass is skipped for tiles
+// that lie entirely inside every row's window. When softcap is on, Tcap (if given) receives
+// tanh(raw / softcap), which the backward needs for the softcap gradient.
 template <typename A>
-inline void score_tile(const FwdParams& p, const Seq& s, int b, int h, int i0, int nr, int j0,
-                       int nc, const A* Qf, const A* Kf, int ldq, A* S, int ld, A* Tcap) {
-  const A scale = A(p.scale);
-  // S = scale * Q Kᵀ: dot products along head_dim (contiguous in both tiles).
-  for (int r = 0; r < nr; ++r) {
-    const A* q = Qf + int64_t(r) * ldq;
-    for (int c = 0; c < nc; ++c) {
-      const A* k = Kf + int64_t(c) * ldq;
-      A acc = 0;
-#pragma omp simd reduction(+ : acc)
-      for (int t = 0; t < ldq; ++t) acc += q[t] * k[t];
-      S[int64_t(r) * ld + c] = acc * scale;
-    }
-  }
+inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0, int nr, int j0,
+                          int nc, A* S, int ld, A* Tcap) {
   if (p.softcap > 0) {  // s = cap * tanh(s / cap)  (Gemma 2 / Grok logit capping)
     const A cap = A(p.softcap), inv = A(1) / cap;
     for (int r = 0; r < nr; ++r)
@@ -188,13 +207,19 @@ inline void score_tile(const FwdParams& p, const Seq& s, int b, int h, int i0, i
       for (int c = 0; c < nc; ++c)
         S[int64_t(r) * ld + c] -= slope * A(std::abs(i0 + r + s.off - (j0 + c)));
   }
-  // Visibility: the window (causal is its right edge at 0) and the boolean mask.
+  // Visibility: the window (causal is its right edge at 0) and the boolean mask. Both edges
+  // grow with the row, so the tile is inside every row's window iff it is inside the last
+  // row's left edge and the first row's right edge.
+  const bool inside = j0 >= key_lo(p, s, i0 + nr - 1) && j0 + nc - 1 <= key_hi(p, s, i0);
+  if (inside && !p.mask.ptr) return;
   for (int r = 0; r < nr; ++r) {
     const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
     A* srow = S + int64_t(r) * ld;
-    for (int c = 0; c < nc; ++c) {
-      const int j = j0 + c;
-      if (j < lo || j > hi) srow[c] = neg_inf<A>();
+    if (!inside) {
+      for (int c = 0; c < nc; ++c) {
+        const int j = j0 + c;
+        if (j < lo || j > hi) srow[c] = neg_inf<A>();
+      }
     }
     if (p.mask.ptr) {
       const uint8_t* m = static_cast<const uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +

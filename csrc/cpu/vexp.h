@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace fmha::cpu {
+namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
 // a*b + c, fused where the ISA has FMA (std::fma without hardware support is a libm call).
 inline float madd(float a, float b, float c) {
@@ -27,7 +27,7 @@ inline float madd(float a, float b, float c) {
 inline float exp_approx(float x) {
   const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // -inf -> -87; 2^n normal
   // Round to nearest by the 1.5*2^23 trick (branch-free, vectorises; |x/ln2| < 2^22).
-  const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float n = madd(xc, 1.44269504088896341f, 12582912.f) - 12582912.f;
   float r = madd(n, -0.693145751953125f, xc);  // ln2 high part: n * it is exact
   r = madd(n, -1.42860682030941723212e-6f, r);  // ln2 low part
   float p = 1.f / 720.f;
@@ -46,4 +46,4 @@ inline float exp_approx(float x) {
 inline float exp_acc(float x) { return exp_approx(x); }
 inline double exp_acc(double x) { return std::exp(x); }
 
-}  // namespace fmha::cpu
+}  // namespace fmha::cpu::FMHA_CPU_ISA_NS

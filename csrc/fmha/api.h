@@ -20,6 +20,8 @@ CpuIsa active_cpu_isa();
 void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
 
 void cpu_forward(const FwdParams& p);
+// The FMA peak of the active ISA on `threads` threads, measured (takes ~0.1-1 s).
+double cpu_fma_peak_gflops(int threads);
 void cpu_backward(const BwdParams& p);
 
 // Validates sizes, window and dropout fields shared by every backend (cheap; the Python

@@ -111,6 +111,15 @@ void cpu_forward(const FwdParams& p) {
   }
 }
 
+double cpu_fma_peak_gflops(int threads) {
+  switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512: return cpu::avx512::fma_peak_gflops(threads);
+    case CpuIsa::kAvx2: return cpu::avx2::fma_peak_gflops(threads);
+    case CpuIsa::kScalar: return cpu::scalar::fma_peak_gflops(threads);
+  }
+  return 0;
+}
+
 void cpu_backward(const BwdParams& p) {
   check_params(p);
   FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");

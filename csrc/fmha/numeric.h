@@ -8,7 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// Compiled into every CPU instruction-set translation unit with different flags: the inline
+// namespace gives each its own copy, so the linker never swaps an AVX-512 instantiation into
+// the portable kernels (an ODR trap of per-ISA builds).
+#include "fmha/isa_tag.h"
+
 namespace fmha {
+inline namespace FMHA_ISA_TAG {
 
 struct bf16_t { uint16_t bits; };
 struct f16_t { uint16_t bits; };
@@ -25,6 +35,10 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+#if defined(__F16C__)
+inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t float_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
 inline float f16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
@@ -52,6 +66,7 @@ inline uint16_t float_to_f16(float f) {
   x += 0xc8000fffu + ((x >> 13) & 1u);
   return sign | uint16_t(x >> 13);
 }
+#endif
 
 // Accumulation type: float64 for float64 inputs, float32 otherwise (design.md).
 template <typename T> struct AccOf { using type = float; };
@@ -69,4 +84,5 @@ template <> struct Store<float> { static float from(float a) { return a; } };
 template <> struct Store<bf16_t> { static bf16_t from(float a) { return {float_to_bf16(a)}; } };
 template <> struct Store<f16_t> { static f16_t from(float a) { return {float_to_f16(a)}; } };
 
+}  // namespace FMHA_ISA_TAG
 }  // namespace fmha

@@ -18,7 +18,13 @@
 #define FMHA_HD inline
 #endif
 
+// Compiled into every CPU instruction-set translation unit with different flags: the inline
+// namespace gives each its own copy, so the linker never swaps an AVX-512 instantiation into
+// the portable kernels (an ODR trap of per-ISA builds).
+#include "fmha/isa_tag.h"
+
 namespace fmha {
+inline namespace FMHA_ISA_TAG {
 
 struct Philox4 { uint32_t x[4]; };
 
@@ -50,4 +56,5 @@ struct DropoutKey {
         c3(uint32_t(offset)) {}
 };
 
+}  // namespace FMHA_ISA_TAG
 }  // namespace fmha

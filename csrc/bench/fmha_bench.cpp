@@ -1,0 +1,175 @@
+// fmha-bench: times the CPU kernels directly (no Python) and reports GFLOP/s and the fraction
+// of the machine's FMA peak, which it measures first with the same ISA and thread count.
+//
+//   fmha-bench                         the standard suite, forward and forward+backward,
+//                                      float32 and bfloat16
+//   fmha-bench --case 1,8,2048,64 --causal --dtype bf16 --pass fwd --threads 2
+//
+// FLOPs: forward 4·b·h·sq·sk·d (halved for causal); forward+backward 3.5× that.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fmha/api.h"
+#include "fmha/numeric.h"
+#include "fmha/threads.h"
+
+namespace {
+
+struct Case {
+  int b, hq, hkv, sq, sk, d;
+  bool causal;
+};
+
+const Case kSuite[] = {
+    {1, 8, 8, 2048, 2048, 64, false},  {1, 8, 8, 2048, 2048, 64, true},
+    {1, 8, 8, 4096, 4096, 128, false}, {4, 16, 16, 512, 512, 64, false},
+    {1, 8, 8, 16384, 16384, 64, true}, {8, 32, 8, 1, 4096, 128, false},
+};
+
+// Owns the bytes of one (batch, seqlen, heads, dim) tensor in the benchmark's dtype.
+struct Tensor {
+  std::vector<uint16_t> h16;
+  std::vector<float> f32;
+  void* data() { return f32.empty() ? static_cast<void*>(h16.data()) : f32.data(); }
+};
+
+Tensor random_tensor(size_t n, fmha::DType dt, std::mt19937& gen) {
+  std::normal_distribution<float> nd;
+  Tensor t;
+  if (dt == fmha::DType::kFloat32) {
+    t.f32.resize(n);
+    for (auto& x : t.f32) x = nd(gen);
+  } else {
+    t.h16.resize(n);
+    for (auto& x : t.h16) x = fmha::float_to_bf16(nd(gen));
+  }
+  return t;
+}
+
+double seconds_of(const std::function<void()>& fn, int min_reps = 3, double min_secs = 1.0) {
+  fn();  // warm-up
+  std::vector<double> times;
+  const auto start = std::chrono::steady_clock::now();
+  while (int(times.size()) < min_reps ||
+         (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
+              min_secs &&
+          times.size() < 20)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak) {
+  std::mt19937 gen(0);
+  const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
+  Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
+         v = random_tensor(nk, dt, gen), o = random_tensor(nq, dt, gen),
+         g = random_tensor(nq, dt, gen), dq = random_tensor(nq, dt, gen),
+         dk = random_tensor(nk, dt, gen), dv = random_tensor(nk, dt, gen);
+  std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
+  fmha::BwdParams p;
+  p.dtype = dt;
+  p.batch = c.b; p.heads_q = c.hq; p.heads_kv = c.hkv;
+  p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.head_dim = p.head_dim_v = c.d;
+  p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
+  p.dout = g.data(); p.dq = dq.data(); p.dk = dk.data(); p.dv = dv.data();
+  // Contiguous (batch, seqlen, heads, dim).
+  auto set = [&](int64_t& bs, int64_t& rs, int64_t& hs, int s, int h) {
+    hs = c.d; rs = int64_t(h) * c.d; bs = int64_t(s) * rs;
+  };
+  set(p.q_batch_stride, p.q_row_stride, p.q_head_stride, c.sq, c.hq);
+  set(p.o_batch_stride, p.o_row_stride, p.o_head_stride, c.sq, c.hq);
+  set(p.do_batch_stride, p.do_row_stride, p.do_head_stride, c.sq, c.hq);
+  set(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, c.sq, c.hq);
+  set(p.k_batch_stride, p.k_row_stride, p.k_head_stride, c.sk, c.hkv);
+  set(p.v_batch_stride, p.v_row_stride, p.v_head_stride, c.sk, c.hkv);
+  set(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, c.sk, c.hkv);
+  set(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, c.sk, c.hkv);
+  p.lse_batch_stride = int64_t(c.hq) * c.sq; p.lse_head_stride = c.sq; p.lse_row_stride = 1;
+  p.scale = 1.0 / std::sqrt(double(c.d));
+  p.window_right = c.causal ? 0 : -1;
+  p.num_threads = threads;
+
+  double flops = 4.0 * c.b * c.hq * double(c.sq) * c.sk * c.d * (c.causal ? 0.5 : 1.0);
+  double secs;
+  if (bwd) {
+    flops *= 3.5;
+    secs = seconds_of([&] { fmha::cpu_forward(p); fmha::cpu_backward(p); });
+  } else {
+    secs = seconds_of([&] { fmha::cpu_forward(p); });
+  }
+  const double gf = flops / secs / 1e9;
+  std::printf("%-5s %-8s b=%d hq=%d hkv=%d sq=%-5d sk=%-5d d=%-3d %-6s %9.3f ms %8.1f GFLOP/s "
+              "%5.1f%% of peak\n",
+              dt == fmha::DType::kFloat32 ? "f32" : "bf16", bwd ? "fwd+bwd" : "fwd", c.b, c.hq,
+              c.hkv, c.sq, c.sk, c.d, c.causal ? "causal" : "", secs * 1e3, gf,
+              100.0 * gf / peak);
+  std::fflush(stdout);
+}
+
+[[noreturn]] void usage() {
+  std::fprintf(stderr,
+               "usage: fmha-bench [--case b,hq,sq,d[,hkv,sk]] [--causal] [--dtype f32|bf16|all]\n"
+               "                  [--pass fwd|fwd+bwd|all] [--threads N]\n");
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Case> cases(std::begin(kSuite), std::end(kSuite));
+  std::string dtype = "all", pass = "all";
+  int threads = fmha::hardware_threads();
+  bool causal = false, custom = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
+    if (a == "--case") {
+      int v[6] = {0, 0, 0, 0, 0, 0};
+      const int n = std::sscanf(next().c_str(), "%d,%d,%d,%d,%d,%d", &v[0], &v[1], &v[2], &v[3],
+                                &v[4], &v[5]);
+      if (n < 4) usage();
+      cases = {Case{v[0], v[1], n >= 5 ? v[4] : v[1], v[2], n >= 6 ? v[5] : v[2], v[3], false}};
+      custom = true;
+    } else if (a == "--causal") {
+      causal = true;
+    } else if (a == "--dtype") {
+      dtype = next();
+    } else if (a == "--pass") {
+      pass = next();
+    } else if (a == "--threads") {
+      threads = std::atoi(next().c_str());
+    } else {
+      usage();
+    }
+  }
+  if (custom) cases[0].causal = causal;
+  try {
+    const double peak = fmha::cpu_fma_peak_gflops(threads);
+    std::printf("fmha-bench | CPU ISA %s | threads %d | measured FMA peak %.1f GFLOP/s (fp32)\n",
+                fmha::isa_name(fmha::active_cpu_isa()), threads, peak);
+    for (const Case& c : cases)
+      for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
+        if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
+        for (bool bwd : {false, true}) {
+          if (pass != "all" && (pass == "fwd+bwd") != bwd) continue;
+          run_case(c, dt, bwd, threads, peak);
+        }
+      }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fmha-bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

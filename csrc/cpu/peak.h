@@ -1,0 +1,34 @@
+// The machine's FMA peak for this ISA, measured: independent FMA chains on VecF, enough of
+// them to cover the FMA latency, on `threads` threads at once. fmha-bench reports kernel
+// speed as a fraction of it.
+#pragma once
+
+#include <chrono>
+
+#include "cpu/simd.h"
+#include "fmha/threads.h"
+
+namespace fmha::cpu::FMHA_CPU_ISA_NS {
+
+double fma_peak_gflops(int threads) {
+  constexpr int kChains = 12;
+  const long iters = 20000000L / kW + 1000000;
+  auto body = [&](int64_t) {
+    VecF acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = VecF::set1(1.0f + 1e-3f * float(i));
+    const VecF a = VecF::set1(0.9999999f), c = VecF::set1(1e-7f);
+    for (long it = 0; it < iters; ++it)
+      for (int i = 0; i < kChains; ++i) acc[i] = fma(acc[i], a, c);
+    VecF s = acc[0];
+    for (int i = 1; i < kChains; ++i) s = s + acc[i];
+    volatile float sink = hsum(s);
+    (void)sink;
+  };
+  parallel_for(threads, threads, body);  // warm-up (clocks, thread start)
+  const auto t0 = std::chrono::steady_clock::now();
+  parallel_for(threads, threads, body);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9;
+}
+
+}  // namespace fmha::cpu::FMHA_CPU_ISA_NS

@@ -1,0 +1,135 @@
+// The one SIMD mapping of the CPU kernels: a float vector type `VecF` and its operations for
+// the instruction set this translation unit is compiled for (AVX-512, AVX2+FMA, or one plain
+// float for the portable path). Everything above this file is written once against it.
+//
+// Also here: the register-blocking shape of the GEMM micro-kernel for this ISA (gemm.h).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/vexp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FMHA_SIMD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FMHA_SIMD_AVX2 1
+#endif
+
+namespace fmha::cpu::FMHA_CPU_ISA_NS {
+
+#if defined(FMHA_SIMD_AVX512)
+// 32 zmm registers: 6 rows x 4 vectors of accumulators (24) + 4 B vectors + 1 broadcast.
+constexpr int kW = 16, kGemmRows = 6, kGemmVecs = 4;
+struct VecF {
+  __m512 v;
+  static VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VecF zero() { return {_mm512_setzero_ps()}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  friend VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+  friend float hsum(VecF a) { return _mm512_reduce_add_ps(a.v); }
+  friend float hmax(VecF a) { return _mm512_reduce_max_ps(a.v); }
+  // 2^n for integral-valued n in [-127, 127], built in the exponent bits.
+  static VecF pow2i(VecF n) {
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v),
+                                                         _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(e)};
+  }
+  // lanes where a < b take `x`, others keep this
+  VecF select_lt(VecF a, VecF b, VecF x) const {
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), v, x.v)};
+  }
+};
+#elif defined(FMHA_SIMD_AVX2)
+// 16 ymm registers: 4 rows x 2 vectors (8) + 2 B vectors + 1 broadcast, room to spare.
+constexpr int kW = 8, kGemmRows = 4, kGemmVecs = 2;
+struct VecF {
+  __m256 v;
+  static VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static VecF zero() { return {_mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  friend VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  friend VecF min(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+  friend float hsum(VecF a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  friend float hmax(VecF a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static VecF pow2i(VecF n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v),
+                                                         _mm256_set1_epi32(127)), 23);
+    return {_mm256_castsi256_ps(e)};
+  }
+  VecF select_lt(VecF a, VecF b, VecF x) const {
+    return {_mm256_blendv_ps(v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))};
+  }
+};
+#else
+// Portable: one float per "vector"; the compiler is free to do what it can.
+constexpr int kW = 1, kGemmRows = 4, kGemmVecs = 4;
+struct VecF {
+  float v;
+  static VecF load(const float* p) { return {*p}; }
+  static VecF set1(float x) { return {x}; }
+  static VecF zero() { return {0.f}; }
+  void store(float* p) const { *p = v; }
+  friend VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
+  friend VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
+  friend VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {madd(a.v, b.v, c.v)}; }
+  friend VecF max(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
+  friend VecF min(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
+  friend float hsum(VecF a) { return a.v; }
+  friend float hmax(VecF a) { return a.v; }
+  static VecF pow2i(VecF n) {
+    const int32_t e = (int32_t(n.v) + 127) << 23;
+    float f;
+    std::memcpy(&f, &e, 4);
+    return {f};
+  }
+  VecF select_lt(VecF a, VecF b, VecF x) const { return {a.v < b.v ? x.v : v}; }
+};
+#endif
+
+// exp on a vector: the same reduction and polynomial as exp_approx (vexp.h), lane by lane
+// bit-identical to it, so every ISA level computes the same softmax.
+inline VecF vexp(VecF x) {
+  const VecF lo = VecF::set1(-87.0f);
+  const VecF xc = min(max(x, lo), VecF::set1(88.0f));
+  const VecF magic = VecF::set1(12582912.f);
+  const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
+  VecF r = fma(n, VecF::set1(-0.693145751953125f), xc);
+  r = fma(n, VecF::set1(-1.42860682030941723212e-6f), r);
+  VecF p = VecF::set1(1.f / 720.f);
+  p = fma(p, r, VecF::set1(1.f / 120.f));
+  p = fma(p, r, VecF::set1(1.f / 24.f));
+  p = fma(p, r, VecF::set1(1.f / 6.f));
+  p = fma(p, r, VecF::set1(0.5f));
+  p = fma(p, r, VecF::set1(1.f));
+  p = fma(p, r, VecF::set1(1.f));
+  return (p * VecF::pow2i(n)).select_lt(x, lo, VecF::zero());
+}
+
+inline int round_up_w(int n) { return (n + kW - 1) / kW * kW; }
+
+}  // namespace fmha::cpu::FMHA_CPU_ISA_NS
