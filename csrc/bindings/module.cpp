@@ -155,6 +155,8 @@ void fill_fwd(FwdParams& p, Call& c, const py::kwargs& kw, const py::object& bia
   p.heads_kv = int(c.k.size(o_ + 1));
   p.head_dim = int(c.q.size(o_ + 2));
   p.head_dim_v = int(c.v.size(o_ + 2));
+  FMHA_CHECK_ARG(p.heads_q > 0 && p.heads_kv > 0 && p.head_dim > 0 && p.head_dim_v > 0,
+                 "q, k, v: heads and head_dim must be > 0");
   const int64_t total_q = varlen ? c.q.size(0) : 0, total_k = varlen ? c.k.size(0) : 0;
   if (varlen) {
     c.cu_q = import("cu_seqlens_q", cu_q, false);

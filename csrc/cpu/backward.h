@@ -15,36 +15,41 @@
 // atomic dQ, the price of determinism and of parallelism beyond batch x heads.
 #pragma once
 
+#include "cpu/forward.h"  // rows_as_acc
+#include "cpu/softmax.h"
 #include "cpu/tile.h"
 #include "fmha/threads.h"
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
-// Dense tiles of one task, in the accumulation type. Row buffers are padded (ldq, ldv) so that
-// they can be the B operand of the GEMM micro-kernel.
+// Dense tiles of one task, in the accumulation type. Row buffers that serve as a GEMM B
+// operand are padded to the vector width (ldq, ldv).
 template <typename A>
 struct BwdBuffers {
   int ldq, ldv;
-  A *Qi, *dOi, *KjT, *VjT, *Kj, *P, *dS, *dSraw, *Tcap, *acc;
+  A *QiT, *dOiT, *Qi, *dOi, *Kbuf, *Vbuf, *ST, *dPT, *Tcap, *Lref, *Dr, *acc;
 
   BwdBuffers(const FwdParams& p, int64_t acc_elems) {
     const int d = p.head_dim, dv = p.head_dim_v;
     ldq = padded<A>(d);
     ldv = padded<A>(dv);
     Workspace& ws = thread_workspace();
-    ws.begin(Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBr) * ldv) +
-             Workspace::bytes<A>(int64_t(kBc) * d) + Workspace::bytes<A>(int64_t(kBc) * dv) +
-             Workspace::bytes<A>(int64_t(kBc) * ldq) + 4 * Workspace::bytes<A>(kBr * kBc) +
+    ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(dv) * kBr) +
+             Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBr) * ldv) +
+             Workspace::bytes<A>(int64_t(kBc) * ldq) + Workspace::bytes<A>(int64_t(kBc) * dv) +
+             3 * Workspace::bytes<A>(kBc * kBr) + 2 * Workspace::bytes<A>(kBr) +
              Workspace::bytes<A>(acc_elems));
-    Qi = ws.take<A>(int64_t(kBr) * ldq);   // scale * Q
-    dOi = ws.take<A>(int64_t(kBr) * ldv);
-    KjT = ws.take<A>(int64_t(kBc) * d);    // Kᵀ (head_dim, kBc): B of S = Q Kᵀ
-    VjT = ws.take<A>(int64_t(kBc) * dv);   // Vᵀ (head_dim_v, kBc): B of dP = dO Vᵀ
-    Kj = ws.take<A>(int64_t(kBc) * ldq);   // K rows: B of dQ += dS K
-    P = ws.take<A>(kBr * kBc);
-    dS = ws.take<A>(kBr * kBc);
-    dSraw = ws.take<A>(kBr * kBc);
-    Tcap = ws.take<A>(kBr * kBc);
+    QiT = ws.take<A>(int64_t(d) * kBr);    // (scale Q)ᵀ: B of Sᵀ = K Qᵀ
+    dOiT = ws.take<A>(int64_t(dv) * kBr);  // dOᵀ: B of dPᵀ = V dOᵀ
+    Qi = ws.take<A>(int64_t(kBr) * ldq);   // scale Q rows: B of dK += dSᵀ Q
+    dOi = ws.take<A>(int64_t(kBr) * ldv);  // dO rows: B of dV += Pᵀ dO
+    Kbuf = ws.take<A>(int64_t(kBc) * ldq); // K rows: A of Sᵀ, B of dQ += dS K
+    Vbuf = ws.take<A>(int64_t(kBc) * dv);  // V rows: A of dPᵀ
+    ST = ws.take<A>(kBc * kBr);            // Sᵀ, then Pᵀ (∘ Z)
+    dPT = ws.take<A>(kBc * kBr);           // dPᵀ, then dSᵀ
+    Tcap = ws.take<A>(kBc * kBr);          // tanh(raw / softcap)ᵀ
+    Lref = ws.take<A>(kBr);                // lse of the tile rows, +inf for rows with no key
+    Dr = ws.take<A>(kBr);                  // D of the tile rows
     acc = ws.take<A>(acc_elems);           // the task's gradient accumulator
     fill(acc, acc_elems, A(0));
   }
@@ -68,63 +73,61 @@ struct BwdTile {
     lse_stride = p.lse_row_stride;
   }
 
-  // Query-side tiles: Qi = scale * Q rows, dOi = dO rows.
-  void load_q(int i0, int nr, BwdBuffers<A>& t) const {
+  // Query-side tiles of rows i0..i0+nr: (scale Q)ᵀ, dOᵀ, lse, D; the row forms when `rows`.
+  void load_q(int i0, int nr, BwdBuffers<A>& t, bool rows) const {
     const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
                  row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
     const T* g = static_cast<const T*>(p.dout) + h * p.do_head_stride +
                  row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i0);
-    load_rows(q, p.q_row_stride, nr, p.head_dim, t.Qi, t.ldq);
-    scale_rows(t.Qi, nr, p.head_dim, t.ldq, A(p.scale));
-    load_rows(g, p.do_row_stride, nr, p.head_dim_v, t.dOi, t.ldv);
+    const A scale = A(p.scale);
+    load_rows_t(q, p.q_row_stride, nr, p.head_dim, t.QiT, kBr);
+    scale_rows(t.QiT, p.head_dim, kBr, kBr, scale);
+    load_rows_t(g, p.do_row_stride, nr, p.head_dim_v, t.dOiT, kBr);
+    if (rows) {
+      load_rows(q, p.q_row_stride, nr, p.head_dim, t.Qi, t.ldq);
+      scale_rows(t.Qi, nr, p.head_dim, t.ldq, scale);
+      load_rows(g, p.do_row_stride, nr, p.head_dim_v, t.dOi, t.ldv);
+    }
+    for (int r = 0; r < kBr; ++r) {
+      const A L = r < nr ? lse[int64_t(i0 + r) * lse_stride] : neg_inf<A>();
+      t.Lref[r] = L == neg_inf<A>() ? -neg_inf<A>() : L;  // P = exp(S - inf) = 0: no key seen
+      t.Dr[r] = r < nr ? D[i0 + r] : A(0);
+    }
   }
-  // Key-side tiles: Kᵀ, Vᵀ, and K rows when dQ is wanted.
-  void load_k(int j0, int nc, BwdBuffers<A>& t, bool k_rows) const {
+
+  // Key-side rows of keys j0..j0+nc (in place when already the accumulation type).
+  struct KV {
+    const A *K, *V;
+    int64_t ldk, ldv;
+  };
+  KV load_k(int j0, int nc, BwdBuffers<A>& t) const {
     const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride +
                  row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
     const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride +
                  row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
-    load_rows_t(k, p.k_row_stride, nc, p.head_dim, t.KjT, kBc);
-    load_rows_t(v, p.v_row_stride, nc, p.head_dim_v, t.VjT, kBc);
-    if (k_rows) load_rows(k, p.k_row_stride, nc, p.head_dim, t.Kj, t.ldq);
+    KV kv;
+    kv.K = rows_as_acc(k, p.k_row_stride, nc, p.head_dim, t.Kbuf, t.ldq, &kv.ldk, true);
+    kv.V = rows_as_acc(v, p.v_row_stride, nc, p.head_dim_v, t.Vbuf, p.head_dim_v, &kv.ldv,
+                       false);
+    return kv;
   }
 
-  // On the tile rows i0..i0+nr x keys j0..j0+nc (query/key tiles already loaded):
-  //   P     <- P ∘ Z          (what multiplies V in the forward; feeds dV)
-  //   dS    <- P ∘ (dP - D)   (the gradient of the final scores; it is dbias)
-  //   dSraw <- dS ∘ (1 - tanh²) through the softcap, else dS: feeds dQ and dK.
-  void rebuild(int i0, int nr, int j0, int nc, BwdBuffers<A>& t) const {
-    const int ncp = padded<A>(nc);
-    gemm<false>(nr, ncp, p.head_dim, t.Qi, t.ldq, 1, t.KjT, kBc, t.P, kBc);  // S
-    finish_scores(p, s, b, h, i0, nr, j0, nc, t.P, kBc, p.softcap > 0 ? t.Tcap : nullptr);
-    gemm<false>(nr, ncp, p.head_dim_v, t.dOi, t.ldv, 1, t.VjT, kBc, t.dS, kBc);  // dP
-    for (int r = 0; r < nr; ++r) {
-      const A L = lse[int64_t(i0 + r) * lse_stride], Dr = D[i0 + r];
-      A* Pr = t.P + r * kBc;
-      A* dSr = t.dS + r * kBc;
-      A* dSrawr = t.dSraw + r * kBc;
-      if (L == neg_inf<A>()) {  // the row saw no key: no probability, no gradient
-        fill(Pr, nc, A(0));
-        fill(dSr, nc, A(0));
-        fill(dSrawr, nc, A(0));
-        continue;
-      }
-      exp_sub_sum(Pr, nc, L);  // P = exp(S - lse)
-      if (p.dropout_p > 0) {   // dP ∘ Z, and P ∘ Z for dV, with the forward's very mask
-        dropout_row(p, b, h, i0 + r, j0, nc, dSr);
-        for (int c = 0; c < nc; ++c) dSr[c] = Pr[c] * (dSr[c] - Dr);
-        dropout_row(p, b, h, i0 + r, j0, nc, Pr);
-      } else {
-#pragma omp simd
-        for (int c = 0; c < nc; ++c) dSr[c] = Pr[c] * (dSr[c] - Dr);
-      }
-      if (p.softcap > 0) {
-        const A* Tr = t.Tcap + r * kBc;
-        for (int c = 0; c < nc; ++c) dSrawr[c] = dSr[c] * (A(1) - Tr[c] * Tr[c]);
-      } else {
-        for (int c = 0; c < nc; ++c) dSrawr[c] = dSr[c];
-      }
-    }
+  // On the tile rows i0..i0+nr x keys j0..j0+nc (query tiles loaded, kv from load_k):
+  //   ST  <- Pᵀ ∘ Z        (what multiplies V in the forward; feeds dV)
+  //   dPT <- dSᵀ = P ∘ (dP ∘ Z - D), through the softcap's (1 - tanh²) when `raw`
+  //          (dS itself is dbias; dS through the softcap feeds dQ and dK).
+  void rebuild(int i0, int nr, int j0, int nc, BwdBuffers<A>& t, const KV& kv, bool raw) const {
+    const int nrp = padded<A>(nr);
+    gemm<false>(nc, nrp, p.head_dim, kv.K, kv.ldk, 1, t.QiT, kBr, t.ST, kBr);       // Sᵀ
+    finish_scores(p, s, b, h, i0, nr, j0, nc, t.ST, 1, kBr, p.softcap > 0 ? t.Tcap : nullptr);
+    gemm<false>(nc, nrp, p.head_dim_v, kv.V, kv.ldv, 1, t.dOiT, kBr, t.dPT, kBr);  // dPᵀ
+    if (p.dropout_p > 0)  // dP ∘ Z with the forward's very mask
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dPT + r, kBr);
+    probs_and_dS_T(t.ST, t.dPT, kBr, nc, nrp, t.Lref, t.Dr);
+    if (raw && p.softcap > 0)
+      for (int64_t e = 0; e < int64_t(nc) * kBr; ++e) t.dPT[e] *= A(1) - t.Tcap[e] * t.Tcap[e];
+    if (p.dropout_p > 0)  // P ∘ Z for dV
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.ST + r, kBr);
   }
 };
 
@@ -165,16 +168,17 @@ void dkdv_task(const BwdParams& p, int64_t task, const A* D_all) {
   A* dK = t.acc;                       // (nc, ldq): dSᵀ (scale Q) = scale · dSᵀ Q
   A* dV = t.acc + int64_t(kBc) * ldq;  // (nc, ldv)
 
+  typename BwdTile<T, A>::KV kv{};
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BwdTile<T, A> tile(p, b, h, D_all);
-    if (h == hk * group) tile.load_k(j0, nc, t, false);
+    if (h == hk * group) kv = tile.load_k(j0, nc, t);
     const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
-      tile.load_q(i0, nr, t);
-      tile.rebuild(i0, nr, j0, nc, t);
-      gemm<true>(nc, ldv, nr, t.P, 1, kBc, t.dOi, ldv, dV, ldv);      // dV += (P∘Z)ᵀ dO
-      gemm<true>(nc, ldq, nr, t.dSraw, 1, kBc, t.Qi, ldq, dK, ldq);  // dK += dSᵀ (scale Q)
+      tile.load_q(i0, nr, t, true);
+      tile.rebuild(i0, nr, j0, nc, t, kv, true);
+      gemm<true>(nc, ldv, nr, t.ST, kBr, 1, t.dOi, ldv, dV, ldv);  // dV += (P∘Z)ᵀ dO
+      gemm<true>(nc, ldq, nr, t.dPT, kBr, 1, t.Qi, ldq, dK, ldq);  // dK += dSᵀ (scale Q)
     }
   }
   T* dk = static_cast<T*>(p.dk) + hk * p.dk_head_stride +
@@ -201,14 +205,14 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int d = p.head_dim, ldq = padded<A>(d);
   BwdBuffers<A> t(p, int64_t(kBr) * ldq);
   A* dQ = t.acc;  // (nr, ldq)
-  tile.load_q(i0, nr, t);
+  tile.load_q(i0, nr, t, false);
 
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    tile.load_k(j0, nc, t, true);
-    tile.rebuild(i0, nr, j0, nc, t);
-    gemm<true>(nr, ldq, nc, t.dSraw, kBc, 1, t.Kj, ldq, dQ, ldq);  // dQ += dS K
+    const auto kv = tile.load_k(j0, nc, t);
+    tile.rebuild(i0, nr, j0, nc, t, kv, true);
+    gemm<true>(nr, ldq, nc, t.dPT, 1, kBr, kv.K, kv.ldk, dQ, ldq);  // dQ += dS K
   }
   scale_rows(dQ, nr, d, ldq, A(p.scale));
   T* dq = static_cast<T*>(p.dq) + h * p.dq_head_stride +
@@ -240,15 +244,14 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
       const int j_lo = C == 1 ? 0 : out_c0, j_hi = std::min(s.sk, C == 1 ? s.sk : out_c0 + out_nc);
       for (int i0 = i_lo; i0 < i_hi; i0 += kBr) {
         const int nr = std::min(kBr, i_hi - i0);
-        tile.load_q(i0, nr, t);
+        tile.load_q(i0, nr, t, false);
         for (int j0 = j_lo; j0 < j_hi; j0 += kBc) {
           const int nc = std::min(kBc, j_hi - j0);
-          tile.load_k(j0, nc, t, false);
-          tile.rebuild(i0, nr, j0, nc, t);
+          tile.rebuild(i0, nr, j0, nc, t, tile.load_k(j0, nc, t), false);
           for (int r = 0; r < nr; ++r)
             for (int c = 0; c < nc; ++c)
               t.acc[(R == 1 ? 0 : i0 + r - out_r0) * kBc + (C == 1 ? 0 : j0 + c - out_c0)] +=
-                  t.dS[r * kBc + c];
+                  t.dPT[c * kBr + r];
         }
       }
     }

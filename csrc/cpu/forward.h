@@ -7,10 +7,31 @@
 // thread; no seqlen_q x seqlen_k buffer exists.
 #pragma once
 
+#include <type_traits>
+
+#include "cpu/softmax.h"
 #include "cpu/tile.h"
 #include "fmha/threads.h"
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
+
+// K/V rows of the current key tile as the accumulation type: read in place when the input
+// already is (float32/float64 with a unit last stride), converted into `buf` otherwise. V is
+// a GEMM B operand, whose rows must be padded to the vector width: in place only when
+// head_dim_v already is.
+template <typename T, typename A>
+inline const A* rows_as_acc(const T* src, int64_t stride, int n, int dim, A* buf, int ld,
+                            int64_t* out_stride, bool needs_padding) {
+  if constexpr (std::is_same_v<T, A>) {
+    if (!needs_padding || dim == ld) {
+      *out_stride = stride;
+      return src;
+    }
+  }
+  load_rows(src, stride, n, dim, buf, ld);
+  *out_stride = ld;
+  return buf;
+}
 
 template <typename T>
 void forward_task(const FwdParams& p, int64_t task) {
@@ -21,58 +42,51 @@ void forward_task(const FwdParams& p, int64_t task) {
   const int i0 = int(task % n_qblocks) * kBr;
   const Seq s = seq_of(p, b);
   if (i0 >= s.sq) return;  // varlen: this sequence is shorter than the longest
-  const int nr = std::min(kBr, s.sq - i0);
+  const int nr = std::min(kBr, s.sq - i0), nrp = padded<A>(nr);
   const int hk = h / (p.heads_q / p.heads_kv);  // GQA: query head h reads kv head hk
-  const int d = p.head_dim, dv = p.head_dim_v;
-  const int ldq = padded<A>(d), ldv = padded<A>(dv);
+  const int d = p.head_dim, dv = p.head_dim_v, ldv = padded<A>(dv);
 
   Workspace& ws = thread_workspace();
-  ws.begin(Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
-           Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBr * kBc) +
-           Workspace::bytes<A>(int64_t(kBr) * ldv) + 2 * Workspace::bytes<A>(kBr));
-  A* Qi = ws.take<A>(int64_t(kBr) * ldq);  // scale * Q, so that S = Qi Kjᵀ is scaled
-  A* KjT = ws.take<A>(int64_t(kBc) * d);   // Kᵀ: (head_dim, kBc)
-  A* Vj = ws.take<A>(int64_t(kBc) * ldv);
-  A* S = ws.take<A>(kBr * kBc);            // scores, then P in place
-  A* O = ws.take<A>(int64_t(kBr) * ldv);
+  ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(kBc) * d) +
+           Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBc * kBr) +
+           Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr));
+  A* QiT = ws.take<A>(int64_t(d) * kBr);   // (scale Q)ᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
+  A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
+  A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
+  A* ST = ws.take<A>(kBc * kBr);           // Sᵀ: (keys, rows), then Pᵀ in place
+  A* O = ws.take<A>(int64_t(kBr) * ldv);   // unnormalised output rows
   A* m = ws.take<A>(kBr);
   A* l = ws.take<A>(kBr);
+  A* alpha = ws.take<A>(kBr);
 
-  const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride;
+  const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
+               row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
   const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
-  load_rows(q + row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0),
-            p.q_row_stride, nr, d, Qi, ldq);
-  scale_rows(Qi, nr, d, ldq, A(p.scale));
-  for (int r = 0; r < nr; ++r) { m[r] = neg_inf<A>(); l[r] = A(0); }
-  fill(O, int64_t(nr) * ldv, A(0));
+  // The one transpose of the task: Q's tile, with the softmax scale folded in.
+  load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
+  scale_rows(QiT, d, kBr, kBr, A(p.scale));
+  fill(m, kBr, neg_inf<A>());
+  fill(l, kBr, A(0));
+  fill(O, int64_t(kBr) * ldv, A(0));
 
   // Rows i0..i0+nr-1 together see keys [key_lo(i0), key_hi(last row)].
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
-    const int nc = std::min(kBc, j_end - j0), ncp = padded<A>(nc);
-    load_rows_t(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
-                p.k_row_stride, nc, d, KjT, kBc);
-    load_rows(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
-              p.v_row_stride, nc, dv, Vj, ldv);
-    gemm<false>(nr, ncp, d, Qi, ldq, 1, KjT, kBc, S, kBc);  // S = scale · Q Kᵀ
-    finish_scores(p, s, b, h, i0, nr, j0, nc, S, kBc, static_cast<A*>(nullptr));
-
-    for (int r = 0; r < nr; ++r) {
-      A* Sr = S + r * kBc;
-      const A m_new = std::max(m[r], row_max(Sr, nc));
-      if (m_new == neg_inf<A>()) {  // nothing visible to this row yet: P = 0
-        fill(Sr, nc, A(0));
-        continue;
-      }
-      // Rescale what was accumulated under the old maximum (exp(-inf) = 0 the first time).
-      const A alpha = exp_acc(m[r] - m_new);
-      l[r] = l[r] * alpha + exp_sub_sum(Sr, nc, m_new);  // S becomes P (unnormalised); the
-      m[r] = m_new;                                      // normaliser counts dropped entries
-      if (p.dropout_p > 0) dropout_row(p, b, h, i0 + r, j0, nc, Sr);
-      if (alpha != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha);
-    }
-    gemm<true>(nr, ldv, nc, S, kBc, 1, Vj, ldv, O, ldv);  // O += P V
+    const int nc = std::min(kBc, j_end - j0);
+    int64_t ldk, ldvj;
+    const A* Kj = rows_as_acc(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
+                              p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
+    const A* Vj = rows_as_acc(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
+                              p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+    gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K (scale Q)ᵀ
+    finish_scores(p, s, b, h, i0, nr, j0, nc, ST, 1, kBr, static_cast<A*>(nullptr));
+    online_softmax_T(ST, kBr, nc, nrp, m, l, alpha);  // Sᵀ becomes Pᵀ (unnormalised)
+    if (p.dropout_p > 0)  // after the normaliser l, which counts dropped entries too
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
+    for (int r = 0; r < nr; ++r)
+      if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
+    gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
   }
 
   // Normalise once; a row that saw no key gets out = 0 and lse = -inf (never NaN).

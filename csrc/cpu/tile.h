@@ -27,7 +27,7 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 // Tile shape. Br query rows share every K/V tile loaded, so larger Br means fewer K/V
 // conversions per flop; Br x Bc floats of S (8 KiB) plus the Q, K, V tiles stay in L1/L2 for
 // head_dim <= 128.
-constexpr int kBr = 32;
+constexpr int kBr = 64;
 constexpr int kBc = 64;
 
 // One sequence of the batch: its first packed row (varlen) and its lengths.
@@ -162,50 +162,46 @@ inline void fill(A* x, int64_t n, A value) {
 // Adds a broadcast bias tile (any float dtype) to S.
 template <typename B, typename A>
 inline void add_bias(const Broadcast4& bias, int b, int h, int i0, int nr, int j0, int nc,
-                     A* S, int ld) {
+                     A* S, int64_t rs, int64_t cs) {
   const B* base = static_cast<const B*>(bias.ptr) + b * bias.batch_stride + h * bias.head_stride;
   for (int r = 0; r < nr; ++r) {
     const B* row = base + int64_t(i0 + r) * bias.row_stride + int64_t(j0) * bias.col_stride;
-    A* srow = S + int64_t(r) * ld;
-    if (bias.col_stride == 1) {
-#pragma omp simd
-      for (int c = 0; c < nc; ++c) srow[c] += to_acc<A>(row[c]);
-    } else {
-      for (int c = 0; c < nc; ++c) srow[c] += to_acc<A>(row[c * bias.col_stride]);
-    }
+    for (int c = 0; c < nc; ++c) S[r * rs + c * cs] += to_acc<A>(row[c * bias.col_stride]);
   }
 }
 
 // The score pipeline after S = scale * Q Kᵀ (a GEMM, gemm.h) on the tile rows i0..i0+nr of
 // query head h, keys j0..j0+nc of sequence b: softcap, bias, ALiBi, then invisible entries
-// to -inf. Each stage runs only when it is on, and the visibility pass is skipped for tiles
-// that lie entirely inside every row's window. When softcap is on, Tcap (if given) receives
-// tanh(raw / softcap), which the backward needs for the softcap gradient.
+// to -inf. S(r, c) is S[r * rs + c * cs]: the forward keeps Sᵀ (rs = 1), so the softmax runs
+// across rows in vectors. Each stage runs only when it is on, and the visibility pass is
+// skipped for tiles that lie entirely inside every row's window. When softcap is on, Tcap
+// (if given, same layout) receives tanh(raw / softcap) for the softcap gradient.
 template <typename A>
 inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0, int nr, int j0,
-                          int nc, A* S, int ld, A* Tcap) {
+                          int nc, A* S, int64_t rs, int64_t cs, A* Tcap) {
   if (p.softcap > 0) {  // s = cap * tanh(s / cap)  (Gemma 2 / Grok logit capping)
     const A cap = A(p.softcap), inv = A(1) / cap;
-    for (int r = 0; r < nr; ++r)
-      for (int c = 0; c < nc; ++c) {
-        const A t = std::tanh(S[int64_t(r) * ld + c] * inv);
-        if (Tcap) Tcap[int64_t(r) * ld + c] = t;
-        S[int64_t(r) * ld + c] = cap * t;
+    for (int c = 0; c < nc; ++c)
+      for (int r = 0; r < nr; ++r) {
+        A& x = S[r * rs + c * cs];
+        const A t = std::tanh(x * inv);
+        if (Tcap) Tcap[r * rs + c * cs] = t;
+        x = cap * t;
       }
   }
   if (p.bias.ptr) {
     switch (p.bias.dtype) {
-      case DType::kFloat64: add_bias<double>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
-      case DType::kFloat32: add_bias<float>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
-      case DType::kBFloat16: add_bias<bf16_t>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
-      case DType::kFloat16: add_bias<f16_t>(p.bias, b, h, i0, nr, j0, nc, S, ld); break;
+      case DType::kFloat64: add_bias<double>(p.bias, b, h, i0, nr, j0, nc, S, rs, cs); break;
+      case DType::kFloat32: add_bias<float>(p.bias, b, h, i0, nr, j0, nc, S, rs, cs); break;
+      case DType::kBFloat16: add_bias<bf16_t>(p.bias, b, h, i0, nr, j0, nc, S, rs, cs); break;
+      case DType::kFloat16: add_bias<f16_t>(p.bias, b, h, i0, nr, j0, nc, S, rs, cs); break;
     }
   }
   if (p.alibi_slopes) {  // ALiBi (Press et al. 2022): -slope * distance to the diagonal
     const A slope = A(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride]);
-    for (int r = 0; r < nr; ++r)
-      for (int c = 0; c < nc; ++c)
-        S[int64_t(r) * ld + c] -= slope * A(std::abs(i0 + r + s.off - (j0 + c)));
+    for (int c = 0; c < nc; ++c)
+      for (int r = 0; r < nr; ++r)
+        S[r * rs + c * cs] -= slope * A(std::abs(i0 + r + s.off - (j0 + c)));
   }
   // Visibility: the window (causal is its right edge at 0) and the boolean mask. Both edges
   // grow with the row, so the tile is inside every row's window iff it is inside the last
@@ -214,11 +210,10 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
   if (inside && !p.mask.ptr) return;
   for (int r = 0; r < nr; ++r) {
     const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
-    A* srow = S + int64_t(r) * ld;
     if (!inside) {
       for (int c = 0; c < nc; ++c) {
         const int j = j0 + c;
-        if (j < lo || j > hi) srow[c] = neg_inf<A>();
+        if (j < lo || j > hi) S[r * rs + c * cs] = neg_inf<A>();
       }
     }
     if (p.mask.ptr) {
@@ -226,15 +221,16 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
                          h * p.mask.head_stride + int64_t(i) * p.mask.row_stride +
                          int64_t(j0) * p.mask.col_stride;
       for (int c = 0; c < nc; ++c)
-        if (!m[c * p.mask.col_stride]) srow[c] = neg_inf<A>();
+        if (!m[c * p.mask.col_stride]) S[r * rs + c * cs] = neg_inf<A>();
     }
   }
 }
 
-// Dropout on one tile row: multiplies P[c] (key j0 + c of row i) by 1/(1-p) where kept and
-// by 0 where dropped. The draw is a pure function of (seed, offset, b, h, i, j).
+// Dropout on one tile row: multiplies P[c * stride] (key j0 + c of row i) by 1/(1-p) where
+// kept and by 0 where dropped. The draw is a pure function of (seed, offset, b, h, i, j).
 template <typename A>
-inline void dropout_row(const FwdParams& p, int b, int h, int i, int j0, int nc, A* P) {
+inline void dropout_row(const FwdParams& p, int b, int h, int i, int j0, int nc, A* P,
+                        int64_t stride = 1) {
   const DropoutKey key(p.seed, p.offset);
   const uint32_t threshold = dropout_threshold(p.dropout_p);
   const A keep_scale = A(1.0 / (1.0 - p.dropout_p));
@@ -244,7 +240,7 @@ inline void dropout_row(const FwdParams& p, int b, int h, int i, int j0, int nc,
     const int j = j0 + c;
     const Philox4 r = philox4x32_10(uint32_t(j >> 2), uint32_t(i), bh, key.c3, key.k0, key.k1);
     for (int w = j & 3; w < 4 && c < nc; ++w, ++c)
-      P[c] = r.x[w] >= threshold ? P[c] * keep_scale : A(0);
+      P[c * stride] = r.x[w] >= threshold ? P[c * stride] * keep_scale : A(0);
   }
 }
 

@@ -250,7 +250,29 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
                 dropout_p=dropout_p, bias_shape=bias_shape)
 
 
+def _compiling() -> bool:
+    import sys
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
+    if kind == "torch" and _compiling():
+        # Under torch.compile the offsets' values are not known while tracing: check what the
+        # trace can see and leave the values to the core, which checks them again (ValueError).
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if cu is None:
+                raise ValueError(f"{name}: required with varlen inputs (got None)")
+            _check_array(name, cu, kind, (1,))
+            if dtype_name(cu) != "int32":
+                raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
+        if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 2:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected equal lengths batch + 1 >= 2")
+        if max_q is None or max_k is None:
+            raise ValueError("max_seqlen_q, max_seqlen_k: required under torch.compile (the "
+                             "sequence lengths cannot be read while tracing)")
+        return (cu_q.shape[0] - 1, _check_int("max_seqlen_q", max_q, 1),
+                _check_int("max_seqlen_k", max_k, 1))
     lengths = []
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         if cu is None:

@@ -1,0 +1,81 @@
+// Softmax steps on a transposed score tile Sᵀ (keys x query rows, leading dimension kBr):
+// query row r is column r, so every step runs across query rows in SIMD vectors and never
+// needs a horizontal reduction. Float uses VecF; float64 plain loops.
+#pragma once
+
+#include <cmath>
+
+#include "cpu/gemm.h"
+
+namespace fmha::cpu::FMHA_CPU_ISA_NS {
+
+// Online softmax (Milakov & Gimelshein 2018) over one key tile, for rows [0, nrp):
+//   m_new = max(m, max_c S[c][r]);  P[c][r] = exp(S[c][r] - m_new);
+//   alpha[r] = exp(m - m_new);      l = l * alpha + sum_c P[c][r];  m = m_new.
+// A row with nothing visible so far keeps m = -inf and gets P = 0 (no NaN): the exponent is
+// taken against 0 there, and exp(-inf) = 0.
+inline void online_softmax_T(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
+                             float* alpha) {
+  const VecF neg_inf = VecF::set1(-__builtin_huge_valf()), lowest = VecF::set1(-3.4e38f);
+  for (int r0 = 0; r0 < nrp; r0 += kW) {
+    const VecF m_old = VecF::load(m + r0);
+    VecF mx = neg_inf;
+    for (int c = 0; c < nc; ++c) mx = max(mx, VecF::load(S + c * ld + r0));
+    const VecF m_new = max(m_old, mx);
+    const VecF m_ref = m_new.select_lt(m_new, lowest, VecF::zero());  // -inf -> 0
+    const VecF a = vexp(m_old - m_ref);
+    VecF sum = VecF::zero();
+    for (int c = 0; c < nc; ++c) {
+      const VecF e = vexp(VecF::load(S + c * ld + r0) - m_ref);
+      e.store(S + c * ld + r0);
+      sum = sum + e;
+    }
+    fma(VecF::load(l + r0), a, sum).store(l + r0);
+    m_new.store(m + r0);
+    a.store(alpha + r0);
+  }
+}
+
+inline void online_softmax_T(double* S, int64_t ld, int nc, int nrp, double* m, double* l,
+                             double* alpha) {
+  for (int r = 0; r < nrp; ++r) {
+    double mx = m[r];
+    for (int c = 0; c < nc; ++c) mx = std::max(mx, S[c * ld + r]);
+    const double m_ref = mx == -__builtin_huge_val() ? 0.0 : mx;
+    alpha[r] = std::exp(m[r] - m_ref);
+    double sum = 0;
+    for (int c = 0; c < nc; ++c) {
+      const double e = std::exp(S[c * ld + r] - m_ref);
+      S[c * ld + r] = e;
+      sum += e;
+    }
+    l[r] = l[r] * alpha[r] + sum;
+    m[r] = mx;
+  }
+}
+
+// Backward: P = exp(S - L) with L the forward's lse (L_ref = +inf for rows that saw no key,
+// which makes their P exactly 0), then dS = P ∘ (dP - D), in place of dP.
+inline void probs_and_dS_T(float* S, float* dP, int64_t ld, int nc, int nrp, const float* L_ref,
+                           const float* D) {
+  for (int r0 = 0; r0 < nrp; r0 += kW) {
+    const VecF L = VecF::load(L_ref + r0), d = VecF::load(D + r0);
+    for (int c = 0; c < nc; ++c) {
+      const VecF p = vexp(VecF::load(S + c * ld + r0) - L);
+      p.store(S + c * ld + r0);
+      (p * (VecF::load(dP + c * ld + r0) - d)).store(dP + c * ld + r0);
+    }
+  }
+}
+
+inline void probs_and_dS_T(double* S, double* dP, int64_t ld, int nc, int nrp,
+                           const double* L_ref, const double* D) {
+  for (int c = 0; c < nc; ++c)
+    for (int r = 0; r < nrp; ++r) {
+      const double p = std::exp(S[c * ld + r] - L_ref[r]);
+      S[c * ld + r] = p;
+      dP[c * ld + r] = p * (dP[c * ld + r] - D[r]);
+    }
+}
+
+}  // namespace fmha::cpu::FMHA_CPU_ISA_NS

@@ -1,0 +1,361 @@
+"""Shared helpers for the fmha correctness tests.
+
+* ``rng``: a NumPy generator seeded from the test's node id (reproducible per test).
+* ``make_inputs`` / ``make_array``: random inputs in (batch, seqlen, heads, dim) layout,
+  drawn in float64 and rounded to the requested dtype, as NumPy arrays or torch tensors.
+* ``to_f64``: anything (NumPy / torch, any dtype) -> float64 NumPy array.
+* ``assert_close``: the tolerance rule of design.md's Tests section:
+
+  - float64: max|x - ref| <= 1e-10 * max(max|ref|, 1)
+  - float32: max|x - ref| <= 2e-5  * max(max|ref|, 1)
+  - float16 / bfloat16 (flash-attn's rule): max|x - ref| <= mult * max|naive - ref| + floor,
+    mult = 2 for outputs / lse, 3 for gradients, where ``naive`` is the same computation
+    done naively in that low precision (``naive_attention_torch``) and ``floor`` is
+    max|round(ref) - ref| (the error of merely rounding the exact answer to the stored
+    dtype, at most half an ulp of max|ref|) + 2e-5 * max(max|ref|, 1) (float32-level
+    accumulation error). The floor only matters in degenerate cases where the naive
+    computation happens to be exact (e.g. seqlen_k = 1); see assert_close.
+  (The "max(., 1)": see REL_SCALE_FLOOR.) -inf must appear exactly where the reference
+  has -inf (lse of rows with no visible key) and NaN nowhere.
+
+* ``naive_attention_torch``: a plain torch formula of the fmha semantics (materialised
+  scores, torch.softmax) computed entirely in the dtype of its inputs; used as the naive
+  low-precision baseline and, in float64 with an explicit dropout multiplier, as the
+  reference for torch dropout (whose seed is drawn inside fmha from torch's generator).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+# ----------------------------------------------------------------------------- constants
+
+#: float64: the kernels accumulate in float64; after O(seqlen * head_dim) fused
+#: multiply-adds the rounding error is ~1e-14 relative, so 1e-10 leaves a wide margin
+#: while still catching any real error (a wrong mask/scale is O(1)).
+TOL_F64 = 1e-10
+#: float32: float32 accumulation over at most ~1000 keys / 256 dims gives ~3e-7 relative
+#: error typically; the measured worst case over this file's cases is 7.3e-6 (dq with
+#: scores |s| ~ 100 in test_online_softmax_rescaling), so 2e-5 keeps a ~3x margin.
+TOL_F32 = 2e-5
+
+#: The relative bounds above are taken against max(max|ref|, 1). The tests' inputs (q, k,
+#: v, dout, bias) are unit-normal, so every result has a natural scale of O(1). A result
+#: that is exactly zero in exact arithmetic is still computed with rounding error of that
+#: natural scale: dq/dk when a row sees a single key (dS = P(dP - D) = 0 by cancellation;
+#: measured 3.4e-16 in float64, 5.6e-6 in float32 for dk summed over 113 such rows) and a
+#: bias broadcast over seqlen_k (sum_j dS_ij = 0 exactly; measured 4.7e-6 in float32 summed
+#: over ~1100 elements), so a pure relative bound (0 there) would be wrong.
+REL_SCALE_FLOOR = 1.0
+
+LOW_PRECISION = ("bfloat16", "float16")
+ALL_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+def rng(request):
+    """A generator whose seed is a hash of the test id: reproducible, different per case."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def restore_threads():
+    """Restores fmha's thread setting (set_num_threads(None)) after the test."""
+    import fmha
+    yield
+    fmha.set_num_threads(None)
+
+
+# ----------------------------------------------------------------------------- conversion
+
+def torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def to_f64(x):
+    """float64 NumPy copy of a NumPy array or torch tensor (None passes through)."""
+    if x is None:
+        return None
+    if is_torch(x):
+        x = x.detach()
+        if x.dtype == torch_dtype("bool"):
+            return x.cpu().numpy()
+        return x.to(torch_dtype("float64")).cpu().numpy()
+    x = np.asarray(x)
+    return x if x.dtype == bool else x.astype(np.float64)
+
+
+def round_to(x64: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values rounded to ``dtype`` (any of ALL_DTYPES), returned as float64."""
+    if dtype == "float64":
+        return x64
+    if dtype in ("float32", "float16"):
+        return x64.astype(dtype).astype(np.float64)
+    import torch
+    return torch.from_numpy(x64).to(torch.bfloat16).to(torch.float64).numpy()
+
+
+def from_f64(x64: np.ndarray, dtype: str, lib: str):
+    """A float64 NumPy array converted to ``dtype`` in ``lib`` ("numpy" or "torch")."""
+    if lib == "numpy":
+        if dtype == "bfloat16":
+            raise ValueError("numpy has no bfloat16")
+        return np.ascontiguousarray(x64.astype(dtype))
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(x64)).to(torch_dtype(dtype))
+
+
+def make_array(rng, shape, dtype="float32", lib="numpy", scale=1.0):
+    return from_f64(rng.standard_normal(shape) * scale, dtype, lib)
+
+
+def make_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v=None,
+                dtype="float32", lib="numpy"):
+    """q, k, v, dout in (batch, seqlen, heads, dim) layout."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    q = make_array(rng, (batch, seqlen_q, heads_q, head_dim), dtype, lib)
+    k = make_array(rng, (batch, seqlen_k, heads_kv, head_dim), dtype, lib)
+    v = make_array(rng, (batch, seqlen_k, heads_kv, dv), dtype, lib)
+    dout = make_array(rng, (batch, seqlen_q, heads_q, dv), dtype, lib)
+    return q, k, v, dout
+
+
+# ----------------------------------------------------------------------------- tolerance
+
+def max_abs(x) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    finite = x[np.isfinite(x)]
+    return float(np.max(np.abs(finite))) if finite.size else 0.0
+
+
+def _check_inf_pattern(name, actual, ref):
+    """-inf exactly where the reference has -inf; no NaN; everything else finite."""
+    assert not np.any(np.isnan(actual)), f"{name}: NaN in result"
+    ref_inf = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(actual), ref_inf), (
+        f"{name}: -inf pattern differs: {int(np.isneginf(actual).sum())} -inf entries vs "
+        f"{int(ref_inf.sum())} in the reference")
+    assert np.all(np.isfinite(actual[~ref_inf])), f"{name}: non-finite value where ref is finite"
+
+
+def _finite_err(actual, ref):
+    fin = np.isfinite(ref)
+    if not fin.any():
+        return 0.0
+    return float(np.max(np.abs(actual[fin] - ref[fin])))
+
+
+def assert_close(name, actual, ref, dtype, naive=None, grad=False, result_dtype=None):
+    """Assert ``actual`` (fmha's result) matches ``ref`` (float64 reference).
+
+    dtype: the input dtype of the computation. For low precision, ``naive`` (the naive
+    low-precision result) is required. result_dtype: dtype ``actual`` is stored in (for the
+    rounding floor; lse is float32 even for 16-bit inputs); defaults to ``dtype``.
+    """
+    actual = to_f64(actual)
+    ref = to_f64(ref)
+    assert actual.shape == ref.shape, f"{name}: shape {actual.shape} != reference {ref.shape}"
+    _check_inf_pattern(name, actual, ref)
+    err = _finite_err(actual, ref)
+    ref_max = max_abs(ref)
+    if dtype in ("float64", "float32"):
+        tol = TOL_F64 if dtype == "float64" else TOL_F32
+        bound = tol * max(ref_max, REL_SCALE_FLOOR)
+        rule = f"{tol:g}*max(max|ref|, {REL_SCALE_FLOOR:g})"
+    else:
+        assert naive is not None, f"{name}: low-precision check needs the naive result"
+        naive = to_f64(naive)
+        mult = 3.0 if grad else 2.0
+        naive_err = _finite_err(naive, ref)
+        # floor: rounding the exact answer to the stored dtype, plus float32-level error
+        # (fmha accumulates in float32, so it carries that error even where the naive
+        # low-precision result is exact, e.g. dS = P(dP - D) = 0 for a row with one key,
+        # where naive softmax backward gives exactly 0 and fmha ~1e-6). TOL_F32 (2e-5) is
+        # ~400x below a bfloat16 ulp and ~50x below a float16 ulp, so the floor never hides
+        # a real low-precision error.
+        floor = (_finite_err(round_to(ref, result_dtype or dtype), ref)
+                 + TOL_F32 * max(ref_max, REL_SCALE_FLOOR))
+        bound = mult * naive_err + floor
+        rule = f"{mult:g}*naive_err({naive_err:.3g}) + floor({floor:.3g})"
+    assert err <= bound, (f"{name} [{dtype}]: max abs error {err:.3g} > bound {bound:.3g} "
+                          f"({rule}; max|ref| = {ref_max:.3g})")
+    return err
+
+
+# ----------------------------------------------------------------------------- naive torch
+
+def visibility(seqlen_q, seqlen_k, causal=False, window=(-1, -1), alignment="bottom_right"):
+    """(sq, sk) bool: the causal/window rule of design.md."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    off = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    i = np.arange(seqlen_q)[:, None] + off
+    j = np.arange(seqlen_k)[None, :]
+    vis = np.ones((seqlen_q, seqlen_k), bool)
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    return vis
+
+
+def naive_attention_torch(q, k, v, *, scale=None, causal=False, window=(-1, -1),
+                          alignment="bottom_right", bias=None, mask=None, alibi_slopes=None,
+                          softcap=0.0, dropout_z=None):
+    """Attention written plainly in torch, every step in q's dtype (differentiable).
+
+    q (b, sq, hq, d), k (b, sk, hkv, d), v (b, sk, hkv, dv); dropout_z: the dropout
+    multiplier (keep / (1 - p)), broadcastable to (b, hq, sq, sk), or None.
+    Returns (out (b, sq, hq, dv), lse (b, hq, sq)).
+    """
+    import torch
+    dt = q.dtype
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(g, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(g, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(dt)
+    off = sk - sq if alignment == "bottom_right" else 0
+    if alibi_slopes is not None:
+        sl = to_f64(alibi_slopes)
+        sl = sl[None] if sl.ndim == 1 else sl
+        dist = np.abs(np.arange(sq)[:, None] + off - np.arange(sk)[None, :])
+        s = s + torch.from_numpy(-sl[:, :, None, None] * dist[None, None]).to(dt)
+    vis = torch.from_numpy(visibility(sq, sk, causal, window, alignment))[None, None]
+    if mask is not None:
+        vis = vis & mask
+    with torch.no_grad():
+        vis = vis & (s > -math.inf)
+    s = s.masked_fill(~vis, -math.inf)
+    any_row = vis.any(dim=-1, keepdim=True)
+    p = torch.softmax(s, dim=-1).masked_fill(~any_row, 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    if dropout_z is not None:
+        p = p * torch.as_tensor(dropout_z).to(dt)
+    out = (p @ vh).transpose(1, 2)
+    return out, lse
+
+
+def naive_results(q, k, v, dout, *, bias=None, bias_grad=False, **kw):
+    """Run naive_attention_torch with autograd on torch copies of (q, k, v, bias)."""
+    import torch
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    b = None
+    if bias is not None:
+        b = bias.detach().clone().requires_grad_(bias_grad)
+    out, lse = naive_attention_torch(*leaves, bias=b, **kw)
+    out.backward(dout)
+    res = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad,
+               dv=leaves[2].grad)
+    if bias_grad:
+        res["dbias"] = b.grad
+    return res
+
+
+def reference_results(q, k, v, dout, *, bias=None, bias_grad=False, mask=None,
+                      alibi_slopes=None, **kw):
+    """fmha.reference forward and backward on float64 copies; dict like naive_results."""
+    from fmha import reference
+    args = [to_f64(x) for x in (q, k, v)]
+    extra = dict(bias=to_f64(bias), mask=to_f64(mask), alibi_slopes=to_f64(alibi_slopes))
+    out, lse = reference.attention_forward(*args, **extra, **kw)
+    dq, dk, dv, dbias = reference.attention_backward(to_f64(dout), *args, **extra, **kw)
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    if bias_grad:
+        res["dbias"] = dbias
+    return res
+
+
+def fmha_results(q, k, v, dout, *, bias=None, bias_grad=False, seed=None, **kw):
+    """fmha forward and backward (NumPy: attention_backward; torch: autograd)."""
+    import fmha
+    if is_torch(q):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        b = None
+        if bias is not None:
+            b = bias.detach().clone().requires_grad_(bias_grad)
+        out, lse = fmha.attention(*leaves, bias=b, return_lse=True, **kw)
+        out.backward(dout)
+        res = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad,
+                   dv=leaves[2].grad)
+        if bias_grad:
+            res["dbias"] = b.grad
+        return res
+    out, lse = fmha.attention(q, k, v, bias=bias, return_lse=True, seed=seed, **kw)
+    grads = fmha.attention_backward(dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad,
+                                    seed=seed, **kw)
+    res = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    if bias_grad:
+        res["dbias"] = grads[3]
+    return res
+
+
+def check_against_reference(q, k, v, dout, *, bias=None, bias_grad=False, seed=None,
+                            ref_kw=None, **kw):
+    """fmha vs fmha.reference, forward and backward, with the dtype's tolerance rule.
+
+    Low-precision inputs must be torch tensors (or NumPy float16, which is converted to
+    torch for the naive baseline). ref_kw: extra keywords for the reference only
+    (e.g. seed/offset for dropout). Returns (fmha results, reference results).
+    """
+    from fmha._validate import dtype_name
+    dtype = dtype_name(q)
+    res = fmha_results(q, k, v, dout, bias=bias, bias_grad=bias_grad, seed=seed, **kw)
+    ref = reference_results(q, k, v, dout, bias=bias, bias_grad=bias_grad,
+                            **kw, **(ref_kw or {}))
+    # output dtypes / shapes / dbias shape must follow the contract
+    assert tuple(res["out"].shape) == tuple(q.shape[:-1]) + (v.shape[-1],)
+    assert tuple(res["lse"].shape) == (q.shape[0], q.shape[2], q.shape[1])
+    assert dtype_name(res["out"]) == dtype
+    assert dtype_name(res["lse"]) == ("float64" if dtype == "float64" else "float32")
+    for g, x in (("dq", q), ("dk", k), ("dv", v)):
+        assert tuple(res[g].shape) == tuple(x.shape), g
+        assert dtype_name(res[g]) == dtype, g
+    if bias_grad:
+        assert tuple(res["dbias"].shape) == tuple(bias.shape)
+    naive = None
+    if dtype in LOW_PRECISION:
+        import torch
+        tq = lambda x: None if x is None else (x if is_torch(x) else torch.from_numpy(x))
+        nkw = {kk: vv for kk, vv in kw.items() if kk not in ("dropout_p",)}
+        if kw.get("mask") is not None:
+            nkw["mask"] = tq(kw["mask"])
+        if kw.get("dropout_p", 0.0) > 0:
+            from fmha._philox import dropout_keep_mask
+            p = kw["dropout_p"]
+            rk = ref_kw or {}
+            keep = dropout_keep_mask(rk.get("seed", 0), rk.get("offset", 0), q.shape[0],
+                                     q.shape[2], q.shape[1], k.shape[1], p)
+            nkw["dropout_z"] = torch.from_numpy(keep / (1.0 - p))
+        naive = naive_results(tq(q), tq(k), tq(v), tq(dout), bias=tq(bias),
+                              bias_grad=bias_grad, **nkw)
+    for key in ("out", "lse", "dq", "dk", "dv", "dbias"):
+        if key not in ref:
+            continue
+        rdt = None
+        if key == "lse":
+            rdt = "float64" if dtype == "float64" else "float32"
+        assert_close(key, res[key], ref[key], dtype,
+                     naive=None if naive is None else naive[key],
+                     grad=key.startswith("d"), result_dtype=rdt)
+    return res, ref
