@@ -3,8 +3,8 @@
 //
 // P is never stored: every pass recomputes a tile of it from the forward's lse,
 //   P = exp(S - lse),  dP = (dO Vᵀ) ∘ Z,  dS = P ∘ (dP - D),  D = rowsum(dO ∘ O)
-// (Z: the dropout mask scaled by 1/(1-p)). Three passes, each writing disjoint outputs in a
-// fixed order, so gradients are bitwise identical for any thread count:
+// (Z: the dropout mask scaled by 1/(1-p)). Passes, each writing disjoint outputs in a fixed
+// order, so gradients are bitwise identical for any thread count:
 //   0. D for every row                      tasks: (batch, query head, query tile)
 //   1. dK, dV for one key tile, summed over the query heads of its GQA group
 //                                           tasks: (batch, kv head, key tile)
@@ -13,6 +13,10 @@
 //                                           tasks: (dbias batch, dbias head, row tile, col tile)
 // Passes 1 and 2 both recompute S and dP: one more QKᵀ and dO Vᵀ than a single pass with
 // atomic dQ, the price of determinism and of parallelism beyond batch x heads.
+//
+// Orientation: a task packs (transposes, converts, scales) the side it keeps fixed once and
+// reads the streamed side in place. Pass 1 keeps a key tile and works on S (rows x keys);
+// passes 2 and 3 keep a query tile and work on Sᵀ (keys x rows), as the forward does.
 #pragma once
 
 #include "cpu/forward.h"  // rows_as_acc
@@ -27,107 +31,152 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 template <typename A>
 struct BwdBuffers {
   int ldq, ldv;
-  A *QiT, *dOiT, *Qi, *dOi, *Kbuf, *Vbuf, *ST, *dPT, *Tcap, *Lref, *Dr, *acc;
+  A *qT, *doT;          // query side, transposed: (head_dim, kBr)       [passes 2, 3]
+  A *q_rows, *do_rows;  // query side, rows: (kBr, ldq), (kBr, ldv)      [pass 1, converted]
+  A *kT, *vT;           // key side, transposed: (head_dim, kBc)         [pass 1]
+  A *k_rows, *v_rows;   // key side, rows: (kBc, ldq), (kBc, dv)         [passes 2, 3, converted]
+  A *S, *dP, *Tcap;     // one score tile in either orientation: kBr * kBc each
+  A *Lref, *Dr;         // the query tile's lse (+inf for rows with no key) and D
+  A* acc;               // the task's gradient accumulator
 
   BwdBuffers(const FwdParams& p, int64_t acc_elems) {
     const int d = p.head_dim, dv = p.head_dim_v;
     ldq = padded<A>(d);
     ldv = padded<A>(dv);
+    using W = Workspace;
     Workspace& ws = thread_workspace();
-    ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(dv) * kBr) +
-             Workspace::bytes<A>(int64_t(kBr) * ldq) + Workspace::bytes<A>(int64_t(kBr) * ldv) +
-             Workspace::bytes<A>(int64_t(kBc) * ldq) + Workspace::bytes<A>(int64_t(kBc) * dv) +
-             3 * Workspace::bytes<A>(kBc * kBr) + 2 * Workspace::bytes<A>(kBr) +
-             Workspace::bytes<A>(acc_elems));
-    QiT = ws.take<A>(int64_t(d) * kBr);    // (scale Q)ᵀ: B of Sᵀ = K Qᵀ
-    dOiT = ws.take<A>(int64_t(dv) * kBr);  // dOᵀ: B of dPᵀ = V dOᵀ
-    Qi = ws.take<A>(int64_t(kBr) * ldq);   // scale Q rows: B of dK += dSᵀ Q
-    dOi = ws.take<A>(int64_t(kBr) * ldv);  // dO rows: B of dV += Pᵀ dO
-    Kbuf = ws.take<A>(int64_t(kBc) * ldq); // K rows: A of Sᵀ, B of dQ += dS K
-    Vbuf = ws.take<A>(int64_t(kBc) * dv);  // V rows: A of dPᵀ
-    ST = ws.take<A>(kBc * kBr);            // Sᵀ, then Pᵀ (∘ Z)
-    dPT = ws.take<A>(kBc * kBr);           // dPᵀ, then dSᵀ
-    Tcap = ws.take<A>(kBc * kBr);          // tanh(raw / softcap)ᵀ
-    Lref = ws.take<A>(kBr);                // lse of the tile rows, +inf for rows with no key
-    Dr = ws.take<A>(kBr);                  // D of the tile rows
-    acc = ws.take<A>(acc_elems);           // the task's gradient accumulator
+    ws.begin(W::bytes<A>(int64_t(d) * kBr) + W::bytes<A>(int64_t(dv) * kBr) +
+             W::bytes<A>(int64_t(kBr) * ldq) + W::bytes<A>(int64_t(kBr) * ldv) +
+             W::bytes<A>(int64_t(d) * kBc) + W::bytes<A>(int64_t(dv) * kBc) +
+             W::bytes<A>(int64_t(kBc) * ldq) + W::bytes<A>(int64_t(kBc) * dv) +
+             3 * W::bytes<A>(kBr * kBc) + 2 * W::bytes<A>(kBr) + W::bytes<A>(acc_elems));
+    qT = ws.take<A>(int64_t(d) * kBr);
+    doT = ws.take<A>(int64_t(dv) * kBr);
+    q_rows = ws.take<A>(int64_t(kBr) * ldq);
+    do_rows = ws.take<A>(int64_t(kBr) * ldv);
+    kT = ws.take<A>(int64_t(d) * kBc);
+    vT = ws.take<A>(int64_t(dv) * kBc);
+    k_rows = ws.take<A>(int64_t(kBc) * ldq);
+    v_rows = ws.take<A>(int64_t(kBc) * dv);
+    S = ws.take<A>(kBr * kBc);
+    dP = ws.take<A>(kBr * kBc);
+    Tcap = ws.take<A>(kBr * kBc);
+    Lref = ws.take<A>(kBr);
+    Dr = ws.take<A>(kBr);
+    acc = ws.take<A>(acc_elems);
     fill(acc, acc_elems, A(0));
   }
 };
 
-// The tensors of one (batch, query head) needed to rebuild P and dS on a tile.
+// One (batch, query head): where its tensors are, and the tile steps of every pass.
 template <typename T, typename A>
-struct BwdTile {
+struct BwdHead {
   const BwdParams& p;
   Seq s;
   int b, h, hk;
   const A* D;    // rowsum(dO∘O) of this (b, h), indexed by query row
   const A* lse;  // lse of this (b, h), indexed by query row (element stride lse_row_stride)
-  int64_t lse_stride;
 
-  BwdTile(const BwdParams& p_, int b_, int h_, const A* D_all)
+  BwdHead(const BwdParams& p_, int b_, int h_, const A* D_all)
       : p(p_), s(seq_of(p_, b_)), b(b_), h(h_), hk(h_ / (p_.heads_q / p_.heads_kv)) {
     D = D_all + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
     lse = static_cast<const A*>(p.lse) + h * p.lse_head_stride +
           (p.cu_seqlens_q ? s.q_first * p.lse_row_stride : b * p.lse_batch_stride);
-    lse_stride = p.lse_row_stride;
   }
 
-  // Query-side tiles of rows i0..i0+nr: (scale Q)ᵀ, dOᵀ, lse, D; the row forms when `rows`.
-  void load_q(int i0, int nr, BwdBuffers<A>& t, bool rows) const {
-    const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
-                 row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
-    const T* g = static_cast<const T*>(p.dout) + h * p.do_head_stride +
-                 row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i0);
-    const A scale = A(p.scale);
-    load_rows_t(q, p.q_row_stride, nr, p.head_dim, t.QiT, kBr);
-    scale_rows(t.QiT, p.head_dim, kBr, kBr, scale);
-    load_rows_t(g, p.do_row_stride, nr, p.head_dim_v, t.dOiT, kBr);
-    if (rows) {
-      load_rows(q, p.q_row_stride, nr, p.head_dim, t.Qi, t.ldq);
-      scale_rows(t.Qi, nr, p.head_dim, t.ldq, scale);
-      load_rows(g, p.do_row_stride, nr, p.head_dim_v, t.dOi, t.ldv);
-    }
+  const T* q_at(int i) const {
+    return static_cast<const T*>(p.q) + h * p.q_head_stride +
+           row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i);
+  }
+  const T* do_at(int i) const {
+    return static_cast<const T*>(p.dout) + h * p.do_head_stride +
+           row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i);
+  }
+  const T* k_at(int j) const {
+    return static_cast<const T*>(p.k) + hk * p.k_head_stride +
+           row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j);
+  }
+  const T* v_at(int j) const {
+    return static_cast<const T*>(p.v) + hk * p.v_head_stride +
+           row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j);
+  }
+
+  // lse and D of rows i0..i0+nr; rows that saw no key (and pad rows) get L = +inf, which
+  // makes their P = exp(S - inf) exactly 0 and so their gradients too.
+  void load_row_stats(int i0, int nr, BwdBuffers<A>& t) const {
     for (int r = 0; r < kBr; ++r) {
-      const A L = r < nr ? lse[int64_t(i0 + r) * lse_stride] : neg_inf<A>();
-      t.Lref[r] = L == neg_inf<A>() ? -neg_inf<A>() : L;  // P = exp(S - inf) = 0: no key seen
+      const A L = r < nr ? lse[int64_t(i0 + r) * p.lse_row_stride] : neg_inf<A>();
+      t.Lref[r] = L == neg_inf<A>() ? -neg_inf<A>() : L;
       t.Dr[r] = r < nr ? D[i0 + r] : A(0);
     }
   }
 
-  // Key-side rows of keys j0..j0+nc (in place when already the accumulation type).
-  struct KV {
-    const A *K, *V;
-    int64_t ldk, ldv;
+  // ---- pass 1 orientation: S (rows x keys) = Q (scale K)ᵀ, key tile fixed ----
+  void pack_key_tile(int j0, int nc, BwdBuffers<A>& t) const {
+    load_rows_t(k_at(j0), p.k_row_stride, nc, p.head_dim, t.kT, kBc);
+    scale_rows(t.kT, p.head_dim, kBc, kBc, A(p.scale));
+    load_rows_t(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.vT, kBc);
+  }
+  struct QRows {
+    const A *q, *dout;  // row-major, padded: usable as GEMM A and B operands
+    int64_t ldq, ldo;
   };
-  KV load_k(int j0, int nc, BwdBuffers<A>& t) const {
-    const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride +
-                 row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
-    const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride +
-                 row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
-    KV kv;
-    kv.K = rows_as_acc(k, p.k_row_stride, nc, p.head_dim, t.Kbuf, t.ldq, &kv.ldk, true);
-    kv.V = rows_as_acc(v, p.v_row_stride, nc, p.head_dim_v, t.Vbuf, p.head_dim_v, &kv.ldv,
-                       false);
-    return kv;
+  QRows query_rows(int i0, int nr, BwdBuffers<A>& t) const {
+    QRows x;
+    x.q = rows_as_acc(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, t.ldq, &x.ldq, true);
+    x.dout = rows_as_acc(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.do_rows, t.ldv, &x.ldo,
+                         true);
+    return x;
+  }
+  // S <- P ∘ Z (feeds dV), dP <- dS (through the softcap: feeds dK), row-major.
+  void rebuild_rows(int i0, int nr, int j0, int nc, const QRows& x, BwdBuffers<A>& t) const {
+    const int ncp = padded<A>(nc);
+    gemm<false>(nr, ncp, p.head_dim, x.q, x.ldq, 1, t.kT, kBc, t.S, kBc);         // S
+    finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, kBc, 1, p.softcap > 0 ? t.Tcap : nullptr);
+    gemm<false>(nr, ncp, p.head_dim_v, x.dout, x.ldo, 1, t.vT, kBc, t.dP, kBc);  // dP
+    if (p.dropout_p > 0)  // dP ∘ Z with the forward's very mask
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dP + r * kBc);
+    probs_and_dS_rows(t.S, t.dP, kBc, nr, ncp, t.Lref, t.Dr);
+    finish_grads(nr * kBc, t, true);
+    if (p.dropout_p > 0)  // P ∘ Z for dV
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.S + r * kBc);
   }
 
-  // On the tile rows i0..i0+nr x keys j0..j0+nc (query tiles loaded, kv from load_k):
-  //   ST  <- Pᵀ ∘ Z        (what multiplies V in the forward; feeds dV)
-  //   dPT <- dSᵀ = P ∘ (dP ∘ Z - D), through the softcap's (1 - tanh²) when `raw`
-  //          (dS itself is dbias; dS through the softcap feeds dQ and dK).
-  void rebuild(int i0, int nr, int j0, int nc, BwdBuffers<A>& t, const KV& kv, bool raw) const {
+  // ---- passes 2-3 orientation: Sᵀ (keys x rows) = K (scale Q)ᵀ, query tile fixed ----
+  void pack_query_tile(int i0, int nr, BwdBuffers<A>& t) const {
+    load_rows_t(q_at(i0), p.q_row_stride, nr, p.head_dim, t.qT, kBr);
+    scale_rows(t.qT, p.head_dim, kBr, kBr, A(p.scale));
+    load_rows_t(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.doT, kBr);
+    load_row_stats(i0, nr, t);
+  }
+  struct KRows {
+    const A *k, *v;
+    int64_t ldk, ldv;
+  };
+  KRows key_rows(int j0, int nc, BwdBuffers<A>& t) const {
+    KRows x;
+    x.k = rows_as_acc(k_at(j0), p.k_row_stride, nc, p.head_dim, t.k_rows, t.ldq, &x.ldk, true);
+    x.v = rows_as_acc(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.v_rows, p.head_dim_v,
+                      &x.ldv, false);
+    return x;
+  }
+  // Sᵀ <- Pᵀ, dPᵀ <- dSᵀ (through the softcap when `raw`; dS itself is dbias).
+  void rebuild_T(int i0, int nr, int j0, int nc, const KRows& x, BwdBuffers<A>& t,
+                 bool raw) const {
     const int nrp = padded<A>(nr);
-    gemm<false>(nc, nrp, p.head_dim, kv.K, kv.ldk, 1, t.QiT, kBr, t.ST, kBr);       // Sᵀ
-    finish_scores(p, s, b, h, i0, nr, j0, nc, t.ST, 1, kBr, p.softcap > 0 ? t.Tcap : nullptr);
-    gemm<false>(nc, nrp, p.head_dim_v, kv.V, kv.ldv, 1, t.dOiT, kBr, t.dPT, kBr);  // dPᵀ
-    if (p.dropout_p > 0)  // dP ∘ Z with the forward's very mask
-      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dPT + r, kBr);
-    probs_and_dS_T(t.ST, t.dPT, kBr, nc, nrp, t.Lref, t.Dr);
+    gemm<false>(nc, nrp, p.head_dim, x.k, x.ldk, 1, t.qT, kBr, t.S, kBr);         // Sᵀ
+    finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, 1, kBr, p.softcap > 0 ? t.Tcap : nullptr);
+    gemm<false>(nc, nrp, p.head_dim_v, x.v, x.ldv, 1, t.doT, kBr, t.dP, kBr);   // dPᵀ
+    if (p.dropout_p > 0)
+      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dP + r, kBr);
+    probs_and_dS_T(t.S, t.dP, kBr, nc, nrp, t.Lref, t.Dr);
+    finish_grads(nc * kBr, t, raw);
+  }
+
+  // dS through the softcap: d softcap·tanh(s/softcap) / ds = 1 - tanh².
+  void finish_grads(int64_t n, BwdBuffers<A>& t, bool raw) const {
     if (raw && p.softcap > 0)
-      for (int64_t e = 0; e < int64_t(nc) * kBr; ++e) t.dPT[e] *= A(1) - t.Tcap[e] * t.Tcap[e];
-    if (p.dropout_p > 0)  // P ∘ Z for dV
-      for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.ST + r, kBr);
+      for (int64_t e = 0; e < n; ++e) t.dP[e] *= A(1) - t.Tcap[e] * t.Tcap[e];
   }
 };
 
@@ -165,22 +214,23 @@ void dkdv_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
   const int ldq = padded<A>(d), ldv = padded<A>(dv);
   BwdBuffers<A> t(p, int64_t(kBc) * (ldq + ldv));
-  A* dK = t.acc;                       // (nc, ldq): dSᵀ (scale Q) = scale · dSᵀ Q
+  A* dK = t.acc;                       // (nc, ldq): dSᵀ Q, scaled at the end
   A* dV = t.acc + int64_t(kBc) * ldq;  // (nc, ldv)
 
-  typename BwdTile<T, A>::KV kv{};
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    const BwdTile<T, A> tile(p, b, h, D_all);
-    if (h == hk * group) kv = tile.load_k(j0, nc, t);
+    const BwdHead<T, A> head(p, b, h, D_all);
+    if (h == hk * group) head.pack_key_tile(j0, nc, t);
     const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
-      tile.load_q(i0, nr, t, true);
-      tile.rebuild(i0, nr, j0, nc, t, kv, true);
-      gemm<true>(nc, ldv, nr, t.ST, kBr, 1, t.dOi, ldv, dV, ldv);  // dV += (P∘Z)ᵀ dO
-      gemm<true>(nc, ldq, nr, t.dPT, kBr, 1, t.Qi, ldq, dK, ldq);  // dK += dSᵀ (scale Q)
+      const auto x = head.query_rows(i0, nr, t);
+      head.load_row_stats(i0, nr, t);
+      head.rebuild_rows(i0, nr, j0, nc, x, t);
+      gemm<true>(nc, ldv, nr, t.S, 1, kBc, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
+      gemm<true>(nc, ldq, nr, t.dP, 1, kBc, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
     }
   }
+  scale_rows(dK, nc, d, ldq, A(p.scale));
   T* dk = static_cast<T*>(p.dk) + hk * p.dk_head_stride +
           row_offset(p, b, p.dk_batch_stride, p.dk_row_stride, s.k_first, j0);
   T* dvp = static_cast<T*>(p.dv) + hk * p.dv_head_stride +
@@ -198,21 +248,21 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int b = int(task / (int64_t(p.heads_q) * n_qblocks));
   const int h = int(task / n_qblocks % p.heads_q);
   const int i0 = int(task % n_qblocks) * kBr;
-  const BwdTile<T, A> tile(p, b, h, D_all);
-  const Seq& s = tile.s;
+  const BwdHead<T, A> head(p, b, h, D_all);
+  const Seq& s = head.s;
   if (i0 >= s.sq) return;
   const int nr = std::min(kBr, s.sq - i0);
   const int d = p.head_dim, ldq = padded<A>(d);
   BwdBuffers<A> t(p, int64_t(kBr) * ldq);
   A* dQ = t.acc;  // (nr, ldq)
-  tile.load_q(i0, nr, t, false);
+  head.pack_query_tile(i0, nr, t);
 
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    const auto kv = tile.load_k(j0, nc, t);
-    tile.rebuild(i0, nr, j0, nc, t, kv, true);
-    gemm<true>(nr, ldq, nc, t.dPT, 1, kBr, kv.K, kv.ldk, dQ, ldq);  // dQ += dS K
+    const auto x = head.key_rows(j0, nc, t);
+    head.rebuild_T(i0, nr, j0, nc, x, t, true);
+    gemm<true>(nr, ldq, nc, t.dP, 1, kBr, x.k, x.ldk, dQ, ldq);  // dQ += dS K
   }
   scale_rows(dQ, nr, d, ldq, A(p.scale));
   T* dq = static_cast<T*>(p.dq) + h * p.dq_head_stride +
@@ -231,27 +281,27 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int bb = int(task / (int64_t(n_ct) * n_rt * p.dbias_heads));
   const int out_r0 = rt * kBr, out_nr = std::min(kBr, R - out_r0);
   const int out_c0 = ct * kBc, out_nc = std::min(kBc, C - out_c0);
-  BwdBuffers<A> t(p, kBr * kBc);
+  BwdBuffers<A> t(p, kBr * kBc);  // acc: (out rows, kBc)
 
   const int b_lo = p.dbias_batch == 1 ? 0 : bb, b_hi = p.dbias_batch == 1 ? p.batch : bb + 1;
   const int h_lo = p.dbias_heads == 1 ? 0 : hh, h_hi = p.dbias_heads == 1 ? p.heads_q : hh + 1;
   for (int b = b_lo; b < b_hi; ++b) {
     for (int h = h_lo; h < h_hi; ++h) {
-      const BwdTile<T, A> tile(p, b, h, D_all);
-      const Seq& s = tile.s;
+      const BwdHead<T, A> head(p, b, h, D_all);
+      const Seq& s = head.s;
       // Rows/cols of this sequence that land on the output tile.
       const int i_lo = R == 1 ? 0 : out_r0, i_hi = std::min(s.sq, R == 1 ? s.sq : out_r0 + out_nr);
       const int j_lo = C == 1 ? 0 : out_c0, j_hi = std::min(s.sk, C == 1 ? s.sk : out_c0 + out_nc);
       for (int i0 = i_lo; i0 < i_hi; i0 += kBr) {
         const int nr = std::min(kBr, i_hi - i0);
-        tile.load_q(i0, nr, t, false);
+        head.pack_query_tile(i0, nr, t);
         for (int j0 = j_lo; j0 < j_hi; j0 += kBc) {
           const int nc = std::min(kBc, j_hi - j0);
-          tile.rebuild(i0, nr, j0, nc, t, tile.load_k(j0, nc, t), false);
+          head.rebuild_T(i0, nr, j0, nc, head.key_rows(j0, nc, t), t, false);
           for (int r = 0; r < nr; ++r)
             for (int c = 0; c < nc; ++c)
               t.acc[(R == 1 ? 0 : i0 + r - out_r0) * kBc + (C == 1 ? 0 : j0 + c - out_c0)] +=
-                  t.dPT[c * kBr + r];
+                  t.dP[c * kBr + r];
         }
       }
     }

@@ -78,4 +78,30 @@ inline void probs_and_dS_T(double* S, double* dP, int64_t ld, int nc, int nrp,
     }
 }
 
+// The same on a row-major tile S (query rows x keys, leading dimension ld), for the pass that
+// keeps a key tile fixed and streams query rows: per row r, vectors run along the keys.
+inline void probs_and_dS_rows(float* S, float* dP, int64_t ld, int nr, int ncp, const float* L_ref,
+                              const float* D) {
+  for (int r = 0; r < nr; ++r) {
+    const VecF L = VecF::set1(L_ref[r]), d = VecF::set1(D[r]);
+    float* s = S + r * ld;
+    float* g = dP + r * ld;
+    for (int c = 0; c < ncp; c += kW) {
+      const VecF p = vexp(VecF::load(s + c) - L);
+      p.store(s + c);
+      (p * (VecF::load(g + c) - d)).store(g + c);
+    }
+  }
+}
+
+inline void probs_and_dS_rows(double* S, double* dP, int64_t ld, int nr, int ncp,
+                              const double* L_ref, const double* D) {
+  for (int r = 0; r < nr; ++r)
+    for (int c = 0; c < ncp; ++c) {
+      const double p = std::exp(S[r * ld + c] - L_ref[r]);
+      S[r * ld + c] = p;
+      dP[r * ld + c] = p * (dP[r * ld + c] - D[r]);
+    }
+}
+
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS
