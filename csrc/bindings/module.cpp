@@ -15,6 +15,7 @@
 #include "dlpack/dlpack.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/philox.h"
 #include "fmha/threads.h"
 
 namespace py = pybind11;
@@ -395,6 +396,14 @@ PYBIND11_MODULE(_C, m) {
     else throw InvalidArgument(concat("isa: got '", name, "', expected scalar, avx2 or avx512"));
   });
   m.def("hardware_threads", &hardware_threads);
+  // The kernels' own Philox, exposed so tests can hold it to the published vectors.
+  m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+    const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+    return std::array<uint32_t, 4>{r.x[0], r.x[1], r.x[2], r.x[3]};
+  }, py::arg("counter"), py::arg("key"));
+  m.def("dropout_threshold", &dropout_threshold, py::arg("p"));
+  m.def("cpu_fma_peak_gflops", &cpu_fma_peak_gflops, py::arg("threads"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("cuda_built", &cuda_built);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_status", &cuda_status);

@@ -14,9 +14,17 @@
 // Passes 1 and 2 both recompute S and dP: one more QKᵀ and dO Vᵀ than a single pass with
 // atomic dQ, the price of determinism and of parallelism beyond batch x heads.
 //
-// Orientation: a task packs (transposes, converts, scales) the side it keeps fixed once and
-// reads the streamed side in place. Pass 1 keeps a key tile and works on S (rows x keys);
-// passes 2 and 3 keep a query tile and work on Sᵀ (keys x rows), as the forward does.
+// Orientation: a task packs (transposes, converts) the side it keeps fixed once and reads the
+// streamed side in place. Pass 1 keeps a key tile and works on S (rows x keys); passes 2 and
+// 3 keep a query tile and work on Sᵀ (keys x rows), as the forward does. Either way every
+// element of S is the same chain of FMAs over head_dim followed by one multiply by the scale,
+// and every dQ element the same chain over the keys in increasing order, so the orientation
+// (and the choice between the pass structures below) never changes a bit of the result.
+//
+// When there are enough (batch, kv head) pairs to keep every thread busy, one pass per pair
+// (single_pass_task) does the work of passes 1 and 2 with five GEMMs per tile instead of
+// seven, accumulating dQ for the whole sequence in float (O(seqlen · head_dim) per thread,
+// like FlashAttention-2's dq_accum).
 #pragma once
 
 #include "cpu/forward.h"  // rows_as_acc
@@ -114,7 +122,6 @@ struct BwdHead {
   // ---- pass 1 orientation: S (rows x keys) = Q (scale K)ᵀ, key tile fixed ----
   void pack_key_tile(int j0, int nc, BwdBuffers<A>& t) const {
     load_rows_t(k_at(j0), p.k_row_stride, nc, p.head_dim, t.kT, kBc);
-    scale_rows(t.kT, p.head_dim, kBc, kBc, A(p.scale));
     load_rows_t(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.vT, kBc);
   }
   struct QRows {
@@ -131,7 +138,8 @@ struct BwdHead {
   // S <- P ∘ Z (feeds dV), dP <- dS (through the softcap: feeds dK), row-major.
   void rebuild_rows(int i0, int nr, int j0, int nc, const QRows& x, BwdBuffers<A>& t) const {
     const int ncp = padded<A>(nc);
-    gemm<false>(nr, ncp, p.head_dim, x.q, x.ldq, 1, t.kT, kBc, t.S, kBc);         // S
+    gemm<false>(nr, ncp, p.head_dim, x.q, x.ldq, 1, t.kT, kBc, t.S, kBc);         // Q Kᵀ
+    scale_rows(t.S, nr, ncp, kBc, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, kBc, 1, p.softcap > 0 ? t.Tcap : nullptr);
     gemm<false>(nr, ncp, p.head_dim_v, x.dout, x.ldo, 1, t.vT, kBc, t.dP, kBc);  // dP
     if (p.dropout_p > 0)  // dP ∘ Z with the forward's very mask
@@ -145,7 +153,6 @@ struct BwdHead {
   // ---- passes 2-3 orientation: Sᵀ (keys x rows) = K (scale Q)ᵀ, query tile fixed ----
   void pack_query_tile(int i0, int nr, BwdBuffers<A>& t) const {
     load_rows_t(q_at(i0), p.q_row_stride, nr, p.head_dim, t.qT, kBr);
-    scale_rows(t.qT, p.head_dim, kBr, kBr, A(p.scale));
     load_rows_t(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.doT, kBr);
     load_row_stats(i0, nr, t);
   }
@@ -164,7 +171,8 @@ struct BwdHead {
   void rebuild_T(int i0, int nr, int j0, int nc, const KRows& x, BwdBuffers<A>& t,
                  bool raw) const {
     const int nrp = padded<A>(nr);
-    gemm<false>(nc, nrp, p.head_dim, x.k, x.ldk, 1, t.qT, kBr, t.S, kBr);         // Sᵀ
+    gemm<false>(nc, nrp, p.head_dim, x.k, x.ldk, 1, t.qT, kBr, t.S, kBr);         // K Qᵀ
+    scale_rows(t.S, nc, nrp, kBr, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, 1, kBr, p.softcap > 0 ? t.Tcap : nullptr);
     gemm<false>(nc, nrp, p.head_dim_v, x.v, x.ldv, 1, t.doT, kBr, t.dP, kBr);   // dPᵀ
     if (p.dropout_p > 0)
@@ -200,6 +208,52 @@ void d_task(const BwdParams& p, int64_t task, A* D_all) {
   }
 }
 
+// The key-stationary loop shared by pass 1 and the single pass: dK, dV of one key tile over
+// every query head of the group and every query tile that sees it; with dQ_all (group x
+// seqlen_q x ldq), dQ += dS K as well.
+template <typename T, typename A>
+void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* D_all,
+                    BwdBuffers<A>& t, A* dK, A* dV, A* dQ_all) {
+  const Seq s = seq_of(p, b);
+  const int group = p.heads_q / p.heads_kv, ldq = t.ldq, ldv = t.ldv;
+  typename BwdHead<T, A>::KRows kr{};
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const BwdHead<T, A> head(p, b, h, D_all);
+    if (h == hk * group) {
+      head.pack_key_tile(j0, nc, t);
+      if (dQ_all) kr = head.key_rows(j0, nc, t);
+    }
+    const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
+    for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
+      const int nr = std::min(kBr, i_end - i0);
+      const auto x = head.query_rows(i0, nr, t);
+      head.load_row_stats(i0, nr, t);
+      head.rebuild_rows(i0, nr, j0, nc, x, t);
+      gemm<true>(nc, ldv, nr, t.S, 1, kBc, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
+      gemm<true>(nc, ldq, nr, t.dP, 1, kBc, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
+      if (dQ_all) {                                                  // dQ += dS K
+        A* dQ = dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq;
+        gemm<true>(nr, ldq, nc, t.dP, kBc, 1, kr.k, kr.ldk, dQ, ldq);
+      }
+    }
+  }
+}
+
+template <typename T, typename A>
+void store_key_tile_grads(const BwdParams& p, int b, int hk, const Seq& s, int j0, int nc, A* dK,
+                          A* dV, int ldq, int ldv) {
+  const int d = p.head_dim, dv = p.head_dim_v;
+  scale_rows(dK, nc, d, ldq, A(p.scale));
+  T* dk = static_cast<T*>(p.dk) + hk * p.dk_head_stride +
+          row_offset(p, b, p.dk_batch_stride, p.dk_row_stride, s.k_first, j0);
+  T* dvp = static_cast<T*>(p.dv) + hk * p.dv_head_stride +
+           row_offset(p, b, p.dv_batch_stride, p.dv_row_stride, s.k_first, j0);
+  for (int c = 0; c < nc; ++c) {
+    store_row(dK + int64_t(c) * ldq, d, dk + c * p.dk_row_stride);
+    store_row(dV + int64_t(c) * ldv, dv, dvp + c * p.dv_row_stride);
+  }
+}
+
 // Pass 1: dK, dV of key tile j0..j0+nc of kv head hk, over every query head of its group and
 // every query tile that sees it.
 template <typename T, typename A>
@@ -211,33 +265,39 @@ void dkdv_task(const BwdParams& p, int64_t task, const A* D_all) {
   const Seq s = seq_of(p, b);
   if (j0 >= s.sk) return;
   const int nc = std::min(kBc, s.sk - j0);
-  const int d = p.head_dim, dv = p.head_dim_v, group = p.heads_q / p.heads_kv;
-  const int ldq = padded<A>(d), ldv = padded<A>(dv);
+  const int ldq = padded<A>(p.head_dim), ldv = padded<A>(p.head_dim_v);
   BwdBuffers<A> t(p, int64_t(kBc) * (ldq + ldv));
-  A* dK = t.acc;                       // (nc, ldq): dSᵀ Q, scaled at the end
+  A* dK = t.acc;                       // (nc, ldq): dSᵀ Q, scaled when stored
   A* dV = t.acc + int64_t(kBc) * ldq;  // (nc, ldv)
+  key_tile_grads<T, A>(p, b, hk, j0, nc, D_all, t, dK, dV, nullptr);
+  store_key_tile_grads<T, A>(p, b, hk, s, j0, nc, dK, dV, ldq, ldv);
+}
 
-  for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    const BwdHead<T, A> head(p, b, h, D_all);
-    if (h == hk * group) head.pack_key_tile(j0, nc, t);
-    const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
-    for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
-      const int nr = std::min(kBr, i_end - i0);
-      const auto x = head.query_rows(i0, nr, t);
-      head.load_row_stats(i0, nr, t);
-      head.rebuild_rows(i0, nr, j0, nc, x, t);
-      gemm<true>(nc, ldv, nr, t.S, 1, kBc, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
-      gemm<true>(nc, ldq, nr, t.dP, 1, kBc, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
-    }
+// The single pass: everything of one (batch, kv head), key tile after key tile, dQ of the
+// group's query heads accumulated in float until the end.
+template <typename T, typename A>
+void single_pass_task(const BwdParams& p, int64_t task, const A* D_all) {
+  const int b = int(task / p.heads_kv), hk = int(task % p.heads_kv);
+  const Seq s = seq_of(p, b);
+  const int d = p.head_dim, group = p.heads_q / p.heads_kv;
+  const int ldq = padded<A>(d), ldv = padded<A>(p.head_dim_v);
+  BwdBuffers<A> t(p, int64_t(kBc) * (ldq + ldv) + int64_t(group) * p.seqlen_q * ldq);
+  A* dK = t.acc;
+  A* dV = dK + int64_t(kBc) * ldq;
+  A* dQ_all = dV + int64_t(kBc) * ldv;  // (group, seqlen_q, ldq)
+  for (int j0 = 0; j0 < s.sk; j0 += kBc) {
+    const int nc = std::min(kBc, s.sk - j0);
+    fill(dK, int64_t(kBc) * (ldq + ldv), A(0));
+    key_tile_grads<T, A>(p, b, hk, j0, nc, D_all, t, dK, dV, dQ_all);
+    store_key_tile_grads<T, A>(p, b, hk, s, j0, nc, dK, dV, ldq, ldv);
   }
-  scale_rows(dK, nc, d, ldq, A(p.scale));
-  T* dk = static_cast<T*>(p.dk) + hk * p.dk_head_stride +
-          row_offset(p, b, p.dk_batch_stride, p.dk_row_stride, s.k_first, j0);
-  T* dvp = static_cast<T*>(p.dv) + hk * p.dv_head_stride +
-           row_offset(p, b, p.dv_batch_stride, p.dv_row_stride, s.k_first, j0);
-  for (int c = 0; c < nc; ++c) {
-    store_row(dK + int64_t(c) * ldq, d, dk + c * p.dk_row_stride);
-    store_row(dV + int64_t(c) * ldv, dv, dvp + c * p.dv_row_stride);
+  for (int g = 0; g < group; ++g) {
+    const int h = hk * group + g;
+    A* dQ = dQ_all + int64_t(g) * p.seqlen_q * ldq;
+    scale_rows(dQ, s.sq, d, ldq, A(p.scale));
+    T* dq = static_cast<T*>(p.dq) + h * p.dq_head_stride +
+            row_offset(p, b, p.dq_batch_stride, p.dq_row_stride, s.q_first, 0);
+    for (int i = 0; i < s.sq; ++i) store_row(dQ + int64_t(i) * ldq, d, dq + i * p.dq_row_stride);
   }
 }
 
@@ -312,6 +372,21 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
       out[int64_t(out_r0 + r) * C + out_c0 + c] = t.acc[r * kBc + c];
 }
 
+// The single pass needs at least 4 (batch, kv head) tasks per thread to balance (causal rows
+// make tasks unequal only across sequences of different lengths) and a dQ accumulator that
+// fits comfortably. FMHA_CPU_BACKWARD=passes|single forces one (tests compare them: they
+// must agree to the bit). 5 instead of 7 GEMMs per tile: ~25% faster where it applies.
+inline bool use_single_pass(const BwdParams& p) {
+  if (const char* force = std::getenv("FMHA_CPU_BACKWARD")) {
+    if (!std::strcmp(force, "single")) return true;
+    if (!std::strcmp(force, "passes")) return false;
+  }
+  const int threads = p.num_threads > 0 ? p.num_threads : hardware_threads();
+  const int64_t dq_bytes = int64_t(p.heads_q / p.heads_kv) * p.seqlen_q *
+                           padded<float>(p.head_dim) * 8;
+  return int64_t(p.batch) * p.heads_kv >= 4 * int64_t(threads) && dq_bytes <= (int64_t(64) << 20);
+}
+
 template <typename T>
 void backward_typed(const BwdParams& p) {
   using A = acc_t<T>;
@@ -320,9 +395,14 @@ void backward_typed(const BwdParams& p) {
   std::vector<A> D(size_t(p.batch) * p.heads_q * p.seqlen_q);  // O(n): one value per row
   const int64_t q_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
   parallel_for(q_tasks, p.num_threads, [&](int64_t t) { d_task<T, A>(p, t, D.data()); });
-  parallel_for(int64_t(p.batch) * p.heads_kv * n_kblocks, p.num_threads,
-               [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); });
-  parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); });
+  if (use_single_pass(p)) {
+    parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
+                 [&](int64_t t) { single_pass_task<T, A>(p, t, D.data()); });
+  } else {
+    parallel_for(int64_t(p.batch) * p.heads_kv * n_kblocks, p.num_threads,
+                 [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); });
+    parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); });
+  }
   if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);

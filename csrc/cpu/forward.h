@@ -50,7 +50,7 @@ void forward_task(const FwdParams& p, int64_t task) {
   ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBc * kBr) +
            Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr));
-  A* QiT = ws.take<A>(int64_t(d) * kBr);   // (scale Q)ᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
+  A* QiT = ws.take<A>(int64_t(d) * kBr);   // Qᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
   A* ST = ws.take<A>(kBc * kBr);           // Sᵀ: (keys, rows), then Pᵀ in place
@@ -63,9 +63,9 @@ void forward_task(const FwdParams& p, int64_t task) {
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
   const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
-  // The one transpose of the task: Q's tile, with the softmax scale folded in.
+  // The one transpose of the task: Q's tile. The scale is applied to S after the GEMM, not
+  // folded into Q, so that the backward (which reads Q in place) rebuilds the very same S.
   load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
-  scale_rows(QiT, d, kBr, kBr, A(p.scale));
   fill(m, kBr, neg_inf<A>());
   fill(l, kBr, A(0));
   fill(O, int64_t(kBr) * ldv, A(0));
@@ -79,7 +79,8 @@ void forward_task(const FwdParams& p, int64_t task) {
                               p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
     const A* Vj = rows_as_acc(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
                               p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
-    gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K (scale Q)ᵀ
+    gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ, then · scale
+    scale_rows(ST, nc, nrp, kBr, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, ST, 1, kBr, static_cast<A*>(nullptr));
     online_softmax_T(ST, kBr, nc, nrp, m, l, alpha);  // Sᵀ becomes Pᵀ (unnormalised)
     if (p.dropout_p > 0)  // after the normaliser l, which counts dropped entries too

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -207,22 +208,31 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
   // grow with the row, so the tile is inside every row's window iff it is inside the last
   // row's left edge and the first row's right edge.
   const bool inside = j0 >= key_lo(p, s, i0 + nr - 1) && j0 + nc - 1 <= key_hi(p, s, i0);
-  if (inside && !p.mask.ptr) return;
-  for (int r = 0; r < nr; ++r) {
-    const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
-    if (!inside) {
+  if (!inside) {
+    for (int r = 0; r < nr; ++r) {
+      const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
       for (int c = 0; c < nc; ++c) {
         const int j = j0 + c;
         if (j < lo || j > hi) S[r * rs + c * cs] = neg_inf<A>();
       }
     }
-    if (p.mask.ptr) {
-      const uint8_t* m = static_cast<const uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
-                         h * p.mask.head_stride + int64_t(i) * p.mask.row_stride +
-                         int64_t(j0) * p.mask.col_stride;
-      for (int c = 0; c < nc; ++c)
-        if (!m[c * p.mask.col_stride]) S[r * rs + c * cs] = neg_inf<A>();
-    }
+  }
+  if (!p.mask.ptr) return;
+  const uint8_t* m0 = static_cast<const uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
+                      h * p.mask.head_stride + int64_t(j0) * p.mask.col_stride;
+  if (p.mask.row_stride == 0) {
+    // A key-padding mask (the same for every row): one look at the tile's keys, and masked
+    // keys blank whole columns; a tile of all-visible keys costs a memchr.
+    if (p.mask.col_stride == 1 && !std::memchr(m0, 0, size_t(nc))) return;
+    for (int c = 0; c < nc; ++c)
+      if (!m0[c * p.mask.col_stride])
+        for (int r = 0; r < nr; ++r) S[r * rs + c * cs] = neg_inf<A>();
+    return;
+  }
+  for (int r = 0; r < nr; ++r) {
+    const uint8_t* m = m0 + int64_t(i0 + r) * p.mask.row_stride;
+    for (int c = 0; c < nc; ++c)
+      if (!m[c * p.mask.col_stride]) S[r * rs + c * cs] = neg_inf<A>();
   }
 }
 

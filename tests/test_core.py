@@ -1,0 +1,157 @@
+"""The compiled core itself: its Philox against the published vectors, the dropout mask the
+kernels apply against the Python contract, the build/backends report, ISA selection, and the
+padding-mask memory bound."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import fmha
+from fmha import _C, _philox, reference
+
+from test_reference import _kat_rows
+
+
+@pytest.mark.parametrize("counter,key,expected", _kat_rows())
+def test_kernel_philox_known_answers(counter, key, expected):
+    assert list(_C.philox4x32_10(list(counter), list(key))) == list(expected)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.999])
+def test_kernel_dropout_threshold_matches_python(p):
+    assert _C.dropout_threshold(p) == _philox.dropout_threshold(p)
+
+
+def _kernel_keep_mask(seed, batch, heads, sq, sk, p):
+    """The kernel's own mask, read back through the output: with v = identity over the keys,
+    out[b, i, h, j] = P[b, h, i, j] * Z[b, h, i, j], and with q = 0 every P is 1/sk."""
+    q = np.zeros((batch, sq, heads, 4))
+    k = np.zeros((batch, sk, heads, 4))
+    v = np.broadcast_to(np.eye(sk)[None, :, None, :], (batch, sk, heads, sk)).copy()
+    out = fmha.attention(q, k, v, dropout_p=p, seed=seed)
+    return out.transpose(0, 2, 1, 3) > 0
+
+
+def test_kernel_dropout_mask_is_the_contract_and_keeps_1_minus_p():
+    seed, p = 1234567890123, 0.3
+    z = _kernel_keep_mask(seed, 2, 4, 128, 1024, p)  # 1M samples
+    assert np.array_equal(z, _philox.dropout_keep_mask(seed, 0, 2, 4, 128, 1024, p))
+    assert abs(z.mean() - (1 - p)) < 0.01 * (1 - p)
+
+
+def test_kernel_dropout_mask_independent_of_threads_and_isa():
+    seed, p = 99, 0.5
+    masks = []
+    for n in (1, 2):
+        fmha.set_num_threads(n)
+        try:
+            masks.append(_kernel_keep_mask(seed, 1, 2, 70, 130, p))
+        finally:
+            fmha.set_num_threads(None)
+    assert np.array_equal(masks[0], masks[1])
+    code = textwrap.dedent("""
+        import numpy as np, fmha, sys
+        sys.path.insert(0, sys.argv[1])
+        from test_core import _kernel_keep_mask
+        np.save(sys.argv[2], _kernel_keep_mask(99, 1, 2, 70, 130, 0.5))
+    """)
+    for isa in _supported_isas():
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fmha_mask_{isa}_{os.getpid()}.npy")
+        env = dict(os.environ, FMHA_CPU_ISA=isa)
+        subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), path],
+                       check=True, env=env)
+        assert np.array_equal(np.load(path), masks[0]), isa
+        os.remove(path)
+
+
+def _supported_isas():
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(_C.best_cpu_isa()) + 1]
+
+
+def test_backends_report_no_gpu_cleanly():
+    assert "cpu" in fmha.backends()
+    status = fmha.cuda_status()
+    if _C.cuda_device_count() == 0:
+        assert "cuda" not in fmha.backends()
+        assert status.startswith("no GPU"), status
+    else:
+        assert "cuda:0" in status
+
+
+def test_cpu_isa_is_supported_and_reported():
+    assert fmha.cpu_isa() in _supported_isas()
+    if "FMHA_CPU_ISA" not in os.environ:
+        assert fmha.cpu_isa() == _C.best_cpu_isa()
+
+
+def test_forcing_an_unknown_isa_is_a_clear_error():
+    code = "import numpy as np, fmha; fmha.attention(*(np.ones((1, 2, 1, 4)),) * 3)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, FMHA_CPU_ISA="sse9"))
+    assert r.returncode != 0
+    assert "FMHA_CPU_ISA" in r.stderr and "sse9" in r.stderr
+
+
+def test_key_padding_mask_allocates_nothing_quadratic():
+    """A (batch, seqlen_k) padding mask reaches the kernel as a stride-0 view: peak memory
+    grows by about the output, not by b·h·sq·sk."""
+    code = textwrap.dedent("""
+        import os, resource, numpy as np, fmha
+        if os.fork() == 0:  # a fresh peak-RSS counter (fork inherits the parent's)
+            b, h, s, d = 2, 8, 4096, 32
+            rng = np.random.default_rng(0)
+            q, k, v = (rng.standard_normal((b, s, h, d), dtype=np.float32) for _ in range(3))
+            pad = np.ones((b, s), dtype=bool); pad[1, 3000:] = False
+            fmha.attention(q[:, :64], k[:, :64], v[:, :64])  # warm-up: pool, workspaces
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            out = fmha.attention(q, k, v, mask=pad[:, None, None, :])
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+            quadratic = b * h * s * s  # one byte per (b, h, i, j): 256 MiB
+            print(grown, out.nbytes, quadratic)
+            os._exit(0 if grown < out.nbytes + quadratic // 16 else 1)
+        _, status = os.wait()
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, alignment="top_left", window=(37, -1)),
+    dict(window=(20, 70), softcap=4.0),
+    dict(dropout_p=0.3, seed=11, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])),
+    dict(mask_kind="keypad", causal=True),
+], ids=["plain", "causal", "window-tl", "window-softcap", "dropout-alibi", "keypad"])
+def test_backward_structures_agree_to_the_bit(dtype, kw, monkeypatch):
+    """The key-tile passes and the single pass (chosen by problem size and thread count) must
+    give identical bits, or results would depend on the thread count."""
+    kw = dict(kw)
+    rng = np.random.default_rng(3)
+    b, sq, sk, hq, hk, d = 2, 150, 131, 4, 2, 40
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hk, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hk, d + 8)).astype(dtype)
+    if kw.pop("mask_kind", None) == "keypad":
+        pad = np.ones((b, sk), bool)
+        pad[1, 100:] = False
+        kw["mask"] = pad[:, None, None, :]
+    out, lse = fmha.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = {}
+    for structure in ("passes", "single"):
+        monkeypatch.setenv("FMHA_CPU_BACKWARD", structure)
+        grads[structure] = fmha.attention_backward(dout, q, k, v, out, lse, **kw)
+    for a, c in zip(grads["passes"], grads["single"]):
+        assert np.array_equal(a.view(np.uint8), c.view(np.uint8))
+    ref = reference.attention_backward(dout, q, k, v, **{x: y for x, y in kw.items()})
+    tol = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 2e-2}[dtype]
+    for a, r in zip(grads["single"], ref):
+        assert np.abs(a - r).max() <= tol * max(1.0, np.abs(r).max())
