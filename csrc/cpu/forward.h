@@ -104,8 +104,137 @@ void forward_task(const FwdParams& p, int64_t task) {
   }
 }
 
+// Decode-shaped calls (a few query rows, long keys: seqlen_q · group <= kSmallRows) read
+// K/V from memory and are bound by that, not by FMAs. One task then takes all query heads
+// of a GQA group together, so each K/V row is read once for the whole group, and S is
+// computed by dot products along head_dim: the row-vectorised GEMM would pad a single
+// query row to a whole vector of rows.
+constexpr int kSmallRows = 16;
+
+inline bool use_small_rows(const FwdParams& p) {
+  return int64_t(p.seqlen_q) * (p.heads_q / p.heads_kv) <= kSmallRows;
+}
+
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int n, int bytes) {
+  for (int r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(src + r * stride);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
+  }
+}
+
+// S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim).
+inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const float* K,
+                     int64_t ldk, float* S, int64_t ld) {
+  const int dv = d / kW * kW;
+  for (int c = 0; c < nc; ++c) {
+    const float* k = K + c * ldk;
+    for (int m = 0; m < M; ++m) {
+      const float* q = Q + m * ldq;
+      VecF acc = VecF::zero();
+      for (int t = 0; t < dv; t += kW) acc = fma(VecF::load(q + t), VecF::load(k + t), acc);
+      float x = hsum(acc);
+      for (int t = dv; t < d; ++t) x += q[t] * k[t];
+      S[m * ld + c] = x;
+    }
+  }
+}
+inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq, const double* K,
+                     int64_t ldk, double* S, int64_t ld) {
+  for (int c = 0; c < nc; ++c)
+    for (int m = 0; m < M; ++m) {
+      double x = 0;
+      for (int t = 0; t < d; ++t) x += Q[m * ldq + t] * K[c * ldk + t];
+      S[m * ld + c] = x;
+    }
+}
+
+template <typename T>
+void forward_small_task(const FwdParams& p, int64_t task) {
+  using A = acc_t<T>;
+  const int b = int(task / p.heads_kv), hk = int(task % p.heads_kv);
+  const Seq s = seq_of(p, b);
+  const int group = p.heads_q / p.heads_kv, sq = s.sq, M = group * sq;  // row = g * sq + i
+  if (sq == 0) return;
+  const int d = p.head_dim, dv = p.head_dim_v, ldq = padded<A>(d), ldv = padded<A>(dv);
+
+  Workspace& ws = thread_workspace();
+  ws.begin(Workspace::bytes<A>(int64_t(kSmallRows) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
+           Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
+           Workspace::bytes<A>(int64_t(kSmallRows) * ldv) + 3 * Workspace::bytes<A>(kSmallRows));
+  A* Qr = ws.take<A>(int64_t(kSmallRows) * ldq);
+  A* Kbuf = ws.take<A>(int64_t(kBc) * d);
+  A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
+  A* S = ws.take<A>(kSmallRows * kBc);  // row-major (rows, keys), then P in place
+  A* O = ws.take<A>(int64_t(kSmallRows) * ldv);
+  A* m = ws.take<A>(kSmallRows);
+  A* l = ws.take<A>(kSmallRows);
+  A* alpha = ws.take<A>(kSmallRows);
+
+  for (int g = 0; g < group; ++g) {
+    const T* q = static_cast<const T*>(p.q) + (hk * group + g) * p.q_head_stride +
+                 row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, 0);
+    load_rows(q, p.q_row_stride, sq, d, Qr + int64_t(g) * sq * ldq, ldq);
+  }
+  fill(m, M, neg_inf<A>());
+  fill(l, M, A(0));
+  fill(O, int64_t(M) * ldv, A(0));
+  const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
+
+  const int j_begin = key_lo(p, s, 0), j_end = key_hi(p, s, sq - 1) + 1;
+  for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
+    const int nc = std::min(kBc, j_end - j0);
+    int64_t ldk, ldvj;
+    const A* Kj = rows_as_acc(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
+                              p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
+    const A* Vj = rows_as_acc(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
+                              p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+    if (j0 + kBc < j_end) {  // memory-bound: ask for the next tile's rows now
+      const int nn = std::min(kBc, j_end - j0 - kBc);
+      prefetch_rows(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0 + kBc),
+                    p.k_row_stride, nn, d * int(sizeof(T)));
+      prefetch_rows(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0 + kBc),
+                    p.v_row_stride, nn, dv * int(sizeof(T)));
+    }
+    dot_tile(M, nc, d, Qr, ldq, Kj, ldk, S, kBc);
+    scale_rows(S, M, nc, kBc, A(p.scale));
+    for (int g = 0; g < group; ++g)
+      finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
+                    static_cast<A*>(nullptr));
+    for (int r = 0; r < M; ++r) {  // the online softmax, one row at a time
+      A* Sr = S + r * kBc;
+      const A m_new = std::max(m[r], row_max(Sr, nc));
+      const A m_ref = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing visible yet: P = 0
+      alpha[r] = exp_acc(m[r] - m_ref);
+      l[r] = l[r] * alpha[r] + exp_sub_sum(Sr, nc, m_ref);
+      m[r] = m_new;
+      if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
+      if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
+    }
+    gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, O, ldv);  // O += P V
+  }
+
+  for (int r = 0; r < M; ++r) {
+    const int h = hk * group + r / sq, i = r % sq;
+    A* Or = O + int64_t(r) * ldv;
+    scale_rows(Or, 1, dv, ldv, l[r] > 0 ? A(1) / l[r] : A(0));
+    store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
+                          row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
+    A* lse = static_cast<A*>(p.lse) + h * p.lse_head_stride +
+             (p.cu_seqlens_q ? (s.q_first + i) * p.lse_row_stride
+                             : b * p.lse_batch_stride + int64_t(i) * p.lse_row_stride);
+    *lse = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf<A>();
+  }
+}
+
 template <typename T>
 void forward_typed(const FwdParams& p) {
+  if (use_small_rows(p)) {
+    parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
+                 [&](int64_t t) { forward_small_task<T>(p, t); });
+    return;
+  }
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
   parallel_for(n_tasks, p.num_threads, [&](int64_t t) { forward_task<T>(p, t); });

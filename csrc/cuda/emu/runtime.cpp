@@ -1,0 +1,744 @@
+// The SIMT emulator's runtime: launches, barriers, warp collectives, cp.async. The model is
+// described at the top of cuda_emu.h. PTX ISA sections are cited by name and by their
+// number in PTX ISA 9.0 (numbers shift between versions; names do not).
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "cuda/emu/runtime_internal.h"
+
+namespace emu {
+
+__thread const ThreadState* g_thread = nullptr;
+
+namespace detail {
+
+const RaceChecker* g_race_checker = nullptr;
+
+namespace {
+
+// Thrown on a thread whose block was aborted by another thread's error: it unwinds the
+// kernel; the error itself was recorded by whoever found it.
+struct Abort {};
+
+enum Op : int { kOpSyncwarp = 0, kOpShfl, kOpBallot, kOpMma, kOpLdmatrix };
+const char* op_name(int op) {
+  switch (op) {
+    case kOpSyncwarp: return "__syncwarp";
+    case kOpShfl: return "shfl.sync";
+    case kOpBallot: return "vote.sync.ballot";
+    case kOpMma: return "mma.sync";
+    case kOpLdmatrix: return "ldmatrix";
+  }
+  return "?";
+}
+
+// One warp-collective operand: the largest is mma's (4 + 2 registers of A/B, 4 floats of C).
+struct alignas(16) Slot {
+  unsigned char bytes[48];
+};
+
+struct WarpState {
+  int size = 0, live = 0;  // lanes that exist / have not exited
+  int arrived = 0;         // lanes waiting at the barrier in progress
+  uint64_t generation = 0;
+  int op = 0;  // the operation of the barrier in progress, for the divergence check
+  const char* file = nullptr;  // the call site: file:line, or a code address (pc)
+  int line = 0;
+  const void* pc = nullptr;
+  std::condition_variable cv;
+  Slot slots[2][32];  // double-buffered by the lanes' parity: see warp_exchange
+};
+
+}  // namespace
+
+struct BlockState {
+  const char* kernel = "";
+  uint3 block_idx{};
+  dim3 block_dim, grid_dim;
+  int nthreads = 0, nwarps = 0;
+
+  // Everything below is guarded by m.
+  std::mutex m;
+  std::condition_variable cv;  // __syncthreads
+  int live = 0;                // threads that have not exited
+  int exited = 0;
+  int arrived = 0;  // threads waiting at the __syncthreads in progress
+  int blocked = 0;  // threads waiting at any barrier that has not completed
+  uint64_t generation = 0;
+  const char* file = "";
+  int line = 0;
+  std::unique_ptr<WarpState[]> warps;
+  bool aborted = false;
+  std::string error;
+
+  unsigned char* dynamic_smem = nullptr;
+  size_t dynamic_smem_bytes = 0;
+};
+
+namespace {
+
+std::atomic<uint64_t> s_launches{0}, s_blocks{0}, s_threads{0}, s_block_barriers{0},
+    s_warp_barriers{0}, s_mma{0}, s_ldmatrix{0}, s_shfl{0}, s_ballot{0}, s_cp_async{0},
+    s_cp_async_zero_filled{0}, s_max_groups{0};
+
+void bump(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+
+std::mutex g_launch_mutex;  // one launch at a time: static __shared__ storage is per process
+std::mutex g_optin_mutex;
+std::map<const void*, size_t> g_smem_optin;  // kernel -> max dynamic shared memory
+
+// Dynamic shared memory limits: 48 KiB without opt-in; sm_80's 163 KiB with it (the kernels
+// target sm_80, whose limit is the smallest of the architectures they are built for).
+constexpr size_t kDefaultDynamicSmem = 48 * 1024;
+constexpr size_t kMaxDynamicSmem = 163 * 1024;
+
+ThreadImpl& me() {
+  ThreadImpl* t = current();
+  if (!t) not_in_kernel("a CUDA device function");
+  return *t;
+}
+
+std::string where(const char* file, int line, const void* pc = nullptr) {
+  if (!file) return describe_pc(pc);
+  std::ostringstream os;
+  os << file << ":" << line;
+  return os.str();
+}
+
+// Records the first error of the block, aborts it and wakes every waiting thread.
+void abort_locked(BlockState& b, const std::string& message) {
+  if (!b.aborted) {
+    b.aborted = true;
+    b.error = message;
+  }
+  b.cv.notify_all();
+  for (int w = 0; w < b.nwarps; ++w) b.warps[size_t(w)].cv.notify_all();
+}
+
+[[noreturn]] void fail_locked(BlockState& b, const std::string& message) {
+  abort_locked(b, message);
+  throw Abort{};
+}
+
+[[noreturn]] void fail(const std::string& message) {
+  ThreadImpl& t = me();
+  std::lock_guard<std::mutex> lk(t.block->m);
+  fail_locked(*t.block, describe_thread(t.tid) + ": " + message);
+}
+
+// Every live thread waits at a barrier that only a live thread could complete.
+void check_deadlock_locked(BlockState& b) {
+  if (b.aborted || b.live == 0 || b.blocked != b.live) return;
+  std::ostringstream os;
+  os << "deadlock: every live thread of the block waits at a barrier that cannot complete (";
+  if (b.arrived) os << b.arrived << " at __syncthreads " << where(b.file, b.line) << "; ";
+  for (int w = 0; w < b.nwarps; ++w) {
+    const WarpState& ws = b.warps[size_t(w)];
+    if (ws.arrived)
+      os << "warp " << w << ": " << ws.arrived << " of " << ws.live << " lanes at "
+         << op_name(ws.op) << " " << where(ws.file, ws.line, ws.pc) << "; ";
+  }
+  os << b.exited << " exited). A barrier must be reached by every thread it names.";
+  abort_locked(b, os.str());
+}
+
+void complete_warp_barrier_locked(BlockState& b, WarpState& w) {
+  b.blocked -= w.arrived - 1;  // the lanes it releases no longer wait (the last never did)
+  w.arrived = 0;
+  ++w.generation;
+  w.cv.notify_all();
+}
+
+// The warp meets: every live lane of the warp arrives, then all proceed. `op` must be the
+// same for all lanes (.sync.aligned); collectives need all 32 lanes live.
+void warp_barrier(ThreadImpl& t, int op, const char* file, int line, const void* pc) {
+  BlockState& b = *t.block;
+  WarpState& w = b.warps[size_t(t.warp)];
+  std::unique_lock<std::mutex> lk(b.m);
+  if (b.aborted) throw Abort{};
+  if (op != kOpSyncwarp && w.live != 32) {
+    std::ostringstream os;
+    os << describe_thread(t.tid) << ": " << op_name(op) << " at " << where(file, line, pc)
+       << " needs all 32 lanes of the warp, but only " << w.live
+       << (w.size < 32 ? " exist (blockDim is not a multiple of 32)" : " have not exited");
+    fail_locked(b, os.str());
+  }
+  if (w.arrived == 0) {
+    w.op = op;
+    w.file = file;
+    w.line = line;
+    w.pc = pc;
+  } else if (w.op != op) {
+    std::ostringstream os;
+    os << "divergent warp: " << describe_thread(t.tid) << " is at " << op_name(op) << " "
+       << where(file, line, pc) << " while " << w.arrived << " lanes of its warp are at "
+       << op_name(w.op) << " " << where(w.file, w.line, w.pc);
+    fail_locked(b, os.str());
+  }
+  bump(s_warp_barriers);
+  if (++w.arrived == w.live) {
+    complete_warp_barrier_locked(b, w);
+  } else {
+    const uint64_t g = w.generation;
+    ++b.blocked;
+    check_deadlock_locked(b);
+    w.cv.wait(lk, [&] { return w.generation != g || b.aborted; });
+    if (w.generation == g) throw Abort{};
+  }
+  ++t.warp_epoch;
+}
+
+// Each lane deposits `bytes` of operand, the warp meets, and `fn` reads the whole warp's
+// operands. The buffer is double-buffered by parity: lane L rewrites slot half p only at
+// the collective after next, which no lane can reach before every lane has finished
+// reading this one (they all pass the next collective's barrier in between).
+template <typename Fn>
+void warp_exchange(int op, const void* operand, size_t bytes, const void* pc, Fn&& fn) {
+  ThreadImpl& t = me();
+  WarpState& w = t.block->warps[size_t(t.warp)];
+  Slot* half = w.slots[t.parity];
+  std::memcpy(half[t.lane].bytes, operand, bytes);
+  warp_barrier(t, op, nullptr, 0, pc);
+  fn(half, t.lane);
+  t.parity ^= 1;
+}
+
+void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
+  ThreadImpl t;
+  t.block = b;
+  t.tid = tid;
+  t.warp = tid / 32;
+  t.lane = tid % 32;
+  const unsigned dx = b->block_dim.x, dy = b->block_dim.y;
+  t.pub.thread_idx = {unsigned(tid) % dx, (unsigned(tid) / dx) % dy, unsigned(tid) / (dx * dy)};
+  t.pub.block_idx = b->block_idx;
+  t.pub.block_dim = b->block_dim;
+  t.pub.grid_dim = b->grid_dim;
+  t.pub.impl = &t;
+  pthread_attr_t attr;
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    void* lo = nullptr;
+    size_t size = 0;
+    if (pthread_attr_getstack(&attr, &lo, &size) == 0) {
+      t.stack_lo = reinterpret_cast<uintptr_t>(lo);
+      t.stack_hi = t.stack_lo + size;
+    }
+    pthread_attr_destroy(&attr);
+  }
+  g_thread = &t.pub;
+
+  try {
+    thunk(closure);
+  } catch (const Abort&) {
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lk(b->m);
+    abort_locked(*b, describe_thread(tid) + ": " + e.what());
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(b->m);
+    abort_locked(*b, describe_thread(tid) + ": unknown exception");
+  }
+
+  // Exit. cp.async copies still in flight are dropped: nothing can wait for them now.
+  {
+    std::lock_guard<std::mutex> lk(b->m);
+    WarpState& w = b->warps[size_t(t.warp)];
+    --b->live;
+    ++b->exited;
+    --w.live;
+    if (!b->aborted && b->arrived > 0) {
+      abort_locked(*b, describe_thread(tid) + " exited while " + std::to_string(b->arrived) +
+                           " threads wait at __syncthreads " + where(b->file, b->line) +
+                           " (every thread must reach every __syncthreads)");
+    }
+    if (!b->aborted && w.arrived > 0) {
+      if (w.op != kOpSyncwarp) {
+        abort_locked(*b, describe_thread(tid) + " exited while its warp waits at " +
+                             op_name(w.op) + " " + where(w.file, w.line, w.pc));
+      } else if (w.arrived == w.live) {
+        complete_warp_barrier_locked(*b, w);
+      }
+    }
+    check_deadlock_locked(*b);
+  }
+  g_thread = nullptr;
+}
+
+std::string dims(const uint3& v) {
+  std::ostringstream os;
+  os << "(" << v.x << "," << v.y << "," << v.z << ")";
+  return os.str();
+}
+
+}  // namespace
+
+std::string describe_thread(int tid) {
+  ThreadImpl* t = current();
+  std::ostringstream os;
+  if (!t) return "host thread";
+  const BlockState& b = *t->block;
+  const unsigned dx = b.block_dim.x, dy = b.block_dim.y;
+  const uint3 ti{unsigned(tid) % dx, (unsigned(tid) / dx) % dy, unsigned(tid) / (dx * dy)};
+  os << b.kernel << ": thread " << dims(ti) << " of block " << dims(b.block_idx) << " [warp "
+     << tid / 32 << " lane " << tid % 32 << "]";
+  return os.str();
+}
+
+std::string describe_pc(const void* pc) {
+  Dl_info info{};
+  if (!pc || !dladdr(pc, &info) || !info.dli_fname) {
+    std::ostringstream os;
+    os << pc;
+    return os.str();
+  }
+  const uintptr_t off = reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase);
+  char cmd[4096];
+  // pc is a return address: the access is the instruction before it.
+  std::snprintf(cmd, sizeof cmd, "addr2line -C -f -i -e '%s' 0x%lx 2>/dev/null", info.dli_fname,
+                static_cast<unsigned long>(off > 0 ? off - 1 : off));
+  std::string out;
+  if (FILE* p = popen(cmd, "r")) {
+    char line[1024];
+    std::vector<std::string> lines;
+    while (std::fgets(line, sizeof line, p)) {
+      std::string s(line);
+      while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+      lines.push_back(s);
+    }
+    pclose(p);
+    // pairs of (function, file:line), innermost first
+    for (size_t i = 0; i + 1 < lines.size(); i += 2) {
+      if (lines[i + 1].rfind("??", 0) == 0) continue;
+      if (!out.empty()) out += " inlined in ";
+      out += lines[i + 1] + " (" + lines[i].substr(0, 80) + ")";
+    }
+  }
+  if (out.empty()) {
+    std::ostringstream os;
+    os << info.dli_fname << "+0x" << std::hex << off;
+    out = os.str();
+  }
+  return out;
+}
+
+}  // namespace detail
+
+using detail::BlockState;
+using detail::current;
+using detail::ThreadImpl;
+
+void not_in_kernel(const char* what) {
+  std::fprintf(stderr, "cuda_emu: %s used outside an emulated kernel\n", what);
+  std::abort();
+}
+
+// ---------------------------------------------------------------------------- barriers
+
+// __syncthreads (bar.sync 0; PTX ISA 9.0 §9.7.13.1 "bar, barrier"): all threads of the block.
+void syncthreads(const char* file, int line) {
+  ThreadImpl& t = detail::me();
+  BlockState& b = *t.block;
+  std::unique_lock<std::mutex> lk(b.m);
+  if (b.aborted) throw detail::Abort{};
+  if (b.exited > 0) {
+    detail::fail_locked(b, detail::describe_thread(t.tid) + " reached __syncthreads " +
+                               detail::where(file, line) + " after " + std::to_string(b.exited) +
+                               " threads of its block exited (every thread must reach every "
+                               "__syncthreads)");
+  }
+  if (b.arrived == 0) {
+    b.file = file;
+    b.line = line;
+  } else if (b.line != line || std::strcmp(b.file, file) != 0) {
+    detail::fail_locked(b, "divergent __syncthreads: " + detail::describe_thread(t.tid) +
+                               " is at " + detail::where(file, line) + " while " +
+                               std::to_string(b.arrived) + " threads wait at " +
+                               detail::where(b.file, b.line));
+  }
+  detail::bump(detail::s_block_barriers);
+  if (++b.arrived == b.live) {
+    b.blocked -= b.arrived - 1;
+    b.arrived = 0;
+    ++b.generation;
+    b.cv.notify_all();
+  } else {
+    const uint64_t g = b.generation;
+    ++b.blocked;
+    detail::check_deadlock_locked(b);
+    b.cv.wait(lk, [&] { return b.generation != g || b.aborted; });
+    if (b.generation == g) throw detail::Abort{};
+  }
+  ++t.block_epoch;
+}
+
+// __syncwarp (bar.warp.sync; PTX ISA 9.0 §9.7.13.2): the live lanes of the warp.
+void syncwarp(unsigned mask, const char* file, int line) {
+  if (mask != 0xFFFFFFFFu)
+    detail::fail("__syncwarp with a partial mask: the emulator supports full warps only");
+  detail::warp_barrier(detail::me(), detail::kOpSyncwarp, file, line, nullptr);
+}
+
+// ---------------------------------------------------------------------------- collectives
+//
+// Each lane computes its own result from the warp's operands. The layouts are written here
+// as "owner" maps -- which lane, register and half holds element (row, col) -- the inverse
+// of the ISA's per-lane formulas, which the known-answer tests encode directly
+// (tests/cuda_emu/kat_primitives.cu); the two must agree for the tests to pass.
+
+namespace {
+
+// PTX ISA 9.0 §9.7.14.5.8 "Matrix Fragments for mma.m16n8k16 with floating point type",
+// .f16/.bf16 multiplicands, .f32 accumulators. groupID = lane/4 selects rows of A, C and
+// columns of B; threadID_in_group = lane%4 selects column pairs of A, C and row pairs of B.
+struct Owner {
+  int lane, reg, half;  // half: which 16-bit half of a .b32 register (0 = low bits)
+};
+// A (16x16, row-major): a0..a7 in registers {a0,a1} {a2,a3} {a4,a5} {a6,a7}; rows 8..15
+// are registers 1 and 3, columns 8..15 are registers 2 and 3.
+Owner mma_a_owner(int row, int k) {
+  return {(row % 8) * 4 + (k % 8) / 2, (row / 8) + 2 * (k / 8), k % 2};
+}
+// B (16x8, "col": k runs down a column): b0,b1 in register 0 hold k 0..7, register 1 k 8..15.
+Owner mma_b_owner(int k, int col) { return {col * 4 + (k % 8) / 2, k / 8, k % 2}; }
+// C/D (16x8): c0,c1 row groupID, c2,c3 row groupID+8; columns 2*threadID_in_group + {0,1}.
+Owner mma_c_owner(int row, int col) { return {(row % 8) * 4 + col / 2, 2 * (row / 8) + col % 2, 0}; }
+
+float element_to_float(MmaType type, uint16_t bits) {
+  return type == MmaType::kF16 ? f16_bits_to_f32(bits) : bf16_bits_to_f32(bits);
+}
+
+struct MmaOperands {
+  uint32_t a[4], b[2];
+  float c[4];
+};
+static_assert(sizeof(MmaOperands) <= sizeof(detail::Slot), "slot too small");
+
+}  // namespace
+
+// PTX ISA 9.0 §9.7.14.5.14 "Multiply-and-Accumulate Instruction: mma":
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 d, a, b, c.
+void mma_m16n8k16(MmaType type, float d[4], const uint32_t a[4], const uint32_t b[2],
+                  const float c[4]) {
+  MmaOperands mine;
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  std::memcpy(mine.c, c, sizeof mine.c);
+  detail::bump(detail::s_mma);
+  detail::warp_exchange(detail::kOpMma, &mine, sizeof mine, __builtin_return_address(0),
+                        [&](const detail::Slot* slots, int lane) {
+    auto ops = [&](int l) {
+      MmaOperands o;
+      std::memcpy(&o, slots[l].bytes, sizeof o);
+      return o;
+    };
+    MmaOperands all[32];
+    for (int l = 0; l < 32; ++l) all[l] = ops(l);
+    auto half_of = [](uint32_t reg, int h) { return uint16_t(h ? reg >> 16 : reg & 0xFFFFu); };
+    float A[16][16], B[16][8];
+    for (int r = 0; r < 16; ++r)
+      for (int k = 0; k < 16; ++k) {
+        const Owner o = mma_a_owner(r, k);
+        A[r][k] = element_to_float(type, half_of(all[o.lane].a[o.reg], o.half));
+      }
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < 8; ++n) {
+        const Owner o = mma_b_owner(k, n);
+        B[k][n] = element_to_float(type, half_of(all[o.lane].b[o.reg], o.half));
+      }
+    for (int r = 0; r < 16; ++r)
+      for (int n = 0; n < 8; ++n) {
+        const Owner o = mma_c_owner(r, n);
+        if (o.lane != lane) continue;
+        // Products of f16/bf16 are exact in double, and so (to within 2^-53) is their sum.
+        double s = all[lane].c[o.reg];
+        for (int k = 0; k < 16; ++k) s += double(A[r][k]) * double(B[k][n]);
+        d[o.reg] = float(s);
+      }
+  });
+}
+
+// PTX ISA 9.0 §9.7.14.5.15 "Warp-level matrix load instruction: ldmatrix", .m8n8 .b16.
+// Threads 8i..8i+7 give the row addresses of matrix i (only the first 8*num are used); each
+// row is 16 bytes and must be 16-byte aligned. In the destination, lane L holds, of each
+// matrix, row L/4, columns 2*(L%4) and 2*(L%4)+1 (the lower column in the low half); with
+// .trans the matrix is read column-major: rows 2*(L%4), 2*(L%4)+1 of column L/4.
+void ldmatrix(int num, bool trans, uint32_t* r, const void* row_address) {
+  ThreadImpl& t = detail::me();
+  if (num != 1 && num != 2 && num != 4) detail::fail("ldmatrix: .num must be .x1, .x2 or .x4");
+  const bool supplies = t.lane < 8 * num;
+  if (supplies && (reinterpret_cast<uintptr_t>(row_address) % 16) != 0) {
+    std::ostringstream os;
+    os << "ldmatrix row address " << row_address << " (lane " << t.lane
+       << ") is not 16-byte aligned";
+    detail::fail(os.str());
+  }
+  detail::bump(detail::s_ldmatrix);
+  const void* pc = __builtin_return_address(0);
+  detail::warp_exchange(detail::kOpLdmatrix, &row_address, sizeof row_address, pc,
+                        [&](const detail::Slot* slots, int lane) {
+    auto row_ptr = [&](int matrix, int row) {
+      const unsigned char* p;
+      std::memcpy(&p, slots[matrix * 8 + row].bytes, sizeof p);
+      return p;
+    };
+    if (supplies) detail::race_access(row_address, 16, false, pc);
+    for (int m = 0; m < num; ++m) {
+      uint16_t lo, hi;
+      if (!trans) {
+        const unsigned char* row = row_ptr(m, lane / 4);
+        std::memcpy(&lo, row + 4 * (lane % 4), 2);
+        std::memcpy(&hi, row + 4 * (lane % 4) + 2, 2);
+      } else {
+        std::memcpy(&lo, row_ptr(m, 2 * (lane % 4)) + 2 * (lane / 4), 2);
+        std::memcpy(&hi, row_ptr(m, 2 * (lane % 4) + 1) + 2 * (lane / 4), 2);
+      }
+      r[m] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  });
+}
+
+// PTX ISA 9.0 §9.7.9.6 "Data Movement and Conversion Instructions: shfl.sync": with
+// b = source lane or offset, c = (segment mask << 8) | clamp,
+//   maxLane = (lane & segmask) | (clamp & ~segmask), minLane = lane & segmask;
+//   up: j = lane - b, ok = j >= maxLane;  down: j = lane + b, ok = j <= maxLane;
+//   bfly: j = lane ^ b, ok = j <= maxLane; idx: j = minLane | (b & ~segmask), ok = j <= maxLane;
+// the lane reads a from lane j when ok, else keeps its own a.
+uint32_t shfl(ShflMode mode, uint32_t a, uint32_t b, uint32_t c) {
+  detail::bump(detail::s_shfl);
+  uint32_t out = 0;
+  detail::warp_exchange(detail::kOpShfl, &a, sizeof a, __builtin_return_address(0),
+                        [&](const detail::Slot* slots, int lane) {
+    const int bval = int(b & 31), clamp = int(c & 31), segmask = int((c >> 8) & 31);
+    const int max_lane = (lane & segmask) | (clamp & ~segmask), min_lane = lane & segmask;
+    int j = lane;
+    bool ok = false;
+    switch (mode) {
+      case ShflMode::kUp: j = lane - bval; ok = j >= max_lane; break;
+      case ShflMode::kDown: j = lane + bval; ok = j <= max_lane; break;
+      case ShflMode::kBfly: j = lane ^ bval; ok = j <= max_lane; break;
+      case ShflMode::kIdx: j = min_lane | (bval & ~segmask); ok = j <= max_lane; break;
+    }
+    if (!ok) j = lane;
+    std::memcpy(&out, slots[j].bytes, sizeof out);
+  });
+  return out;
+}
+
+// PTX ISA 9.0 §9.7.13.9 "vote.sync": .ballot.b32 sets bit L of the result iff lane L's
+// predicate is true.
+uint32_t ballot(bool p) {
+  detail::bump(detail::s_ballot);
+  uint32_t out = 0;
+  const uint32_t mine = p ? 1u : 0u;
+  detail::warp_exchange(detail::kOpBallot, &mine, sizeof mine, __builtin_return_address(0),
+                        [&](const detail::Slot* slots, int) {
+    for (int l = 0; l < 32; ++l) {
+      uint32_t v;
+      std::memcpy(&v, slots[l].bytes, sizeof v);
+      out |= (v ? 1u : 0u) << l;
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------- cp.async
+//
+// PTX ISA 9.0 §9.7.9.25.3 "Non-bulk copy": cp.async copies cp-size bytes, reading src-size
+// of them from src and filling the rest with zeros; commit_group closes the thread's group
+// of uncommitted copies; wait_group N waits until at most the N most recent groups are
+// pending. The writes are visible to the executing thread only after the wait, so the
+// emulator performs them there.
+
+void cp_async(void* dst, const void* src, int cp_size, int src_size) {
+  ThreadImpl& t = detail::me();
+  if (cp_size != 4 && cp_size != 8 && cp_size != 16)
+    detail::fail("cp.async: cp-size must be 4, 8 or 16");
+  if (src_size < 0 || src_size > cp_size)
+    detail::fail("cp.async: src-size " + std::to_string(src_size) + " exceeds cp-size " +
+                 std::to_string(cp_size));
+  if (reinterpret_cast<uintptr_t>(dst) % unsigned(cp_size) ||
+      (src_size > 0 && reinterpret_cast<uintptr_t>(src) % unsigned(cp_size))) {
+    std::ostringstream os;
+    os << "cp.async of " << cp_size << " bytes from " << src << " to " << dst
+       << ": both addresses must be " << cp_size << "-byte aligned";
+    detail::fail(os.str());
+  }
+  detail::bump(detail::s_cp_async);
+  if (src_size < cp_size) detail::bump(detail::s_cp_async_zero_filled);
+  t.uncommitted.push_back({dst, src, cp_size, src_size, __builtin_return_address(0)});
+}
+
+void cp_async_commit() {
+  ThreadImpl& t = detail::me();
+  t.groups.push_back(std::move(t.uncommitted));
+  t.uncommitted.clear();
+  const uint64_t pending = t.groups.size();
+  uint64_t seen = detail::s_max_groups.load(std::memory_order_relaxed);
+  while (pending > seen &&
+         !detail::s_max_groups.compare_exchange_weak(seen, pending, std::memory_order_relaxed)) {
+  }
+}
+
+void cp_async_wait(int n) {
+  ThreadImpl& t = detail::me();
+  while (t.groups.size() > size_t(std::max(n, 0))) {
+    for (const detail::PendingCopy& c : t.groups.front()) {
+      if (c.src_size > 0) std::memcpy(c.dst, c.src, size_t(c.src_size));
+      if (c.src_size < c.cp_size)
+        std::memset(static_cast<unsigned char*>(c.dst) + c.src_size, 0,
+                    size_t(c.cp_size - c.src_size));
+      detail::race_access(c.src, size_t(c.src_size), false, c.pc);
+      detail::race_access(c.dst, size_t(c.cp_size), true, c.pc);
+    }
+    t.groups.erase(t.groups.begin());
+  }
+}
+
+// ---------------------------------------------------------------------------- memory
+
+// PTX ISA 9.0 §9.7.13.5 "atom": atom.global.add.f32 returns the old value.
+float atomic_add(float* address, float value) {
+  uint32_t* word = reinterpret_cast<uint32_t*>(address);
+  uint32_t old = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    const uint32_t desired = f32_bits(f32_from_bits(old) + value);
+    if (__atomic_compare_exchange_n(word, &old, desired, true, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED))
+      return f32_from_bits(old);
+  }
+}
+
+void* dynamic_smem() { return detail::me().block->dynamic_smem; }
+size_t dynamic_smem_bytes() { return detail::me().block->dynamic_smem_bytes; }
+
+void set_max_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes > detail::kMaxDynamicSmem)
+    throw std::invalid_argument("cudaFuncSetAttribute: " + std::to_string(bytes) +
+                                " bytes of dynamic shared memory exceed sm_80's " +
+                                std::to_string(detail::kMaxDynamicSmem));
+  std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
+  detail::g_smem_optin[kernel] = bytes;
+}
+
+void trap(const char* message, const char* file, int line) {
+  detail::fail(std::string(message) + " at " + detail::where(file, line));
+}
+
+// ---------------------------------------------------------------------------- launch
+
+void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, size_t smem,
+                 Thunk thunk, void* closure) {
+  const uint64_t nthreads = uint64_t(block.x) * block.y * block.z;
+  const uint64_t nblocks = uint64_t(grid.x) * grid.y * grid.z;
+  auto bad = [&](const std::string& why) {
+    throw LaunchError(std::string(name) + ": invalid launch configuration: " + why);
+  };
+  if (nthreads == 0 || nthreads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64)
+    bad("block (" + std::to_string(block.x) + "," + std::to_string(block.y) + "," +
+        std::to_string(block.z) + ") (at most 1024 threads; x, y <= 1024, z <= 64)");
+  if (nblocks == 0 || grid.y > 65535 || grid.z > 65535)
+    bad("grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
+        std::to_string(grid.z) + ")");
+  size_t limit = detail::kDefaultDynamicSmem;
+  {
+    std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
+    auto it = detail::g_smem_optin.find(kernel);
+    if (it != detail::g_smem_optin.end()) limit = std::max(limit, it->second);
+  }
+  if (smem > limit)
+    bad(std::to_string(smem) + " bytes of dynamic shared memory; the limit is " +
+        std::to_string(limit) +
+        (limit == detail::kDefaultDynamicSmem
+             ? " without cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"
+             : ""));
+
+  std::lock_guard<std::mutex> launch_lock(detail::g_launch_mutex);
+  detail::bump(detail::s_launches);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        BlockState b;
+        b.kernel = name;
+        b.block_idx = {bx, by, bz};
+        b.block_dim = block;
+        b.grid_dim = grid;
+        b.nthreads = int(nthreads);
+        b.nwarps = int((nthreads + 31) / 32);
+        b.live = b.nthreads;
+        b.warps.reset(new detail::WarpState[size_t(b.nwarps)]);
+        for (int w = 0; w < b.nwarps; ++w) {
+          detail::WarpState& ws = b.warps[size_t(w)];
+          ws.size = ws.live = int(std::min<uint64_t>(32, nthreads - uint64_t(w) * 32));
+        }
+        // Exactly `smem` bytes, so that AddressSanitizer flags any access past the end;
+        // 0xFF bytes are NaN in f16, bf16 and f32: an unwritten element poisons the result.
+        void* p = nullptr;
+        if (posix_memalign(&p, 128, std::max<size_t>(smem, 1)) != 0) throw std::bad_alloc();
+        std::unique_ptr<unsigned char, void (*)(void*)> dyn(static_cast<unsigned char*>(p),
+                                                             std::free);
+        std::memset(dyn.get(), 0xFF, std::max<size_t>(smem, 1));
+        b.dynamic_smem = dyn.get();
+        b.dynamic_smem_bytes = smem;
+
+        if (detail::g_race_checker) detail::g_race_checker->block_begin();
+        std::vector<std::thread> threads;
+        threads.reserve(size_t(nthreads));
+        try {
+          for (int tid = 0; tid < b.nthreads; ++tid)
+            threads.emplace_back(detail::thread_main, &b, tid, thunk, closure);
+        } catch (const std::exception& e) {
+          {
+            std::lock_guard<std::mutex> lk(b.m);
+            detail::abort_locked(b, std::string("could not start the block's threads: ") +
+                                        e.what());
+            b.live -= b.nthreads - int(threads.size());  // those never started
+            detail::check_deadlock_locked(b);
+          }
+          for (std::thread& th : threads) th.join();
+          throw LaunchError(std::string(name) + ": " + b.error);
+        }
+        for (std::thread& th : threads) th.join();
+        detail::bump(detail::s_blocks);
+        detail::bump(detail::s_threads, nthreads);
+
+        std::vector<std::string> races;
+        if (detail::g_race_checker) races = detail::g_race_checker->block_end();
+        if (b.aborted) throw LaunchError(b.error);
+        if (!races.empty()) {
+          std::string msg = std::string(name) + ": racecheck found " +
+                            std::to_string(races.size()) + " shared-memory hazard" +
+                            (races.size() > 1 ? "s" : "") + " in block " +
+                            detail::dims(b.block_idx) + ":";
+          for (const std::string& r : races) msg += "\n  " + r;
+          throw LaunchError(msg);
+        }
+      }
+}
+
+Stats stats() {
+  using namespace detail;
+  auto g = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+  return {g(s_launches), g(s_blocks), g(s_threads), g(s_block_barriers), g(s_warp_barriers),
+          g(s_mma), g(s_ldmatrix), g(s_shfl), g(s_ballot), g(s_cp_async),
+          g(s_cp_async_zero_filled), g(s_max_groups)};
+}
+
+void reset_stats() {
+  using namespace detail;
+  for (auto* c : {&s_launches, &s_blocks, &s_threads, &s_block_barriers, &s_warp_barriers, &s_mma,
+                  &s_ldmatrix, &s_shfl, &s_ballot, &s_cp_async, &s_cp_async_zero_filled,
+                  &s_max_groups})
+    c->store(0, std::memory_order_relaxed);
+}
+
+}  // namespace emu
