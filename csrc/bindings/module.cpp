@@ -393,7 +393,9 @@ PYBIND11_MODULE(_C, m) {
     if (name == "scalar") set_cpu_isa(CpuIsa::kScalar);
     else if (name == "avx2") set_cpu_isa(CpuIsa::kAvx2);
     else if (name == "avx512") set_cpu_isa(CpuIsa::kAvx512);
-    else throw InvalidArgument(concat("isa: got '", name, "', expected scalar, avx2 or avx512"));
+    else if (name == "avx512bf16") set_cpu_isa(CpuIsa::kAvx512Bf16);
+    else throw InvalidArgument(concat("isa: got '", name,
+                                      "', expected scalar, avx2, avx512 or avx512bf16"));
   });
   m.def("hardware_threads", &hardware_threads);
   // The kernels' own Philox, exposed so tests can hold it to the published vectors.

@@ -9,6 +9,7 @@
 
 #include <type_traits>
 
+#include "cpu/bf16_pairs.h"
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
 #include "fmha/threads.h"
@@ -49,7 +50,10 @@ void forward_task(const FwdParams& p, int64_t task) {
   Workspace& ws = thread_workspace();
   ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBc * kBr) +
-           Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr));
+           Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr) +
+           Workspace::bytes<uint32_t>(int64_t((d + 1) / 2) * kBr) +
+           Workspace::bytes<uint32_t>(kBc / 2 * kBr) +
+           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv));
   A* QiT = ws.take<A>(int64_t(d) * kBr);   // Qᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -58,6 +62,9 @@ void forward_task(const FwdParams& p, int64_t task) {
   A* m = ws.take<A>(kBr);
   A* l = ws.take<A>(kBr);
   A* alpha = ws.take<A>(kBr);
+  uint32_t* Q2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBr);  // bf16 pair path only
+  uint32_t* P2 = ws.take<uint32_t>(kBc / 2 * kBr);
+  uint32_t* V2 = ws.take<uint32_t>(int64_t(kBc / 2) * ldv);
 
   const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
@@ -72,14 +79,33 @@ void forward_task(const FwdParams& p, int64_t task) {
 
   // Rows i0..i0+nr-1 together see keys [key_lo(i0), key_hi(last row)].
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
+  // bfloat16 with AVX512-BF16: S and P V as pair dot products (twice the float FMA rate).
+  // K is read in place as pair words; Q and V are packed into pairs, P is rounded to
+  // bfloat16 for P V (as on a GPU); everything accumulates in float.
+  bool pairs = false;
+  if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+    pairs = pairs_in_place(k, p.k_row_stride, d) && p.k_batch_stride % 2 == 0;
+    if (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
+  }
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    int64_t ldk, ldvj;
-    const A* Kj = rows_as_acc(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
-                              p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
-    const A* Vj = rows_as_acc(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
-                              p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
-    gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ, then · scale
+    const T* kj = k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
+    const T* vj = v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
+    int64_t ldvj = ldv;
+    const A* Vj = nullptr;
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        gemm<false>(nc, nrp, (d + 1) / 2, reinterpret_cast<const uint32_t*>(kj),
+                    p.k_row_stride / 2, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
+        pack_row_pairs(vj, p.v_row_stride, nc, dv, V2, ldv);
+      }
+    }
+    if (!pairs) {
+      int64_t ldk;
+      const A* Kj = rows_as_acc(kj, p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
+      Vj = rows_as_acc(vj, p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+      gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ
+    }
     scale_rows(ST, nc, nrp, kBr, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, ST, 1, kBr, static_cast<A*>(nullptr));
     online_softmax_T(ST, kBr, nc, nrp, m, l, alpha);  // Sᵀ becomes Pᵀ (unnormalised)
@@ -87,6 +113,13 @@ void forward_task(const FwdParams& p, int64_t task) {
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
+        gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
+        continue;
+      }
+    }
     gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
   }
 

@@ -37,18 +37,47 @@ inline void gemm_block(int K, const float* A, int64_t a_rs, int64_t a_cs, const 
     for (int n = 0; n < NV; ++n) acc[r][n].store(C + r * ldc + n * kW);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 operands in pairs along the reduction (AVX512-BF16 vdpbf16ps: 16 lanes x 2
+// products per instruction, twice the float FMA rate): A(i, kp) is the 32-bit word holding
+// (A[i][2kp], A[i][2kp+1]); row kp of B holds words (B[2kp][n], B[2kp+1][n]). K counts pairs.
+// Products are exact in float and accumulated in float.
+constexpr bool kBf16Dot = true;
+template <int RB, int NV, bool kAcc>
+inline void gemm_block(int K, const uint32_t* A, int64_t a_rs, int64_t a_cs, const uint32_t* B,
+                       int64_t ldb, float* C, int64_t ldc) {
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NV; ++n)
+      acc[r][n] = kAcc ? _mm512_loadu_ps(C + r * ldc + n * kW) : _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    __m512i b[NV];
+    for (int n = 0; n < NV; ++n) b[n] = _mm512_loadu_si512(B + k * ldb + n * kW);
+    for (int r = 0; r < RB; ++r) {
+      const __m512i a = _mm512_set1_epi32(int(A[r * a_rs + k * a_cs]));
+      for (int n = 0; n < NV; ++n)
+        acc[r][n] = _mm512_dpbf16_ps(acc[r][n], (__m512bh)a, (__m512bh)b[n]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(C + r * ldc + n * kW, acc[r][n]);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // Rows [0, M) for one column strip of NV vectors: full blocks, then one block of the rest.
-template <int NV, bool kAcc, int R = kGemmRows - 1>
-inline void gemm_row_tail(int rows, int K, const float* A, int64_t a_rs, int64_t a_cs,
-                          const float* B, int64_t ldb, float* C, int64_t ldc) {
+template <int NV, bool kAcc, int R = kGemmRows - 1, typename TA, typename TB>
+inline void gemm_row_tail(int rows, int K, const TA* A, int64_t a_rs, int64_t a_cs,
+                          const TB* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (R >= 1) {
     if (rows == R) return gemm_block<R, NV, kAcc>(K, A, a_rs, a_cs, B, ldb, C, ldc);
-    gemm_row_tail<NV, kAcc, R - 1>(rows, K, A, a_rs, a_cs, B, ldb, C, ldc);
+    gemm_row_tail<NV, kAcc, R - 1, TA, TB>(rows, K, A, a_rs, a_cs, B, ldb, C, ldc);
   }
 }
 
-template <int NV, bool kAcc>
-inline void gemm_strip(int M, int K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+template <int NV, bool kAcc, typename TA, typename TB>
+inline void gemm_strip(int M, int K, const TA* A, int64_t a_rs, int64_t a_cs, const TB* B,
                        int64_t ldb, float* C, int64_t ldc) {
   int i = 0;
   for (; i + kGemmRows <= M; i += kGemmRows)
@@ -57,18 +86,19 @@ inline void gemm_strip(int M, int K, const float* A, int64_t a_rs, int64_t a_cs,
     gemm_row_tail<NV, kAcc>(M - i, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc);
 }
 
-template <bool kAcc, int NV = kGemmVecs - 1>
-inline void gemm_col_tail(int vecs, int M, int K, const float* A, int64_t a_rs, int64_t a_cs,
-                          const float* B, int64_t ldb, float* C, int64_t ldc) {
+template <bool kAcc, int NV = kGemmVecs - 1, typename TA, typename TB>
+inline void gemm_col_tail(int vecs, int M, int K, const TA* A, int64_t a_rs, int64_t a_cs,
+                          const TB* B, int64_t ldb, float* C, int64_t ldc) {
   if constexpr (NV >= 1) {
     if (vecs == NV) return gemm_strip<NV, kAcc>(M, K, A, a_rs, a_cs, B, ldb, C, ldc);
-    gemm_col_tail<kAcc, NV - 1>(vecs, M, K, A, a_rs, a_cs, B, ldb, C, ldc);
+    gemm_col_tail<kAcc, NV - 1, TA, TB>(vecs, M, K, A, a_rs, a_cs, B, ldb, C, ldc);
   }
 }
 
-template <bool kAcc>
-inline void gemm(int M, int N, int K, const float* A, int64_t a_rs, int64_t a_cs,
-                 const float* B, int64_t ldb, float* C, int64_t ldc) {
+// float operands (TA = TB = float) or, with AVX512-BF16, bfloat16 pairs (uint32_t).
+template <bool kAcc, typename TA, typename TB>
+inline void gemm(int M, int N, int K, const TA* A, int64_t a_rs, int64_t a_cs,
+                 const TB* B, int64_t ldb, float* C, int64_t ldc) {
   constexpr int strip = kGemmVecs * kW;
   int n0 = 0;
   for (; n0 + strip <= N; n0 += strip)

@@ -14,5 +14,6 @@ namespace fmha::cpu {
 FMHA_DECLARE_ISA(scalar)
 FMHA_DECLARE_ISA(avx2)
 FMHA_DECLARE_ISA(avx512)
+FMHA_DECLARE_ISA(avx512bf16)
 #undef FMHA_DECLARE_ISA
 }  // namespace fmha::cpu

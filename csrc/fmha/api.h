@@ -10,11 +10,12 @@
 namespace fmha {
 
 // ---- CPU ----
-enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs.
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* isa_name(CpuIsa isa);
 CpuIsa best_cpu_isa();                   // what this CPU (and OS) supports
 std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "avx512bf16"}
-// The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512) if set, else the
+// The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16) if set, else the
 // best supported. Forcing a level the CPU lacks is an error.
 CpuIsa active_cpu_isa();
 void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it

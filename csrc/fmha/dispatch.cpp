@@ -13,6 +13,7 @@ const char* isa_name(CpuIsa isa) {
     case CpuIsa::kScalar: return "scalar";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Bf16: return "avx512bf16";
   }
   return "?";
 }
@@ -43,7 +44,7 @@ CpuIsa best_cpu_isa() {
   const auto f = cpu_features();
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    return CpuIsa::kAvx512;
+    return has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
   if (has(f, "avx2") && has(f, "fma") && has(f, "f16c")) return CpuIsa::kAvx2;
   return CpuIsa::kScalar;
 }
@@ -61,8 +62,9 @@ void init_isa() {
   if (!std::strcmp(env, "scalar")) wanted = CpuIsa::kScalar;
   else if (!std::strcmp(env, "avx2")) wanted = CpuIsa::kAvx2;
   else if (!std::strcmp(env, "avx512")) wanted = CpuIsa::kAvx512;
+  else if (!std::strcmp(env, "avx512bf16")) wanted = CpuIsa::kAvx512Bf16;
   else {
-    isa_error = concat("FMHA_CPU_ISA: got '", env, "', expected one of scalar, avx2, avx512");
+    isa_error = concat("FMHA_CPU_ISA: got '", env, "', expected one of scalar, avx2, avx512, avx512bf16");
     return;
   }
   if (int(wanted) > int(isa_value)) {
@@ -105,6 +107,7 @@ void check_params(const FwdParams& p) {
 void cpu_forward(const FwdParams& p) {
   check_params(p);
   switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::forward(p);
     case CpuIsa::kAvx512: return cpu::avx512::forward(p);
     case CpuIsa::kAvx2: return cpu::avx2::forward(p);
     case CpuIsa::kScalar: return cpu::scalar::forward(p);
@@ -113,6 +116,7 @@ void cpu_forward(const FwdParams& p) {
 
 double cpu_fma_peak_gflops(int threads) {
   switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::fma_peak_gflops(threads);
     case CpuIsa::kAvx512: return cpu::avx512::fma_peak_gflops(threads);
     case CpuIsa::kAvx2: return cpu::avx2::fma_peak_gflops(threads);
     case CpuIsa::kScalar: return cpu::scalar::fma_peak_gflops(threads);
@@ -124,6 +128,7 @@ void cpu_backward(const BwdParams& p) {
   check_params(p);
   FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
   switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::backward(p);
     case CpuIsa::kAvx512: return cpu::avx512::backward(p);
     case CpuIsa::kAvx2: return cpu::avx2::backward(p);
     case CpuIsa::kScalar: return cpu::scalar::backward(p);

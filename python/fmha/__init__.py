@@ -32,8 +32,8 @@ def backends() -> list:
 
 
 def cpu_isa() -> str:
-    """Instruction set of the CPU kernels in use: "avx512", "avx2" or "scalar" (set
-    FMHA_CPU_ISA to force a lower one)."""
+    """Instruction set of the CPU kernels in use: "avx512bf16" (AVX-512 with bfloat16 dot
+    products), "avx512", "avx2" or "scalar" (set FMHA_CPU_ISA to force a lower one)."""
     return _C.cpu_isa()
 
 
@@ -51,3 +51,15 @@ def cuda_status() -> str:
 # torch.compile finds them already defined.
 if "torch" in _sys.modules:
     from . import _torch  # noqa: F401
+
+
+def __getattr__(name):
+    # torch is an optional dependency: the torch-only parts load on first use, so that
+    # `import fmha` works (and stays light) for NumPy users.
+    if name == "scaled_dot_product_attention":
+        from .sdpa import scaled_dot_product_attention
+        return scaled_dot_product_attention
+    if name in ("nn", "integrations"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

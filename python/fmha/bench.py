@@ -45,10 +45,10 @@ class Row:
     case: str
     dtype: str
     pass_: str  # "fwd" | "fwd+bwd"
-    impl: str   # "fmha" | "torch_sdpa" | "naive"
+    impl: str   # "fmha" | "torch_sdpa" | "naive" | "fmha+keypad"
     median_s: float
     gflops: float
-    ratio_vs_sdpa: Optional[float]
+    ratio_vs_sdpa: Optional[float]  # for "fmha+keypad": time without mask / time with
 
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
@@ -102,6 +102,12 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                     enable_gqa=gqa).transpose(1, 2),
             }
+            # A key-padding mask (batch, 1, 1, seqlen_k), 1/8 of the keys padded: its cost is
+            # reported as the time ratio to the unmasked call (forward only).
+            pad = torch.ones(b, 1, 1, sk, dtype=torch.bool)
+            pad[..., sk - sk // 8:] = False
+            impls["fmha+keypad"] = lambda q=q, k=k, v=v, pad=pad: fmha.attention(
+                q, k, v, causal=causal, mask=pad)
             if b * hq * sq * sk <= NAIVE_MAX_SCORES:
                 def naive(q=q, k=k, v=v):
                     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -119,6 +125,8 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                 f = flops(b, hq, sq, sk, d, causal, pass_ == "fwd+bwd")
                 secs = {}
                 for impl, fn in impls.items():
+                    if impl == "fmha+keypad" and pass_ != "fwd":
+                        continue
                     if pass_ == "fwd":
                         def step(fn=fn):
                             with torch.no_grad():
@@ -135,6 +143,10 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                     for x in (q, k, v):
                         x.requires_grad_(False)
                 for impl, s in secs.items():
+                    if impl == "fmha+keypad":  # ratio to the unmasked fmha call
+                        rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9,
+                                        secs["fmha"] / s))
+                        continue
                     ratio = secs["torch_sdpa"] / s if impl != "torch_sdpa" else None
                     rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9, ratio))
                 print("  " + "  ".join(f"{i} {f / s / 1e9:7.1f} GFLOP/s" for i, s in
@@ -163,8 +175,9 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
 
 
 def _print_table(rows: List[Row]):
-    print("\n| case | dtype | pass | fmha GFLOP/s | torch SDPA GFLOP/s | naive GFLOP/s | fmha / SDPA |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("\n| case | dtype | pass | fmha GFLOP/s | torch SDPA GFLOP/s | naive GFLOP/s | "
+          "fmha / SDPA | time with key-padding mask / without |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     keys = []
     for r in rows:
         if (r.case, r.dtype, r.pass_) not in keys:
@@ -172,8 +185,11 @@ def _print_table(rows: List[Row]):
     for key in keys:
         by = {r.impl: r for r in rows if (r.case, r.dtype, r.pass_) == key}
         naive = f"{by['naive'].gflops:.1f}" if "naive" in by else "—"
+        keypad = (f"{by['fmha+keypad'].median_s / by['fmha'].median_s:.2f}"
+                  if "fmha+keypad" in by else "—")
         print(f"| {key[0]} | {key[1]} | {key[2]} | {by['fmha'].gflops:.1f} | "
-              f"{by['torch_sdpa'].gflops:.1f} | {naive} | {by['fmha'].ratio_vs_sdpa:.2f}× |")
+              f"{by['torch_sdpa'].gflops:.1f} | {naive} | {by['fmha'].ratio_vs_sdpa:.2f}× | "
+              f"{keypad} |")
 
 
 def main(argv=None):
