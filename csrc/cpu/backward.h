@@ -27,6 +27,7 @@
 // like FlashAttention-2's dq_accum).
 #pragma once
 
+#include "cpu/bf16_pairs.h"
 #include "cpu/forward.h"  // rows_as_acc
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
@@ -46,6 +47,12 @@ struct BwdBuffers {
   A *S, *dP, *Tcap;     // one score tile in either orientation: kBr * kBc each
   A *Lref, *Dr;         // the query tile's lse (+inf for rows with no key) and D
   A* acc;               // the task's gradient accumulator
+  // bfloat16 pair words for the AVX512-BF16 path (see BwdHead::pairs):
+  uint32_t *kT2, *vT2;     // Kᵀ, Vᵀ pairs along head_dim: B of S = Q Kᵀ, dP = dO Vᵀ
+  uint32_t *K2c;           // K pairs along keys: B of dQ += dS K
+  uint32_t *Q2r, *dO2r;    // Q, dO pairs along rows: B of dK += dSᵀ Q, dV += Pᵀ dO
+  uint32_t *Q2, *dO2;      // Qᵀ, dOᵀ pairs along head_dim: B of Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
+  uint32_t *P2, *dS2, *dSq;  // P, dS rounded into pairs: A operands
 
   BwdBuffers(const FwdParams& p, int64_t acc_elems) {
     const int d = p.head_dim, dv = p.head_dim_v;
@@ -57,7 +64,11 @@ struct BwdBuffers {
              W::bytes<A>(int64_t(kBr) * ldq) + W::bytes<A>(int64_t(kBr) * ldv) +
              W::bytes<A>(int64_t(d) * kBc) + W::bytes<A>(int64_t(dv) * kBc) +
              W::bytes<A>(int64_t(kBc) * ldq) + W::bytes<A>(int64_t(kBc) * dv) +
-             3 * W::bytes<A>(kBr * kBc) + 2 * W::bytes<A>(kBr) + W::bytes<A>(acc_elems));
+             3 * W::bytes<A>(kBr * kBc) + 2 * W::bytes<A>(kBr) + W::bytes<A>(acc_elems) +
+             W::bytes<uint32_t>(int64_t((d + 1) / 2) * (kBc + kBr)) +
+             W::bytes<uint32_t>(int64_t((dv + 1) / 2) * (kBc + kBr)) +
+             W::bytes<uint32_t>(int64_t(kBc / 2) * ldq) + W::bytes<uint32_t>(int64_t(kBr / 2) * ldq) +
+             W::bytes<uint32_t>(int64_t(kBr / 2) * ldv) + 3 * W::bytes<uint32_t>(kBr / 2 * kBc));
     qT = ws.take<A>(int64_t(d) * kBr);
     doT = ws.take<A>(int64_t(dv) * kBr);
     q_rows = ws.take<A>(int64_t(kBr) * ldq);
@@ -73,6 +84,16 @@ struct BwdBuffers {
     Dr = ws.take<A>(kBr);
     acc = ws.take<A>(acc_elems);
     fill(acc, acc_elems, A(0));
+    kT2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBc);
+    Q2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBr);
+    vT2 = ws.take<uint32_t>(int64_t((dv + 1) / 2) * kBc);
+    dO2 = ws.take<uint32_t>(int64_t((dv + 1) / 2) * kBr);
+    K2c = ws.take<uint32_t>(int64_t(kBc / 2) * ldq);
+    Q2r = ws.take<uint32_t>(int64_t(kBr / 2) * ldq);
+    dO2r = ws.take<uint32_t>(int64_t(kBr / 2) * ldv);
+    P2 = ws.take<uint32_t>(kBr / 2 * kBc);
+    dS2 = ws.take<uint32_t>(kBr / 2 * kBc);
+    dSq = ws.take<uint32_t>(kBr / 2 * kBc);
   }
 };
 
@@ -84,12 +105,18 @@ struct BwdHead {
   int b, h, hk;
   const A* D;    // rowsum(dO∘O) of this (b, h), indexed by query row
   const A* lse;  // lse of this (b, h), indexed by query row (element stride lse_row_stride)
+  // bfloat16 with AVX512-BF16: all five products as pair dot products (twice the float FMA
+  // rate), Q, dO, K, V read in place where they are the A operand; P and dS are rounded to
+  // bfloat16 for the three gradient products, as on a GPU; accumulation stays float. The
+  // same for every pass and every call, so results stay independent of the thread count.
+  bool pairs = false;  // (set for bfloat16 at the avx512bf16 level, whatever the layout)
 
   BwdHead(const BwdParams& p_, int b_, int h_, const A* D_all)
       : p(p_), s(seq_of(p_, b_)), b(b_), h(h_), hk(h_ / (p_.heads_q / p_.heads_kv)) {
     D = D_all + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
     lse = static_cast<const A*>(p.lse) + h * p.lse_head_stride +
           (p.cu_seqlens_q ? s.q_first * p.lse_row_stride : b * p.lse_batch_stride);
+    pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
   }
 
   const T* q_at(int i) const {
@@ -121,6 +148,14 @@ struct BwdHead {
 
   // ---- pass 1 orientation: S (rows x keys) = Q (scale K)ᵀ, key tile fixed ----
   void pack_key_tile(int j0, int nc, BwdBuffers<A>& t) const {
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        pack_pairs_t(k_at(j0), p.k_row_stride, nc, p.head_dim, t.kT2, kBc);
+        pack_pairs_t(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.vT2, kBc);
+        pack_row_pairs(k_at(j0), p.k_row_stride, nc, p.head_dim, t.K2c, t.ldq);
+        return;
+      }
+    }
     load_rows_t(k_at(j0), p.k_row_stride, nc, p.head_dim, t.kT, kBc);
     load_rows_t(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.vT, kBc);
   }
@@ -129,7 +164,14 @@ struct BwdHead {
     int64_t ldq, ldo;
   };
   QRows query_rows(int i0, int nr, BwdBuffers<A>& t) const {
-    QRows x;
+    QRows x{};
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {  // the A operands stay in place; pairs along the rows for dK, dV
+        pack_row_pairs(q_at(i0), p.q_row_stride, nr, p.head_dim, t.Q2r, t.ldq);
+        pack_row_pairs(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.dO2r, t.ldv);
+        return x;
+      }
+    }
     x.q = rows_as_acc(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, t.ldq, &x.ldq, true);
     x.dout = rows_as_acc(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.do_rows, t.ldv, &x.ldo,
                          true);
@@ -138,10 +180,22 @@ struct BwdHead {
   // S <- P ∘ Z (feeds dV), dP <- dS (through the softcap: feeds dK), row-major.
   void rebuild_rows(int i0, int nr, int j0, int nc, const QRows& x, BwdBuffers<A>& t) const {
     const int ncp = padded<A>(nc);
-    gemm<false>(nr, ncp, p.head_dim, x.q, x.ldq, 1, t.kT, kBc, t.S, kBc);         // Q Kᵀ
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        int64_t ldq_w, ldo_w;
+        const uint32_t* Qw = pair_rows(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, &ldq_w);
+        const uint32_t* dOw =
+            pair_rows(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.do_rows, &ldo_w);
+        gemm<false>(nr, ncp, (p.head_dim + 1) / 2, Qw, ldq_w, 1, t.kT2, kBc, t.S, kBc);
+        gemm<false>(nr, ncp, (p.head_dim_v + 1) / 2, dOw, ldo_w, 1, t.vT2, kBc, t.dP, kBc);
+      }
+    }
+    if (!pairs) {
+      gemm<false>(nr, ncp, p.head_dim, x.q, x.ldq, 1, t.kT, kBc, t.S, kBc);         // Q Kᵀ
+      gemm<false>(nr, ncp, p.head_dim_v, x.dout, x.ldo, 1, t.vT, kBc, t.dP, kBc);  // dO Vᵀ
+    }
     scale_rows(t.S, nr, ncp, kBc, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, kBc, 1, p.softcap > 0 ? t.Tcap : nullptr);
-    gemm<false>(nr, ncp, p.head_dim_v, x.dout, x.ldo, 1, t.vT, kBc, t.dP, kBc);  // dP
     if (p.dropout_p > 0)  // dP ∘ Z with the forward's very mask
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dP + r * kBc);
     probs_and_dS_rows(t.S, t.dP, kBc, nr, ncp, t.Lref, t.Dr);
@@ -152,16 +206,29 @@ struct BwdHead {
 
   // ---- passes 2-3 orientation: Sᵀ (keys x rows) = K (scale Q)ᵀ, query tile fixed ----
   void pack_query_tile(int i0, int nr, BwdBuffers<A>& t) const {
+    load_row_stats(i0, nr, t);
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        pack_pairs_t(q_at(i0), p.q_row_stride, nr, p.head_dim, t.Q2, kBr);
+        pack_pairs_t(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.dO2, kBr);
+        return;
+      }
+    }
     load_rows_t(q_at(i0), p.q_row_stride, nr, p.head_dim, t.qT, kBr);
     load_rows_t(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.doT, kBr);
-    load_row_stats(i0, nr, t);
   }
   struct KRows {
     const A *k, *v;
     int64_t ldk, ldv;
   };
   KRows key_rows(int j0, int nc, BwdBuffers<A>& t) const {
-    KRows x;
+    KRows x{};
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {  // K, V stay in place as A operands; K pairs along keys for dQ
+        pack_row_pairs(k_at(j0), p.k_row_stride, nc, p.head_dim, t.K2c, t.ldq);
+        return x;
+      }
+    }
     x.k = rows_as_acc(k_at(j0), p.k_row_stride, nc, p.head_dim, t.k_rows, t.ldq, &x.ldk, true);
     x.v = rows_as_acc(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.v_rows, p.head_dim_v,
                       &x.ldv, false);
@@ -171,10 +238,22 @@ struct BwdHead {
   void rebuild_T(int i0, int nr, int j0, int nc, const KRows& x, BwdBuffers<A>& t,
                  bool raw) const {
     const int nrp = padded<A>(nr);
-    gemm<false>(nc, nrp, p.head_dim, x.k, x.ldk, 1, t.qT, kBr, t.S, kBr);         // K Qᵀ
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (pairs) {
+        int64_t ldk_w, ldv_w;
+        const uint32_t* Kw = pair_rows(k_at(j0), p.k_row_stride, nc, p.head_dim, t.k_rows, &ldk_w);
+        const uint32_t* Vw =
+            pair_rows(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.v_rows, &ldv_w);
+        gemm<false>(nc, nrp, (p.head_dim + 1) / 2, Kw, ldk_w, 1, t.Q2, kBr, t.S, kBr);
+        gemm<false>(nc, nrp, (p.head_dim_v + 1) / 2, Vw, ldv_w, 1, t.dO2, kBr, t.dP, kBr);
+      }
+    }
+    if (!pairs) {
+      gemm<false>(nc, nrp, p.head_dim, x.k, x.ldk, 1, t.qT, kBr, t.S, kBr);         // K Qᵀ
+      gemm<false>(nc, nrp, p.head_dim_v, x.v, x.ldv, 1, t.doT, kBr, t.dP, kBr);   // V dOᵀ
+    }
     scale_rows(t.S, nc, nrp, kBr, A(p.scale));
     finish_scores(p, s, b, h, i0, nr, j0, nc, t.S, 1, kBr, p.softcap > 0 ? t.Tcap : nullptr);
-    gemm<false>(nc, nrp, p.head_dim_v, x.v, x.ldv, 1, t.doT, kBr, t.dP, kBr);   // dPᵀ
     if (p.dropout_p > 0)
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.dP + r, kBr);
     probs_and_dS_T(t.S, t.dP, kBr, nc, nrp, t.Lref, t.Dr);
@@ -221,7 +300,7 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
     const BwdHead<T, A> head(p, b, h, D_all);
     if (h == hk * group) {
       head.pack_key_tile(j0, nc, t);
-      if (dQ_all) kr = head.key_rows(j0, nc, t);
+      if (dQ_all && !head.pairs) kr = head.key_rows(j0, nc, t);
     }
     const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
@@ -229,12 +308,24 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
       const auto x = head.query_rows(i0, nr, t);
       head.load_row_stats(i0, nr, t);
       head.rebuild_rows(i0, nr, j0, nc, x, t);
+      A* dQ = dQ_all ? dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq : nullptr;
+      if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+        if (head.pairs) {
+          const int rp = (nr + 1) / 2;
+          pack_float_pairs(t.S, 1, kBc, nc, nr, t.P2, kBc);
+          gemm<true>(nc, ldv, rp, t.P2, 1, kBc, t.dO2r, ldv, dV, ldv);  // dV += (P∘Z)ᵀ dO
+          pack_float_pairs(t.dP, 1, kBc, nc, nr, t.dS2, kBc);
+          gemm<true>(nc, ldq, rp, t.dS2, 1, kBc, t.Q2r, ldq, dK, ldq);  // dK += dSᵀ Q
+          if (dQ) {                                                      // dQ += dS K
+            pack_rows_bf16(t.dP, kBc, nr, nc, t.dSq, kBc / 2);
+            gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, kBc / 2, 1, t.K2c, ldq, dQ, ldq);
+          }
+          continue;
+        }
+      }
       gemm<true>(nc, ldv, nr, t.S, 1, kBc, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
       gemm<true>(nc, ldq, nr, t.dP, 1, kBc, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
-      if (dQ_all) {                                                  // dQ += dS K
-        A* dQ = dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq;
-        gemm<true>(nr, ldq, nc, t.dP, kBc, 1, kr.k, kr.ldk, dQ, ldq);
-      }
+      if (dQ) gemm<true>(nr, ldq, nc, t.dP, kBc, 1, kr.k, kr.ldk, dQ, ldq);  // dQ += dS K
     }
   }
 }
@@ -317,11 +408,20 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   A* dQ = t.acc;  // (nr, ldq)
   head.pack_query_tile(i0, nr, t);
 
-  const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
+  // Key tiles start at even keys: the bf16 path pairs keys (2k, 2k+1) as the single pass
+  // does, so both build dQ from the very same products in the same order.
+  const int j_begin = key_lo(p, s, i0) & ~1, j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
     const auto x = head.key_rows(j0, nc, t);
     head.rebuild_T(i0, nr, j0, nc, x, t, true);
+    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
+      if (head.pairs) {
+        pack_float_pairs(t.dP, 1, kBr, nr, nc, t.dSq, kBr);
+        gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);  // dQ += dS K
+        continue;
+      }
+    }
     gemm<true>(nr, ldq, nc, t.dP, 1, kBr, x.k, x.ldk, dQ, ldq);  // dQ += dS K
   }
   scale_rows(dQ, nr, d, ldq, A(p.scale));

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/gemm.h"
 #include "fmha/numeric.h"
@@ -11,6 +12,18 @@
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
 inline uint32_t pair_word(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// float -> bfloat16 exactly as the AVX512-BF16 conversions do it (round to nearest even,
+// denormal inputs read as zero), so a scalar tail and a vector body round alike (checked
+// against vcvtneps2bf16 on 32M values, denormals included).
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  if ((u & 0x7f800000u) == 0) return uint16_t((u >> 16) & 0x8000u);        // ±0, denormals
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
 
 // Rows r < n of a bf16 (rows, dim) slice, transposed into pair words: dst[kp * ld + r] holds
 // (src[r][2kp], src[r][2kp+1]); rows [n, ld) and an odd dim's missing partner are zero.
@@ -29,7 +42,7 @@ inline void pack_pairs_t(const bf16_t* src, int64_t stride, int n, int dim, uint
 }
 
 inline uint16_t to_bf16_bits(bf16_t x) { return x.bits; }
-inline uint16_t to_bf16_bits(float x) { return float_to_bf16(x); }
+inline uint16_t to_bf16_bits(float x) { return bf16_round(x); }
 
 // Two rows at a time of a (rows, dim) slice into pair words along the rows: dst[kp * ld + t]
 // holds (src[2kp][t], src[2kp+1][t]) for t < dim, zero for t in [dim, ld) and for the
@@ -40,7 +53,19 @@ inline void pack_row_pairs(const S* src, int64_t stride, int n, int dim, uint32_
     const S* r0 = src + int64_t(2 * kp) * stride;
     const S* r1 = 2 * kp + 1 < n ? r0 + stride : nullptr;
     uint32_t* out = dst + int64_t(kp) * ld;
-    for (int t = 0; t < dim; ++t)
+    int t0 = 0;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<S, bf16_t>) {
+      if (r1) {  // widen both rows' 16 elements to 32 bits and merge: one word per column
+        for (; t0 + 16 <= dim; t0 += 16) {
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + t0)));
+          const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + t0)));
+          _mm512_storeu_si512(out + t0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+    }
+#endif
+    for (int t = t0; t < dim; ++t)
       out[t] = pair_word(to_bf16_bits(r0[t]), r1 ? to_bf16_bits(r1[t]) : uint16_t(0));
     for (int t = dim; t < ld; ++t) out[t] = 0;
   }
@@ -68,7 +93,7 @@ inline void pack_float_pairs(const float* P, int64_t rs, int64_t cs, int m, int 
                             _mm512_permutexvar_epi16(interleave, both));
       }
       for (; i < m; ++i)
-        dst[int64_t(kp) * ld + i] = pair_word(float_to_bf16(c0[i]), float_to_bf16(c0[i + cs]));
+        dst[int64_t(kp) * ld + i] = pair_word(bf16_round(c0[i]), bf16_round(c0[i + cs]));
     }
   }
 #endif
@@ -77,14 +102,46 @@ inline void pack_float_pairs(const float* P, int64_t rs, int64_t cs, int m, int 
     const bool odd = 2 * kp + 1 >= n;
     for (int i = 0; i < m; ++i)
       dst[int64_t(kp) * ld + i] =
-          pair_word(float_to_bf16(c0[i * rs]), odd ? uint16_t(0) : float_to_bf16(c0[i * rs + cs]));
+          pair_word(bf16_round(c0[i * rs]), odd ? uint16_t(0) : bf16_round(c0[i * rs + cs]));
   }
 }
 
-// True when a bf16 tensor's rows can be read in place as pair words: even row stride and
-// head_dim, 4-byte aligned.
-inline bool pairs_in_place(const void* base, int64_t row_stride, int dim) {
-  return row_stride % 2 == 0 && dim % 2 == 0 && reinterpret_cast<uintptr_t>(base) % 4 == 0;
+// Rows i < m of a row-major float tile (leading dimension ld_src) rounded to bfloat16 along
+// the row: dst[i * ld + kp] = (x[i][2kp], x[i][2kp+1]) for kp < ceil(n/2) (odd n: partner 0).
+inline void pack_rows_bf16(const float* x, int64_t ld_src, int m, int n, uint32_t* dst,
+                           int64_t ld) {
+  for (int i = 0; i < m; ++i) {
+    const float* row = x + i * ld_src;
+    uint32_t* out = dst + i * ld;
+    int c = 0;
+#if defined(__AVX512BF16__)
+    for (; c + 32 <= n; c += 32)  // 32 floats -> 32 bf16 in order = 16 pair words
+      _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(
+                                           _mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(row + c)));
+#endif
+    for (; c < n; c += 2)
+      out[c / 2] = pair_word(bf16_round(row[c]), c + 1 < n ? bf16_round(row[c + 1]) : uint16_t(0));
+  }
+}
+
+// Rows [0, n) of a bf16 (rows, dim) slice as pair words along dim, for a GEMM A operand:
+// read in place when the layout allows (even dim and row stride, 4-byte aligned), else
+// copied into `buf` (zero-padded to an even dim). Either way the same words: the arithmetic
+// never depends on the memory layout. Returns the words; *ld receives their row stride.
+inline const uint32_t* pair_rows(const bf16_t* src, int64_t stride, int n, int dim,
+                                 void* buf, int64_t* ld) {
+  if (dim % 2 == 0 && stride % 2 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) {
+    *ld = stride / 2;
+    return reinterpret_cast<const uint32_t*>(src);
+  }
+  const int w = (dim + 1) / 2;
+  uint16_t* out = static_cast<uint16_t*>(buf);
+  for (int r = 0; r < n; ++r) {
+    for (int t = 0; t < dim; ++t) out[int64_t(r) * 2 * w + t] = src[r * stride + t].bits;
+    if (dim % 2) out[int64_t(r) * 2 * w + dim] = 0;
+  }
+  *ld = w;
+  return reinterpret_cast<const uint32_t*>(buf);
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

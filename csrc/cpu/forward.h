@@ -82,25 +82,20 @@ void forward_task(const FwdParams& p, int64_t task) {
   // bfloat16 with AVX512-BF16: S and P V as pair dot products (twice the float FMA rate).
   // K is read in place as pair words; Q and V are packed into pairs, P is rounded to
   // bfloat16 for P V (as on a GPU); everything accumulates in float.
-  bool pairs = false;
-  if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
-    pairs = pairs_in_place(k, p.k_row_stride, d) && p.k_batch_stride % 2 == 0;
-    if (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
-  }
+  constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
+  if constexpr (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
     const T* kj = k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
     const T* vj = v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
-    int64_t ldvj = ldv;
-    const A* Vj = nullptr;
-    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
-      if (pairs) {
-        gemm<false>(nc, nrp, (d + 1) / 2, reinterpret_cast<const uint32_t*>(kj),
-                    p.k_row_stride / 2, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
-        pack_row_pairs(vj, p.v_row_stride, nc, dv, V2, ldv);
-      }
-    }
-    if (!pairs) {
+    [[maybe_unused]] int64_t ldvj = ldv;
+    [[maybe_unused]] const A* Vj = nullptr;
+    if constexpr (pairs) {
+      int64_t ldkw;
+      const uint32_t* Kw = pair_rows(kj, p.k_row_stride, nc, d, Kbuf, &ldkw);
+      gemm<false>(nc, nrp, (d + 1) / 2, Kw, ldkw, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
+      pack_row_pairs(vj, p.v_row_stride, nc, dv, V2, ldv);
+    } else {
       int64_t ldk;
       const A* Kj = rows_as_acc(kj, p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
       Vj = rows_as_acc(vj, p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
@@ -113,14 +108,12 @@ void forward_task(const FwdParams& p, int64_t task) {
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
-    if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
-      if (pairs) {
-        pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
-        gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
-        continue;
-      }
+    if constexpr (pairs) {
+      pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
+      gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
+    } else {
+      gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
     }
-    gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
   }
 
   // Normalise once; a row that saw no key gets out = 0 and lse = -inf (never NaN).
