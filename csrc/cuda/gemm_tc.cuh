@@ -17,18 +17,11 @@
 
 #include <cstdint>
 
+#include "cuda/gemm_tc.h"
 #include "cuda/primitives.cuh"
 
 namespace fmha {
 namespace gpu {
-
-struct GemmTcParams {
-  const void* a;  // M x K, element (i, k) at a[i * lda + k]
-  const void* b;  // K x N, element (k, j) at b[k * ldb + j]
-  float* c;       // M x N, element (i, j) at c[i * ldc + j]
-  int m, n, k;
-  int64_t lda, ldb, ldc;  // row strides, in elements
-};
 
 struct GemmTcConfig {
   static constexpr int kBlockM = 64, kBlockN = 64, kBlockK = 32;

@@ -302,7 +302,7 @@ FMHA_DEVICE T shfl_down(T v, int delta, int width = 32) {
 }
 
 // Bit L set iff lane L's predicate is true (vote.sync.ballot.b32, PTX ISA 9.0 §9.7.13.9).
-FMHA_DEVICE uint32_t ballot(bool p) {
+FMHA_DEVICE uint32_t warp_ballot(bool p) {
 #if defined(__CUDACC__)
   return __ballot_sync(0xFFFFFFFFu, p);
 #else

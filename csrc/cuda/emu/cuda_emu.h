@@ -56,6 +56,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/emu/runtime.h"
+
 // ---- CUDA keywords: execution spaces vanish, __shared__ is per-block static storage ----
 #define __global__
 #define __device__
@@ -91,11 +93,6 @@ inline const ThreadState& self() {
   if (__builtin_expect(g_thread == nullptr, 0)) not_in_kernel("threadIdx/blockIdx");
   return *g_thread;
 }
-
-// A launch that failed: the kernel broke a CUDA rule or trapped. Thrown by launch().
-struct LaunchError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // ---- barriers ----
 void syncthreads(const char* file, int line);
@@ -198,16 +195,6 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
       },
       &closure);
 }
-
-// Counters over all launches since the last reset (for tests: did the GEMM use cp.async
-// double buffering, how many mma.sync did it issue, ...).
-struct Stats {
-  uint64_t launches, blocks, threads, block_barriers, warp_barriers;
-  uint64_t mma, ldmatrix, shfl, ballot, cp_async, cp_async_zero_filled;
-  uint64_t max_cp_async_groups_pending;  // the most committed-but-unretired groups a thread had
-};
-Stats stats();
-void reset_stats();
 
 }  // namespace emu
 

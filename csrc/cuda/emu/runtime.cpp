@@ -1,6 +1,7 @@
 // The SIMT emulator's runtime: launches, barriers, warp collectives, cp.async. The model is
 // described at the top of cuda_emu.h. PTX ISA sections are cited by name and by their
 // number in PTX ISA 9.0 (numbers shift between versions; names do not).
+#include <cxxabi.h>
 #include <dlfcn.h>
 #include <pthread.h>
 
@@ -60,10 +61,20 @@ struct WarpState {
   Slot slots[2][32];  // double-buffered by the lanes' parity: see warp_exchange
 };
 
+// The kernel's name for messages: its symbol (demangled) when it can be found, else the
+// expression the launch named it by. Resolved only when a message needs it.
+struct KernelName {
+  const char* expression;
+  const void* fn;
+  mutable std::once_flag once;
+  mutable std::string name;
+  const std::string& get() const;
+};
+
 }  // namespace
 
 struct BlockState {
-  const char* kernel = "";
+  const KernelName* kernel = nullptr;
   uint3 block_idx{};
   dim3 block_dim, grid_dim;
   int nthreads = 0, nwarps = 0;
@@ -282,15 +293,35 @@ std::string dims(const uint3& v) {
 
 }  // namespace
 
-std::string describe_thread(int tid) {
+std::string describe_thread(int tid, bool with_kernel) {
   ThreadImpl* t = current();
   std::ostringstream os;
   if (!t) return "host thread";
   const BlockState& b = *t->block;
   const unsigned dx = b.block_dim.x, dy = b.block_dim.y;
   const uint3 ti{unsigned(tid) % dx, (unsigned(tid) / dx) % dy, unsigned(tid) / (dx * dy)};
-  os << b.kernel << ": thread " << dims(ti) << " of block " << dims(b.block_idx) << " [warp "
+  if (with_kernel) os << b.kernel->get() << ": ";
+  os << "thread " << dims(ti) << " of block " << dims(b.block_idx) << " [warp "
      << tid / 32 << " lane " << tid % 32 << "]";
+  return os.str();
+}
+
+namespace {
+std::string short_function_name(std::string s);
+}
+
+std::string describe_address(const void* address) {
+  std::ostringstream os;
+  const ThreadImpl* t = current();
+  const uintptr_t a = reinterpret_cast<uintptr_t>(address);
+  if (t) {
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(t->block->dynamic_smem);
+    if (a >= lo && a < lo + t->block->dynamic_smem_bytes) {
+      os << "dynamic shared memory byte " << (a - lo);
+      return os.str();
+    }
+  }
+  os << "address " << address;
   return os.str();
 }
 
@@ -320,7 +351,7 @@ std::string describe_pc(const void* pc) {
     for (size_t i = 0; i + 1 < lines.size(); i += 2) {
       if (lines[i + 1].rfind("??", 0) == 0) continue;
       if (!out.empty()) out += " inlined in ";
-      out += lines[i + 1] + " (" + lines[i].substr(0, 80) + ")";
+      out += lines[i + 1] + " (" + short_function_name(lines[i]) + ")";
     }
   }
   if (out.empty()) {
@@ -331,6 +362,58 @@ std::string describe_pc(const void* pc) {
   return out;
 }
 
+namespace {
+
+// "void (anonymous namespace)::k<false>(float const*, float*)" -> "k<false>"
+std::string short_function_name(std::string s) {
+  for (const char* junk : {"(anonymous namespace)::", "void "}) {
+    const size_t n = std::strlen(junk);
+    for (size_t at; (at = s.find(junk)) != std::string::npos;) s.erase(at, n);
+  }
+  int depth = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<') ++depth;
+    if (s[i] == '>') --depth;
+    if (s[i] == '(' && depth == 0) return s.substr(0, i);
+  }
+  return s;
+}
+
+std::string function_name(const void* fn) {
+  Dl_info info{};
+  if (!dladdr(fn, &info)) return "";
+  if (info.dli_sname && info.dli_saddr == fn) {
+    int status = 0;
+    char* d = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+    std::string out = status == 0 && d ? d : info.dli_sname;
+    std::free(d);
+    return short_function_name(out);
+  }
+  if (!info.dli_fname) return "";
+  char cmd[4096];
+  std::snprintf(cmd, sizeof cmd, "addr2line -C -f -e '%s' 0x%lx 2>/dev/null", info.dli_fname,
+                static_cast<unsigned long>(reinterpret_cast<uintptr_t>(fn) -
+                                           reinterpret_cast<uintptr_t>(info.dli_fbase)));
+  std::string out;
+  if (FILE* p = popen(cmd, "r")) {
+    char line[1024];
+    if (std::fgets(line, sizeof line, p)) out = line;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() || out[0] == '?' ? "" : short_function_name(out);
+}
+
+}  // namespace
+
+const std::string& KernelName::get() const {
+  std::call_once(once, [this] {
+    name = function_name(fn);
+    if (name.empty()) name = expression;
+  });
+  return name;
+}
+
 }  // namespace detail
 
 using detail::BlockState;
@@ -338,8 +421,8 @@ using detail::current;
 using detail::ThreadImpl;
 
 void not_in_kernel(const char* what) {
-  std::fprintf(stderr, "cuda_emu: %s used outside an emulated kernel\n", what);
-  std::abort();
+  throw std::logic_error(std::string("cuda_emu: ") + what +
+                         " used outside an emulated kernel (on a host thread)");
 }
 
 // ---------------------------------------------------------------------------- barriers
@@ -557,7 +640,8 @@ uint32_t ballot(bool p) {
 // of them from src and filling the rest with zeros; commit_group closes the thread's group
 // of uncommitted copies; wait_group N waits until at most the N most recent groups are
 // pending. The writes are visible to the executing thread only after the wait, so the
-// emulator performs them there.
+// emulator performs them there (and the race checker counts them as happening anywhere from
+// the cp.async to that wait).
 
 void cp_async(void* dst, const void* src, int cp_size, int src_size) {
   ThreadImpl& t = detail::me();
@@ -575,7 +659,12 @@ void cp_async(void* dst, const void* src, int cp_size, int src_size) {
   }
   detail::bump(detail::s_cp_async);
   if (src_size < cp_size) detail::bump(detail::s_cp_async_zero_filled);
-  t.uncommitted.push_back({dst, src, cp_size, src_size, __builtin_return_address(0)});
+  const void* pc = __builtin_return_address(0);
+  // The hardware may move the bytes at any time between here and the wait that retires
+  // them: the race checker sees the accesses at both ends.
+  detail::race_access(src, size_t(src_size), false, pc);
+  detail::race_access(dst, size_t(cp_size), true, pc);
+  t.uncommitted.push_back({dst, src, cp_size, src_size, pc});
 }
 
 void cp_async_commit() {
@@ -640,8 +729,9 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
                  Thunk thunk, void* closure) {
   const uint64_t nthreads = uint64_t(block.x) * block.y * block.z;
   const uint64_t nblocks = uint64_t(grid.x) * grid.y * grid.z;
+  const detail::KernelName kname{name, kernel, {}, {}};
   auto bad = [&](const std::string& why) {
-    throw LaunchError(std::string(name) + ": invalid launch configuration: " + why);
+    throw LaunchError(kname.get() + ": invalid launch configuration: " + why);
   };
   if (nthreads == 0 || nthreads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64)
     bad("block (" + std::to_string(block.x) + "," + std::to_string(block.y) + "," +
@@ -662,13 +752,16 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
              ? " without cudaFuncSetAttribute(MaxDynamicSharedMemorySize)"
              : ""));
 
+  if (current())
+    throw LaunchError(kname.get() + ": launched from inside a kernel (dynamic parallelism is not "
+                      "emulated)");
   std::lock_guard<std::mutex> launch_lock(detail::g_launch_mutex);
   detail::bump(detail::s_launches);
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         BlockState b;
-        b.kernel = name;
+        b.kernel = &kname;
         b.block_idx = {bx, by, bz};
         b.block_dim = block;
         b.grid_dim = grid;
@@ -705,7 +798,7 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
             detail::check_deadlock_locked(b);
           }
           for (std::thread& th : threads) th.join();
-          throw LaunchError(std::string(name) + ": " + b.error);
+          throw LaunchError(kname.get() + ": " + b.error);
         }
         for (std::thread& th : threads) th.join();
         detail::bump(detail::s_blocks);
@@ -715,9 +808,7 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
         if (detail::g_race_checker) races = detail::g_race_checker->block_end();
         if (b.aborted) throw LaunchError(b.error);
         if (!races.empty()) {
-          std::string msg = std::string(name) + ": racecheck found " +
-                            std::to_string(races.size()) + " shared-memory hazard" +
-                            (races.size() > 1 ? "s" : "") + " in block " +
+          std::string msg = kname.get() + ": racecheck: memory hazards in block " +
                             detail::dims(b.block_idx) + ":";
           for (const std::string& r : races) msg += "\n  " + r;
           throw LaunchError(msg);

@@ -54,8 +54,10 @@ inline void race_access(const void* address, size_t bytes, bool write, const voi
 
 // "file:line" (or "module+0xoffset") for a code address, via addr2line when present.
 std::string describe_pc(const void* pc);
-// "thread (x,y,z) of block (x,y,z) [warp w lane l]"
-std::string describe_thread(int tid);
+// "dynamic shared memory + offset", or the address.
+std::string describe_address(const void* address);
+// "kernel: thread (x,y,z) of block (x,y,z) [warp w lane l]" for a thread of the caller's block.
+std::string describe_thread(int tid, bool with_kernel = true);
 
 }  // namespace detail
 }  // namespace emu

@@ -1,0 +1,244 @@
+// racecheck: the emulator's deterministic detector of memory races between the threads of a
+// block -- above all, shared-memory accesses not separated by the __syncthreads they need.
+//
+// How it sees accesses: kernel translation units are compiled with -fsanitize=thread (and
+// --param=tsan-instrument-func-entry-exit=0), which makes GCC call __tsan_read<N>(address)
+// / __tsan_write<N>(address) before each memory access. This file defines those functions
+// -- the binary is linked WITHOUT ThreadSanitizer's runtime -- and keeps a shadow of every
+// byte a block touches. The emulator's own operations report theirs explicitly: ldmatrix
+// reads each 16-byte row as the lane that gave its address; a cp.async writes its shared
+// destination (and reads its source) both when it is issued and when cp.async.wait_group
+// retires it -- the hardware may move the bytes at any moment in between.
+//
+// The clock: each thread counts the __syncthreads it has passed (the block epoch) and the
+// barriers of its warp it has passed (__syncwarp and every warp collective: the warp
+// epoch). Two accesses to a byte by different threads, at least one a write, are ordered
+// iff a __syncthreads lies between them (the earlier one's block epoch is smaller) or, for
+// two lanes of one warp, a warp barrier does (warp epoch smaller, same block epoch).
+// Anything else is a hazard, reported whatever the OS scheduler did. Per byte the shadow
+// keeps the last write and a summary of the reads since it; the shadow is cleared at each
+// block (blocks run one after another; accesses of different blocks are not compared).
+//
+// Not seen: accesses inside uninstrumented code (libc's memcpy called by the kernel,
+// atomics), accesses to a thread's own stack (private by construction).
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+#include "cuda/emu/runtime_internal.h"
+
+namespace emu {
+namespace detail {
+namespace {
+
+constexpr int32_t kNone = -1, kSeveral = -2;
+constexpr size_t kMaxReports = 8;
+
+struct Cell {
+  // the last write
+  int32_t w_tid = kNone;
+  uint32_t w_block_epoch = 0, w_warp_epoch = 0;
+  const void* w_pc = nullptr;
+  // the reads since it, in block epoch r_block_epoch
+  int32_t r_tid = kNone;  // the reader, or kSeveral
+  uint32_t r_block_epoch = 0, r_warps = 0, r_warp_epoch_max = 0;
+  const void* r_pc = nullptr;
+};
+
+std::mutex g_mu;
+std::unordered_map<uintptr_t, Cell> g_shadow;
+std::vector<std::string> g_reports;
+std::set<std::pair<const void*, const void*>> g_seen;  // (pc, other pc) already reported
+size_t g_hazards = 0;
+
+// Is an earlier access by `tid` at (block_epoch, warp_epoch) ordered before `t`'s access now?
+bool ordered(const ThreadImpl& t, int32_t tid, uint32_t block_epoch, uint32_t warp_epoch) {
+  return tid == t.tid || block_epoch < t.block_epoch ||
+         (tid / 32 == t.warp && warp_epoch < t.warp_epoch);
+}
+
+void report(const char* kind, uintptr_t address, const ThreadImpl& t, const void* pc,
+            bool write, int32_t other, const void* other_pc, bool other_write) {
+  ++g_hazards;
+  if (g_reports.size() >= kMaxReports || !g_seen.insert({pc, other_pc}).second) return;
+  std::ostringstream os;
+  os << kind << " hazard at " << describe_address(reinterpret_cast<const void*>(address)) << ": "
+     << describe_thread(t.tid, false) << (write ? " writes" : " reads") << " at " << describe_pc(pc)
+     << "; ";
+  if (other == kSeveral)
+    os << "other threads read it";
+  else
+    os << describe_thread(other, false) << (other_write ? " wrote" : " read") << " it";
+  os << " at " << describe_pc(other_pc)
+     << ", with no __syncthreads (or, in one warp, __syncwarp) between the two";
+  g_reports.push_back(os.str());
+}
+
+}  // namespace
+
+// Called for every instrumented access, also before static initialization is complete: it
+// returns at once unless the calling thread runs an emulated kernel.
+void racecheck_access(const void* address, size_t bytes, bool write, const void* pc) {
+  ThreadImpl* tp = current();
+  if (!tp || bytes == 0) return;
+  const ThreadImpl& t = *tp;
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(address);
+  if (a0 >= t.stack_lo && a0 < t.stack_hi) return;  // the thread's own stack: private
+  std::lock_guard<std::mutex> lk(g_mu);
+  bool reported = false;  // one report per access, however many bytes
+  for (uintptr_t a = a0; a < a0 + bytes; ++a) {
+    Cell& c = g_shadow[a];
+    if (!reported && c.w_tid != kNone && !ordered(t, c.w_tid, c.w_block_epoch, c.w_warp_epoch)) {
+      report(write ? "write-after-write" : "read-after-write", a, t, pc, write, c.w_tid, c.w_pc,
+             true);
+      reported = true;
+    }
+    if (write) {
+      if (!reported && c.r_tid != kNone && c.r_block_epoch == t.block_epoch) {
+        const bool other_warp = (c.r_warps & ~(1u << t.warp)) != 0;
+        const bool same_warp_unsynced = c.r_tid != t.tid && c.r_warp_epoch_max >= t.warp_epoch;
+        if (other_warp || same_warp_unsynced) {
+          report("write-after-read", a, t, pc, true, c.r_tid, c.r_pc, false);
+          reported = true;
+        }
+      }
+      c.w_tid = t.tid;
+      c.w_block_epoch = t.block_epoch;
+      c.w_warp_epoch = t.warp_epoch;
+      c.w_pc = pc;
+      c.r_tid = kNone;
+    } else if (c.r_tid == kNone || c.r_block_epoch != t.block_epoch) {
+      c.r_tid = t.tid;
+      c.r_block_epoch = t.block_epoch;
+      c.r_warps = 1u << t.warp;
+      c.r_warp_epoch_max = t.warp_epoch;
+      c.r_pc = pc;
+    } else {
+      if (c.r_tid != t.tid) c.r_tid = kSeveral;
+      c.r_warps |= 1u << t.warp;
+      c.r_warp_epoch_max = std::max(c.r_warp_epoch_max, t.warp_epoch);
+    }
+  }
+}
+
+namespace {
+
+void block_begin() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_shadow.clear();
+  g_reports.clear();
+  g_seen.clear();
+  g_hazards = 0;
+}
+
+std::vector<std::string> block_end() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  std::vector<std::string> out = std::move(g_reports);
+  if (g_hazards > out.size())
+    out.push_back("(" + std::to_string(g_hazards - out.size()) + " more hazardous accesses)");
+  g_reports.clear();
+  g_shadow.clear();
+  return out;
+}
+
+const RaceChecker kChecker{&block_begin, &racecheck_access, &block_end};
+
+struct Install {
+  Install() { g_race_checker = &kChecker; }
+} install;
+
+}  // namespace
+}  // namespace detail
+}  // namespace emu
+
+// ---- the instrumentation hooks GCC's -fsanitize=thread emits ----
+#define EMU_RC_PC __builtin_return_address(0)
+extern "C" {
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+void __tsan_vptr_update(void**, void*) {}
+void __tsan_vptr_read(void**) {}
+
+#define EMU_RC_SIZED(n)                                                                         \
+  void __tsan_read##n(void* a) { emu::detail::racecheck_access(a, n, false, EMU_RC_PC); }  \
+  void __tsan_write##n(void* a) { emu::detail::racecheck_access(a, n, true, EMU_RC_PC); }  \
+  void __tsan_unaligned_read##n(void* a) {                                                      \
+    emu::detail::racecheck_access(a, n, false, EMU_RC_PC);                                \
+  }                                                                                             \
+  void __tsan_unaligned_write##n(void* a) {                                                     \
+    emu::detail::racecheck_access(a, n, true, EMU_RC_PC);                                 \
+  }                                                                                             \
+  void __tsan_volatile_read##n(void* a) {                                                       \
+    emu::detail::racecheck_access(a, n, false, EMU_RC_PC);                                \
+  }                                                                                             \
+  void __tsan_volatile_write##n(void* a) {                                                      \
+    emu::detail::racecheck_access(a, n, true, EMU_RC_PC);                                 \
+  }
+EMU_RC_SIZED(1)
+EMU_RC_SIZED(2)
+EMU_RC_SIZED(4)
+EMU_RC_SIZED(8)
+EMU_RC_SIZED(16)
+#undef EMU_RC_SIZED
+
+void __tsan_read_range(void* a, unsigned long n) {
+  emu::detail::racecheck_access(a, n, false, EMU_RC_PC);
+}
+void __tsan_write_range(void* a, unsigned long n) {
+  emu::detail::racecheck_access(a, n, true, EMU_RC_PC);
+}
+
+// Atomics in instrumented code (e.g. inside standard-library headers) are performed, not
+// tracked: an atomic access never races.
+#define EMU_RC_ATOMICS(bits, T)                                                                 \
+  T __tsan_atomic##bits##_load(const volatile T* a, int) {                                      \
+    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                \
+  }                                                                                             \
+  void __tsan_atomic##bits##_store(volatile T* a, T v, int) {                                   \
+    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                   \
+  }                                                                                             \
+  T __tsan_atomic##bits##_exchange(volatile T* a, T v, int) {                                   \
+    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                         \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_add(volatile T* a, T v, int) {                                  \
+    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                          \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_sub(volatile T* a, T v, int) {                                  \
+    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                          \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_and(volatile T* a, T v, int) {                                  \
+    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                          \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_or(volatile T* a, T v, int) {                                   \
+    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_xor(volatile T* a, T v, int) {                                  \
+    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                          \
+  }                                                                                             \
+  T __tsan_atomic##bits##_fetch_nand(volatile T* a, T v, int) {                                 \
+    return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST);                                         \
+  }                                                                                             \
+  int __tsan_atomic##bits##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {       \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);     \
+  }                                                                                             \
+  int __tsan_atomic##bits##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {         \
+    return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);      \
+  }                                                                                             \
+  T __tsan_atomic##bits##_compare_exchange_val(volatile T* a, T c, T v, int, int) {             \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);           \
+    return c;                                                                                   \
+  }
+EMU_RC_ATOMICS(8, uint8_t)
+EMU_RC_ATOMICS(16, uint16_t)
+EMU_RC_ATOMICS(32, uint32_t)
+EMU_RC_ATOMICS(64, uint64_t)
+#undef EMU_RC_ATOMICS
+void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+}  // extern "C"

@@ -1,0 +1,261 @@
+// Checks of the emulator itself: the execution model (thread and block indices, blocks one
+// after another, shared memory per block) and that it reports, instead of hanging or
+// silently passing, the CUDA rules kernels break: barriers not reached by every thread,
+// divergent warp collectives, misaligned ldmatrix, reading cp.async data before waiting,
+// dynamic shared memory without the opt-in, __trap.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/primitives.cuh"
+#include "emu_test.h"
+
+using namespace fmha::gpu;
+using emu_test::fail;
+using emu_test::launch_error;
+using emu_test::pass;
+using emu_test::Result;
+
+namespace {
+
+Result expect_error(const std::string& err, std::initializer_list<const char*> words) {
+  if (err.empty()) return fail("the launch succeeded; expected an error");
+  for (const char* w : words)
+    if (err.find(w) == std::string::npos)
+      return fail("error message lacks \"" + std::string(w) + "\": " + err);
+  return pass(err.substr(0, 200));
+}
+
+// ---- indices and scheduling ----
+struct Ids {
+  unsigned t[3], b[3], bd[3], gd[3];
+  float order;  // the block's position in the sequence of blocks run
+};
+
+__global__ void ids_kernel(Ids* out, float* sequence) {
+  const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  __shared__ float order;
+  if (tid == 0) order = atomic_add(sequence, 1.0f);
+  __syncthreads();  // order is written before the block's threads read it
+  Ids& o = out[block * (blockDim.x * blockDim.y * blockDim.z) + tid];
+  o = {{threadIdx.x, threadIdx.y, threadIdx.z}, {blockIdx.x, blockIdx.y, blockIdx.z},
+       {blockDim.x, blockDim.y, blockDim.z}, {gridDim.x, gridDim.y, gridDim.z}, order};
+}
+
+EMU_TEST("emu.indices", "CUDA Programming Guide, Thread Hierarchy: threadIdx/blockIdx/blockDim/"
+                        "gridDim; the emulator runs blocks one after another, x fastest") {
+  const dim3 grid(3, 2, 2), block(8, 4, 2);
+  const int nb = 12, nt = 64;
+  std::vector<Ids> out(size_t(nb * nt));
+  float sequence = 0;
+  FMHA_LAUNCH(ids_kernel, grid, block, 0, nullptr, out.data(), &sequence);
+  for (int b = 0; b < nb; ++b)
+    for (int t = 0; t < nt; ++t) {
+      const Ids& o = out[size_t(b * nt + t)];
+      const unsigned want_t[3] = {unsigned(t % 8), unsigned(t / 8 % 4), unsigned(t / 32)};
+      const unsigned want_b[3] = {unsigned(b % 3), unsigned(b / 3 % 2), unsigned(b / 6)};
+      for (int d = 0; d < 3; ++d)
+        if (o.t[d] != want_t[d] || o.b[d] != want_b[d])
+          return fail("block " + std::to_string(b) + " thread " + std::to_string(t) + ": wrong index");
+      if (o.bd[0] != 8 || o.bd[1] != 4 || o.bd[2] != 2 || o.gd[0] != 3 || o.gd[1] != 2 || o.gd[2] != 2)
+        return fail("wrong blockDim/gridDim");
+      if (o.order != float(b)) return fail("blocks did not run one after another in linear order");
+    }
+  return pass();
+}
+
+// ---- shared memory ----
+__global__ void static_shared_kernel(int* out) {
+  __shared__ int s[64];
+  const int t = threadIdx.x;
+  s[t] = t + 1000 * int(blockIdx.x);
+  __syncthreads();  // every element is written before any is read
+  out[blockIdx.x * 64 + t] = s[63 - t];
+}
+EMU_TEST("emu.static_shared", "static __shared__ arrays are shared by the threads of a block") {
+  std::vector<int> out(3 * 64);
+  FMHA_LAUNCH(static_shared_kernel, dim3(3), dim3(64), 0, nullptr, out.data());
+  for (int b = 0; b < 3; ++b)
+    for (int t = 0; t < 64; ++t)
+      if (out[size_t(b * 64 + t)] != 63 - t + 1000 * b) return fail("wrong value");
+  return pass();
+}
+
+__global__ void poison_kernel(uint32_t* out) {
+  FMHA_DYNAMIC_SHARED(uint32_t, s);
+  out[threadIdx.x] = s[threadIdx.x];  // never written: the emulator's poison
+}
+EMU_TEST("emu.dynamic_smem_poison",
+         "dynamic shared memory starts as 0xFF bytes (NaN as f16/bf16/f32), not zeros") {
+  uint32_t out[32];
+  FMHA_LAUNCH(poison_kernel, dim3(1), dim3(32), 32 * 4, nullptr, out);
+  for (uint32_t v : out)
+    if (v != 0xFFFFFFFFu) return fail("not poisoned");
+  return pass();
+}
+
+__global__ void big_smem_kernel(float* out) {
+  FMHA_DYNAMIC_SHARED(float, s);
+  s[threadIdx.x] = 1.0f;
+  __syncthreads();  // written before read
+  out[threadIdx.x] = s[(threadIdx.x + 1) % 32];
+}
+EMU_TEST("emu.dynamic_smem_optin",
+         "CUDA Programming Guide: more than 48 KiB of dynamic shared memory needs "
+         "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)") {
+  float out[32];
+  const size_t bytes = 64 * 1024;
+  auto kernel = &big_smem_kernel;
+  Result r = expect_error(launch_error([&] { FMHA_LAUNCH(kernel, dim3(1), dim3(32), bytes, nullptr, out); }),
+                          {"cudaFuncSetAttribute", "big_smem_kernel"});
+  if (!r.ok) return r;
+  set_max_dynamic_smem(kernel, bytes);
+  FMHA_LAUNCH(kernel, dim3(1), dim3(32), bytes, nullptr, out);
+  return out[0] == 1.0f ? pass() : fail("wrong result after the opt-in");
+}
+
+// ---- barrier rules ----
+__global__ void divergent_syncthreads_kernel(int* out) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();  // a different barrier: undefined behaviour in CUDA
+  }
+  out[threadIdx.x] = 1;
+}
+EMU_TEST("emu.divergent_syncthreads",
+         "CUDA Programming Guide: __syncthreads is allowed in conditional code only if the "
+         "condition is the same across the block") {
+  int out[64];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(divergent_syncthreads_kernel, dim3(1), dim3(64), 0, nullptr, out);
+  }), {"divergent __syncthreads", "emulator_checks.cu"});
+}
+
+__global__ void early_exit_kernel(int* out) {
+  if (threadIdx.x >= 32) return;  // these threads never reach the barrier below
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+EMU_TEST("emu.exit_before_syncthreads",
+         "every thread of the block must reach every __syncthreads (no hang: an error)") {
+  int out[64];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(early_exit_kernel, dim3(1), dim3(64), 0, nullptr, out);
+  }), {"__syncthreads", "exited"});
+}
+
+__global__ void deadlock_kernel(int* out) {
+  if (threadIdx.x == 0)
+    __syncwarp();  // waits for lanes that wait at __syncthreads: nobody can proceed
+  else
+    __syncthreads();
+  out[threadIdx.x] = 1;
+}
+EMU_TEST("emu.deadlock", "a barrier no thread can complete is reported as a deadlock") {
+  int out[64];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(deadlock_kernel, dim3(1), dim3(64), 0, nullptr, out);
+  }), {"deadlock", "__syncwarp", "__syncthreads"});
+}
+
+__global__ void inactive_lane_kernel(int* out) {
+  if (threadIdx.x == 31) return;
+  out[threadIdx.x] = shfl_xor(int(threadIdx.x), 1);
+}
+EMU_TEST("emu.collective_inactive_lanes",
+         "PTX ISA 9.0 §9.7.9.6 shfl.sync: undefined if a lane named in membermask has exited") {
+  int out[32];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(inactive_lane_kernel, dim3(1), dim3(32), 0, nullptr, out);
+  }), {"shfl.sync", "exited", "inactive_lane_kernel"});
+}
+
+__global__ void partial_warp_kernel(int* out) {
+  __syncwarp();  // fine: the 8 lanes of the last warp meet
+  out[threadIdx.x] = warp_ballot(true);  // not fine: a full-warp operation in a warp of 8
+}
+EMU_TEST("emu.partial_warp", "blockDim 40: __syncwarp works; a full-warp collective is an error") {
+  int out[40];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(partial_warp_kernel, dim3(1), dim3(40), 0, nullptr, out);
+  }), {"vote.sync", "blockDim is not a multiple of 32"});
+}
+
+__global__ void divergent_collective_kernel(uint32_t* out) {
+  if (threadIdx.x < 16)
+    out[threadIdx.x] = shfl_idx(uint32_t(threadIdx.x), 0);
+  else
+    out[threadIdx.x] = warp_ballot(true);
+}
+EMU_TEST("emu.divergent_collective",
+         "PTX ISA 9.0 .sync.aligned: all threads of the warp execute the same instruction") {
+  uint32_t out[32];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(divergent_collective_kernel, dim3(1), dim3(32), 0, nullptr, out);
+  }), {"divergent warp"});
+}
+
+__global__ void misaligned_ldmatrix_kernel(uint32_t* out) {
+  __shared__ __align__(16) uint16_t s[8 * 8 + 8];
+  for (int i = threadIdx.x; i < 72; i += 32) s[i] = uint16_t(i);
+  __syncthreads();  // filled before the warp loads
+  uint32_t r[1];
+  ldmatrix<1>(r, &s[1 + (threadIdx.x % 8) * 8]);  // 2 bytes past a 16-byte boundary
+  out[threadIdx.x] = r[0];
+}
+EMU_TEST("emu.ldmatrix_misaligned",
+         "PTX ISA 9.0 §9.7.14.5.15 ldmatrix: row addresses must be 16-byte aligned") {
+  uint32_t out[32];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(misaligned_ldmatrix_kernel, dim3(1), dim3(32), 0, nullptr, out);
+  }), {"ldmatrix", "16-byte aligned"});
+}
+
+struct alignas(16) DeferredIo {
+  uint32_t src[32][4];
+  uint32_t before[32], after[32];
+};
+__global__ void cp_async_deferred_kernel(DeferredIo* io) {
+  FMHA_DYNAMIC_SHARED(uint32_t, s);
+  const int t = threadIdx.x;
+  cp_async_16(s + 4 * t, io->src[t]);
+  cp_async_commit();
+  io->before[t] = s[4 * t];  // too early: the data may not have landed (here: it has not)
+  cp_async_wait<0>();
+  io->after[t] = s[4 * t];
+}
+EMU_TEST("emu.cp_async_deferred",
+         "PTX ISA 9.0 §9.7.9.25.3.3: cp.async writes are visible only after the wait; the "
+         "emulator performs them there, so reading early sees stale data") {
+  static DeferredIo io;
+  for (int t = 0; t < 32; ++t) io.src[t][0] = uint32_t(t + 1);
+  FMHA_LAUNCH(cp_async_deferred_kernel, dim3(1), dim3(32), 32 * 16, nullptr, &io);
+  for (int t = 0; t < 32; ++t) {
+    if (io.before[t] != 0xFFFFFFFFu) return fail("data visible before cp.async.wait_group");
+    if (io.after[t] != uint32_t(t + 1)) return fail("data missing after cp.async.wait_group");
+  }
+  return pass();
+}
+
+__global__ void trap_kernel(int* out) {
+  if (threadIdx.x == 5) __trap();
+  out[threadIdx.x] = 1;
+}
+EMU_TEST("emu.trap", "__trap() aborts the launch, naming the thread") {
+  int out[32];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(trap_kernel, dim3(1), dim3(32), 0, nullptr, out);
+  }), {"__trap()", "thread (5,0,0)", "trap_kernel"});
+}
+
+EMU_TEST("emu.bad_launch", "CUDA launch limits: at most 1024 threads per block") {
+  int out[1];
+  return expect_error(launch_error([&] {
+    FMHA_LAUNCH(trap_kernel, dim3(1), dim3(2048), 0, nullptr, out);
+  }), {"invalid launch configuration"});
+}
+
+}  // namespace

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Compile fmha's CUDA sources with nvcc for each target architecture and read ptxas's
+resource report (-Xptxas -v): every kernel must compile, and no kernel may spill registers
+or use a local-memory stack frame (both turn register tiles into slow memory traffic).
+
+    python tools/ptxas_check.py                 # csrc/cuda/*.cu for sm_80 and sm_90
+    python tools/ptxas_check.py --arch 90 csrc/cuda/gemm_tc.cu
+
+Exit status: 0 clean, 1 a kernel spills / has a stack frame / a file does not compile,
+2 nvcc not found. tests/test_cuda_emu.py runs it (and skips it where there is no nvcc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ARCHS = ("80", "90")
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+
+
+@dataclass
+class Kernel:
+    file: str
+    arch: str
+    name: str  # mangled
+    registers: int = -1
+    stack: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return self.stack == 0 and self.spill_stores == 0 and self.spill_loads == 0
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def parse(report: str, file: str) -> list[Kernel]:
+    """Kernels (entry functions) of one ptxas -v report, in order."""
+    kernels: list[Kernel] = []
+    current: Kernel | None = None
+    props_for: str | None = None
+    for line in report.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = Kernel(file, m.group(2), m.group(1))
+            kernels.append(current)
+            props_for = None
+            continue
+        m = _PROPS.search(line)
+        if m:
+            props_for = m.group(1)
+            continue
+        m = _FRAME.search(line)
+        if m and current is not None and props_for == current.name:
+            current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
+            continue
+        m = _USED.search(line)
+        if m and current is not None and current.registers < 0:
+            current.registers = int(m.group(1))
+    return kernels
+
+
+def compile_report(nvcc: str, source: Path, archs: list[str]) -> tuple[int, str]:
+    cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'third_party'}",
+           "-Xptxas", "-v", "-c", str(source), "-o", os.devnull]
+    for a in archs:
+        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout
+    return dict(zip(names, out.splitlines())) if out else {n: n for n in names}
+
+
+def check(sources: list[Path], archs: list[str], nvcc: str) -> tuple[list[Kernel], list[str]]:
+    """Compiles every source; returns (kernels, errors)."""
+    errors: list[str] = []
+    kernels: list[Kernel] = []
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as ex:
+        results = list(ex.map(lambda s: (s, *compile_report(nvcc, s, archs)), sources))
+    for source, rc, report in results:
+        rel = str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else str(source)
+        if rc != 0:
+            errors.append(f"{rel}: nvcc failed (exit {rc}):\n{report}")
+            continue
+        kernels += parse(report, rel)
+    return kernels, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="*", type=Path, help="default: csrc/cuda/*.cu")
+    ap.add_argument("--arch", action="append", help="sm number, repeatable (default 80, 90)")
+    ap.add_argument("--nvcc", default=None)
+    args = ap.parse_args(argv)
+    nvcc = args.nvcc or find_nvcc()
+    if not nvcc:
+        print("ptxas_check: nvcc not found", file=sys.stderr)
+        return 2
+    sources = [s.resolve() for s in args.sources] or sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+    archs = args.arch or list(DEFAULT_ARCHS)
+    kernels, errors = check(sources, archs, nvcc)
+    names = demangle(sorted({k.name for k in kernels}))
+    print(f"{'arch':6} {'regs':>4} {'stack':>5} {'spill st/ld':>11}  kernel")
+    for k in kernels:
+        flag = "" if k.clean else "   <-- FAIL"
+        print(f"{k.arch:6} {k.registers:4d} {k.stack:5d} {k.spill_stores:5d}/{k.spill_loads:<5d}  "
+              f"{names.get(k.name, k.name)} ({k.file}){flag}")
+    for e in errors:
+        print(e, file=sys.stderr)
+    bad = [k for k in kernels if not k.clean]
+    if bad or errors:
+        print(f"ptxas_check: {len(bad)} kernel(s) spill or use a stack frame, "
+              f"{len(errors)} file(s) failed to compile", file=sys.stderr)
+        return 1
+    print(f"ptxas_check: {len(kernels)} kernel builds clean for sm_{', sm_'.join(archs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
