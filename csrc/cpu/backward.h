@@ -295,37 +295,65 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
                     BwdBuffers<A>& t, A* dK, A* dV, A* dQ_all) {
   const Seq s = seq_of(p, b);
   const int group = p.heads_q / p.heads_kv, ldq = t.ldq, ldv = t.ldv;
+  const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
+  // Few query rows see this key tile (decode-like shapes): transposing K and V for the
+  // row-major S would cost more than the products, so work on Sᵀ with K and V read in
+  // place, as the query-stationary pass does. Same products, same order: same bits.
+  const bool few_rows = i_end - i_begin <= kSmallRows;
   typename BwdHead<T, A>::KRows kr{};
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BwdHead<T, A> head(p, b, h, D_all);
     if (h == hk * group) {
-      head.pack_key_tile(j0, nc, t);
-      if (dQ_all && !head.pairs) kr = head.key_rows(j0, nc, t);
+      if (!few_rows) head.pack_key_tile(j0, nc, t);
+      if ((dQ_all && !head.pairs) || few_rows) kr = head.key_rows(j0, nc, t);
     }
-    const int i_begin = query_lo(p, s, j0), i_end = query_hi(p, s, j0 + nc - 1) + 1;
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
-      const auto x = head.query_rows(i0, nr, t);
-      head.load_row_stats(i0, nr, t);
-      head.rebuild_rows(i0, nr, j0, nc, x, t);
       A* dQ = dQ_all ? dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq : nullptr;
+      const auto x = head.query_rows(i0, nr, t);
+      // The tile in one orientation: P∘Z and dS (row-major S, dP; or Sᵀ, dPᵀ), and the
+      // strides of P(r, c) / dS(r, c) within it.
+      int64_t rs = kBc, cs = 1;
+      if (few_rows) {
+        head.pack_query_tile(i0, nr, t);
+        head.rebuild_T(i0, nr, j0, nc, kr, t, true);
+        if (p.dropout_p > 0)  // P ∘ Z for dV
+          for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, t.S + r, kBr);
+        rs = 1;
+        cs = kBr;
+      } else {
+        head.load_row_stats(i0, nr, t);
+        head.rebuild_rows(i0, nr, j0, nc, x, t);
+      }
       if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
         if (head.pairs) {
           const int rp = (nr + 1) / 2;
-          pack_float_pairs(t.S, 1, kBc, nc, nr, t.P2, kBc);
-          gemm<true>(nc, ldv, rp, t.P2, 1, kBc, t.dO2r, ldv, dV, ldv);  // dV += (P∘Z)ᵀ dO
-          pack_float_pairs(t.dP, 1, kBc, nc, nr, t.dS2, kBc);
-          gemm<true>(nc, ldq, rp, t.dS2, 1, kBc, t.Q2r, ldq, dK, ldq);  // dK += dSᵀ Q
-          if (dQ) {                                                      // dQ += dS K
-            pack_rows_bf16(t.dP, kBc, nr, nc, t.dSq, kBc / 2);
-            gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, kBc / 2, 1, t.K2c, ldq, dQ, ldq);
+          // P, dS rounded into pairs along the rows: A(c, kp) = (X(2kp, c), X(2kp+1, c)).
+          if (few_rows) {
+            pack_rows_bf16(t.S, kBr, nc, nr, t.P2, kBr / 2);
+            pack_rows_bf16(t.dP, kBr, nc, nr, t.dS2, kBr / 2);
+          } else {
+            pack_float_pairs(t.S, 1, kBc, nc, nr, t.P2, kBc);
+            pack_float_pairs(t.dP, 1, kBc, nc, nr, t.dS2, kBc);
+          }
+          const int64_t a_rs = few_rows ? kBr / 2 : 1, a_cs = few_rows ? 1 : kBc;
+          gemm<true>(nc, ldv, rp, t.P2, a_rs, a_cs, t.dO2r, ldv, dV, ldv);   // dV += (P∘Z)ᵀ dO
+          gemm<true>(nc, ldq, rp, t.dS2, a_rs, a_cs, t.Q2r, ldq, dK, ldq);  // dK += dSᵀ Q
+          if (dQ) {  // dQ += dS K, dS in pairs along the keys
+            if (few_rows) {
+              pack_float_pairs(t.dP, 1, kBr, nr, nc, t.dSq, kBr);
+              gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);
+            } else {
+              pack_rows_bf16(t.dP, kBc, nr, nc, t.dSq, kBc / 2);
+              gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, kBc / 2, 1, t.K2c, ldq, dQ, ldq);
+            }
           }
           continue;
         }
       }
-      gemm<true>(nc, ldv, nr, t.S, 1, kBc, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
-      gemm<true>(nc, ldq, nr, t.dP, 1, kBc, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
-      if (dQ) gemm<true>(nr, ldq, nc, t.dP, kBc, 1, kr.k, kr.ldk, dQ, ldq);  // dQ += dS K
+      gemm<true>(nc, ldv, nr, t.S, cs, rs, x.dout, x.ldo, dV, ldv);  // dV += (P∘Z)ᵀ dO
+      gemm<true>(nc, ldq, nr, t.dP, cs, rs, x.q, x.ldq, dK, ldq);    // dK += dSᵀ Q
+      if (dQ) gemm<true>(nr, ldq, nc, t.dP, rs, cs, kr.k, kr.ldk, dQ, ldq);  // dQ += dS K
     }
   }
 }
