@@ -111,7 +111,7 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
   }
   const double gf = flops / secs / 1e9;
   std::printf("%-5s %-8s b=%d hq=%d hkv=%d sq=%-5d sk=%-5d d=%-3d %-6s %9.3f ms %8.1f GFLOP/s "
-              "%5.1f%% of peak\n",
+              "%5.1f%% of the fp32 FMA peak\n",
               dt == fmha::DType::kFloat32 ? "f32" : "bf16", bwd ? "fwd+bwd" : "fwd", c.b, c.hq,
               c.hkv, c.sq, c.sk, c.d, c.causal ? "causal" : "", secs * 1e3, gf,
               100.0 * gf / peak);

@@ -3,6 +3,7 @@
 // speed as a fraction of it.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 
 #include "cpu/simd.h"
@@ -25,10 +26,17 @@ double fma_peak_gflops(int threads) {
     (void)sink;
   };
   parallel_for(threads, threads, body);  // warm-up (clocks, thread start)
-  const auto t0 = std::chrono::steady_clock::now();
-  parallel_for(threads, threads, body);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9;
+  // The best of five: a peak is what the machine can do, and a shared machine only ever
+  // makes a single measurement slower.
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    parallel_for(threads, threads, body);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9);
+  }
+  return best;
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS
