@@ -359,3 +359,32 @@ def check_against_reference(q, k, v, dout, *, bias=None, bias_grad=False, seed=N
                      naive=None if naive is None else naive[key],
                      grad=key.startswith("d"), result_dtype=rdt)
     return res, ref
+
+
+def compile_and_compare(model, *inputs, require_grads=True):
+    """torch.compile(fullgraph=True, backend="aot_eager") of `model`: explain() sees one graph
+    and no break, and the compiled forward and gradients (input and parameters) equal eager's.
+    With require_grads, every parameter must also receive a nonzero gradient."""
+    import torch
+
+    explanation = torch._dynamo.explain(model)(*inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = inputs[0]
+    results = []
+    for fn in (compiled, model):
+        model.zero_grad()
+        x.grad = None
+        y = fn(*inputs)
+        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+        results.append((y.detach(), x.grad.clone(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (y_c, gx_c, gp_c), (y_e, gx_e, gp_e) = results
+    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx_c, gx_e, rtol=1e-6, atol=1e-6)
+    for n in gp_e:
+        if require_grads:
+            assert gp_e[n].abs().sum() > 0, f"{n}: no gradient"
+        torch.testing.assert_close(gp_c[n], gp_e[n], rtol=1e-6, atol=1e-6, msg=n)

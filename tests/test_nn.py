@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import fmha  # noqa: E402
 import fmha.nn  # noqa: E402
+from conftest import compile_and_compare
 
 # torch's module warns when the two masks' dtypes differ (a case tested on purpose).
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
@@ -492,31 +493,6 @@ class TinyTransformer(torch.nn.Module):
         h = x + self.attn(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
         c, w = self.cross(h.transpose(0, 1), memory, memory, key_padding_mask=kpm)
         return self.ff(h + c.transpose(0, 1)) + w.sum(-1, keepdim=True)
-
-
-def compile_and_compare(model, *inputs):
-    """explain() sees one graph and no break; the fullgraph compile (aot_eager) gives the
-    eager forward and the eager gradients (as in test_sdpa.py)."""
-    explanation = torch._dynamo.explain(model)(*inputs)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    x = inputs[0]
-    results = []
-    for fn in (compiled, model):
-        model.zero_grad()
-        x.grad = None
-        y = fn(*inputs)
-        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
-        results.append((y.detach(), x.grad.clone(),
-                        {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (y_c, gx_c, gp_c), (y_e, gx_e, gp_e) = results
-    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gx_c, gx_e, rtol=1e-6, atol=1e-6)
-    for n in gp_e:
-        assert gp_e[n].abs().sum() > 0, f"{n}: no gradient"
-        torch.testing.assert_close(gp_c[n], gp_e[n], rtol=1e-6, atol=1e-6, msg=n)
 
 
 def test_compile_fullgraph_module():
