@@ -3,4 +3,4 @@
 #define FMHA_CPU_ISA_NS avx512bf16
 #include "cpu/forward.h"
 #include "cpu/backward.h"
-#include "cpu/peak.h"
+#include "cpu/probes.h"

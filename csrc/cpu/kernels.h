@@ -2,6 +2,8 @@
 // templated sources: forward.h (the CPU forward) and backward.h (the CPU backward).
 #pragma once
 
+#include <cstdint>
+
 #include "fmha/params.h"
 
 namespace fmha::cpu {
@@ -10,6 +12,7 @@ namespace fmha::cpu {
   void forward(const FwdParams& p);         \
   void backward(const BwdParams& p);        \
   double fma_peak_gflops(int threads);      \
+  void exp_array(const float* x, float* y, int64_t n); \
   }
 FMHA_DECLARE_ISA(scalar)
 FMHA_DECLARE_ISA(avx2)

@@ -4,14 +4,16 @@
 //
 // Arrays come in through DLPack (torch, NumPy, ...: anything with __dlpack__) and must be
 // in host memory; results are returned as new NumPy arrays. This file knows the kernels only
-// through their host interfaces (gemm_tc.h, probes.h).
+// through their host interfaces (gemm_tc.h, probes.h, flash_fwd.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <array>
+#include <cmath>
 #include <string>
 
 #include "cuda/emu/runtime.h"
+#include "cuda/flash_fwd.h"
 #include "cuda/gemm_tc.h"
 #include "cuda/probes.h"
 #include "dlpack/dlpack.h"
@@ -27,11 +29,12 @@ struct HostArray {
   py::object capsule;
   const void* data = nullptr;
   int ndim = 0;
-  std::array<int64_t, 2> shape{}, strides{};
+  std::array<int64_t, 4> shape{}, strides{};
   DLDataType dtype{};
+  bool read_only = false;
 };
 
-HostArray import_host(const char* name, const py::handle& obj) {
+HostArray import_host(const char* name, const py::handle& obj, int max_ndim = 2) {
   if (!py::hasattr(obj, "__dlpack__"))
     throw py::type_error(fmha::concat(name, ": expected an array with __dlpack__"));
   py::object cap;
@@ -42,19 +45,24 @@ HostArray import_host(const char* name, const py::handle& obj) {
     cap = obj.attr("__dlpack__")();  // a producer from before DLPack 1.0
   }
   const DLTensor* t = nullptr;
-  if (PyCapsule_IsValid(cap.ptr(), "dltensor_versioned"))
-    t = &static_cast<DLManagedTensorVersioned*>(
-             PyCapsule_GetPointer(cap.ptr(), "dltensor_versioned"))->dl_tensor;
-  else if (PyCapsule_IsValid(cap.ptr(), "dltensor"))
+  bool read_only = false;
+  if (PyCapsule_IsValid(cap.ptr(), "dltensor_versioned")) {
+    auto* mt = static_cast<DLManagedTensorVersioned*>(
+        PyCapsule_GetPointer(cap.ptr(), "dltensor_versioned"));
+    t = &mt->dl_tensor;
+    read_only = (mt->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+  } else if (PyCapsule_IsValid(cap.ptr(), "dltensor")) {
     t = &static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"))->dl_tensor;
-  else
+  } else {
     throw py::type_error(fmha::concat(name, ": __dlpack__ did not return a DLPack capsule"));
+  }
   FMHA_CHECK_ARG(t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost,
                  name, ": the emulator runs on host memory (device type ",
                  int(t->device.device_type), ")");
-  FMHA_CHECK_ARG(t->ndim >= 1 && t->ndim <= 2, name, ": expected 1 or 2 dimensions, got ",
-                 t->ndim);
+  FMHA_CHECK_ARG(t->ndim >= 1 && t->ndim <= max_ndim, name, ": expected 1 to ", max_ndim,
+                 " dimensions, got ", t->ndim);
   HostArray a;
+  a.read_only = read_only;
   a.capsule = cap;
   a.ndim = t->ndim;
   a.dtype = t->dtype;
@@ -115,6 +123,142 @@ py::array_t<uint16_t> convert(const py::array_t<float, py::array::c_style | py::
   return out;
 }
 
+// out, lse <- attention(q, k, v) by the FlashAttention-2 forward kernel (cuda/flash_fwd.cuh).
+// Layout (batch, seqlen, heads, head_dim), any strides with a contiguous last dimension;
+// lse (batch, heads_q, seqlen_q) float32. Fills the one FwdParams every backend takes.
+// bias / mask: 4-D (batch|1, heads_q|1, seqlen_q|1, seqlen_k|1) (size-1 dimensions broadcast);
+// alibi_slopes: float64 (heads_q,) or (batch, heads_q).
+fmha::Broadcast4 import_broadcast(const char* name, const HostArray& a, const fmha::FwdParams& p) {
+  FMHA_CHECK_ARG(a.ndim == 4, name, ": expected 4 dimensions (batch, heads_q, seqlen_q, seqlen_k)");
+  const int64_t full[4] = {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k};
+  int64_t st[4];
+  for (int i = 0; i < 4; ++i) {
+    FMHA_CHECK_ARG(a.shape[size_t(i)] == full[i] || a.shape[size_t(i)] == 1, name,
+                   ": dimension ", i, " is ", a.shape[size_t(i)], ", expected ", full[i], " or 1");
+    st[i] = a.shape[size_t(i)] == 1 ? 0 : a.strides[size_t(i)];  // broadcast: stride 0
+  }
+  fmha::Broadcast4 b;
+  b.ptr = a.data;
+  b.batch_stride = st[0], b.head_stride = st[1], b.row_stride = st[2], b.col_stride = st[3];
+  return b;
+}
+
+// The options every flash_forward variant shares: fills them into p and runs the kernel.
+void finish_and_launch(fmha::FwdParams& p, const py::object& scale, int window_left,
+                       int window_right, bool bottom_right, double softcap,
+                       const py::object& bias_obj, const py::object& mask_obj,
+                       const py::object& alibi_obj, double dropout_p, uint64_t seed,
+                       uint64_t offset) {
+  p.scale = scale.is_none() ? 1.0 / std::sqrt(double(p.head_dim)) : scale.cast<double>();
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.bottom_right = bottom_right;
+  p.softcap = softcap;
+  p.dropout_p = dropout_p;
+  p.seed = seed;
+  p.offset = offset;
+  HostArray bias, mask, alibi;  // keep the producers' memory alive through the launch
+  if (!bias_obj.is_none()) {
+    bias = import_host("bias", bias_obj, 4);
+    p.bias = import_broadcast("bias", bias, p);
+    FMHA_CHECK_ARG(bias.dtype.lanes == 1 && (bias.dtype.code == kDLFloat || bias.dtype.code == kDLBfloat),
+                   "bias: expected a float dtype");
+    if (bias.dtype.code == kDLBfloat && bias.dtype.bits == 16) p.bias.dtype = fmha::DType::kBFloat16;
+    else if (bias.dtype.code == kDLFloat && bias.dtype.bits == 16) p.bias.dtype = fmha::DType::kFloat16;
+    else if (bias.dtype.code == kDLFloat && bias.dtype.bits == 32) p.bias.dtype = fmha::DType::kFloat32;
+    else if (bias.dtype.code == kDLFloat && bias.dtype.bits == 64) p.bias.dtype = fmha::DType::kFloat64;
+    else throw fmha::InvalidArgument("bias: expected float16, bfloat16, float32 or float64");
+  }
+  if (!mask_obj.is_none()) {
+    mask = import_host("mask", mask_obj, 4);
+    p.mask = import_broadcast("mask", mask, p);
+    FMHA_CHECK_ARG((mask.dtype.code == kDLBool || mask.dtype.code == kDLUInt) &&
+                       mask.dtype.bits == 8 && mask.dtype.lanes == 1,
+                   "mask: expected bool (or uint8)");
+  }
+  if (!alibi_obj.is_none()) {
+    alibi = import_host("alibi_slopes", alibi_obj, 2);
+    FMHA_CHECK_ARG(alibi.dtype.code == kDLFloat && alibi.dtype.bits == 64,
+                   "alibi_slopes: expected float64");
+    if (alibi.ndim == 1) {
+      FMHA_CHECK_ARG(alibi.shape[0] == p.heads_q, "alibi_slopes: expected (heads_q,) or (batch, heads_q)");
+      p.alibi_batch_stride = 0, p.alibi_head_stride = alibi.strides[0];
+    } else {
+      FMHA_CHECK_ARG(alibi.shape[0] == p.batch && alibi.shape[1] == p.heads_q,
+                     "alibi_slopes: expected (heads_q,) or (batch, heads_q)");
+      p.alibi_batch_stride = alibi.strides[0], p.alibi_head_stride = alibi.strides[1];
+    }
+    p.alibi_slopes = static_cast<const double*>(alibi.data);
+  }
+  try {
+    py::gil_scoped_release nogil;
+    fmha::gpu::launch_flash_fwd(p, nullptr);
+  } catch (const std::invalid_argument& e) {
+    throw fmha::InvalidArgument(e.what());
+  }
+}
+
+void flash_forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                   const py::object& out_obj, const py::object& lse_obj, const py::object& scale,
+                   int window_left, int window_right, bool bottom_right, double softcap,
+                   const py::object& bias_obj, const py::object& mask_obj,
+                   const py::object& alibi_obj, double dropout_p, uint64_t seed,
+                   uint64_t offset) {
+  const HostArray q = import_host("q", q_obj, 4), k = import_host("k", k_obj, 4),
+                  v = import_host("v", v_obj, 4), o = import_host("out", out_obj, 4),
+                  lse = import_host("lse", lse_obj, 3);
+  FMHA_CHECK_ARG(q.ndim == 4 && k.ndim == 4 && v.ndim == 4 && o.ndim == 4,
+                 "q, k, v, out: expected 4-D (batch, seqlen, heads, head_dim) arrays");
+  FMHA_CHECK_ARG(lse.ndim == 3, "lse: expected a 3-D (batch, heads_q, seqlen_q) array");
+  FMHA_CHECK_ARG(!o.read_only && !lse.read_only, "out, lse: read-only");
+  const fmha::DType dtype = half_dtype(q, "q");
+  FMHA_CHECK_ARG(half_dtype(k, "k") == dtype && half_dtype(v, "v") == dtype &&
+                     half_dtype(o, "out") == dtype,
+                 "k, v, out: dtype differs from q's");
+  FMHA_CHECK_ARG(lse.dtype.code == kDLFloat && lse.dtype.bits == 32 && lse.dtype.lanes == 1,
+                 "lse: expected float32");
+  fmha::FwdParams p;
+  p.batch = int(q.shape[0]);
+  p.seqlen_q = int(q.shape[1]);
+  p.heads_q = int(q.shape[2]);
+  p.head_dim = int(q.shape[3]);
+  p.seqlen_k = int(k.shape[1]);
+  p.heads_kv = int(k.shape[2]);
+  p.head_dim_v = int(v.shape[3]);
+  auto same = [](const HostArray& a, std::array<int64_t, 4> want, int n) {
+    for (int i = 0; i < n; ++i)
+      if (a.shape[size_t(i)] != want[size_t(i)]) return false;
+    return true;
+  };
+  FMHA_CHECK_ARG(same(k, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, 4),
+                 "k: expected shape (batch, seqlen_k, heads_kv, head_dim) matching q");
+  FMHA_CHECK_ARG(same(v, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}, 4),
+                 "v: expected shape (batch, seqlen_k, heads_kv, head_dim_v) matching k");
+  FMHA_CHECK_ARG(same(o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, 4),
+                 "out: expected shape (batch, seqlen_q, heads_q, head_dim_v)");
+  FMHA_CHECK_ARG(same(lse, {p.batch, p.heads_q, p.seqlen_q, 0}, 3),
+                 "lse: expected shape (batch, heads_q, seqlen_q)");
+  FMHA_CHECK_ARG(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
+                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
+  for (const HostArray* a : {&q, &k, &v, &o})
+    FMHA_CHECK_ARG(a->strides[3] == 1 || a->shape[3] == 1,
+                   "q, k, v, out: the last dimension must be contiguous");
+  p.dtype = dtype;
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  p.o = const_cast<void*>(o.data);
+  p.lse = const_cast<void*>(lse.data);
+  p.q_batch_stride = q.strides[0], p.q_row_stride = q.strides[1], p.q_head_stride = q.strides[2];
+  p.k_batch_stride = k.strides[0], p.k_row_stride = k.strides[1], p.k_head_stride = k.strides[2];
+  p.v_batch_stride = v.strides[0], p.v_row_stride = v.strides[1], p.v_head_stride = v.strides[2];
+  p.o_batch_stride = o.strides[0], p.o_row_stride = o.strides[1], p.o_head_stride = o.strides[2];
+  p.lse_batch_stride = lse.strides[0], p.lse_head_stride = lse.strides[1];
+  p.lse_row_stride = lse.strides[2];
+  finish_and_launch(p, scale, window_left, window_right, bottom_right, softcap, bias_obj,
+                    mask_obj, alibi_obj, dropout_p, seed, offset);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda_emu, m) {
@@ -142,6 +286,19 @@ PYBIND11_MODULE(_cuda_emu, m) {
           return convert(x, fmha::DType::kBFloat16);
         },
         py::arg("x"), "Bits of the kernels' float->bfloat16 conversion (cvt.rn.bf16.f32) of x.");
+  m.def("flash_forward", &flash_forward, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::kw_only(), py::arg("scale") = py::none(),
+        py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("bottom_right") = true, py::arg("softcap") = 0.0, py::arg("bias") = py::none(),
+        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("offset") = 0,
+        "out, lse <- attention(q, k, v) by the FlashAttention-2 forward kernel (mma.sync + "
+        "ldmatrix + cp.async), emulated. q (b, sq, hq, d), k/v (b, sk, hkv, d), out like q, "
+        "lse (b, hq, sq) float32; float16 or bfloat16. Window (left, right): query i sees key "
+        "j iff i + off - left <= j <= i + off + right (negative: unbounded), off = sk - sq if "
+        "bottom_right else 0; causal is window_right = 0. softcap, bias / mask (4-D, size-1 "
+        "dimensions broadcast; mask True = may attend), alibi_slopes (float64), dropout_p with "
+        "(seed, offset): as fmha.reference.attention_forward.");
   m.def("stats", [] {
     const emu::Stats s = emu::stats();
     py::dict d;

@@ -159,6 +159,15 @@ double cpu_fma_peak_gflops(int threads) {
   return 0;
 }
 
+void cpu_exp(const float* x, float* y, int64_t n) {
+  switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::exp_array(x, y, n);
+    case CpuIsa::kAvx512: return cpu::avx512::exp_array(x, y, n);
+    case CpuIsa::kAvx2: return cpu::avx2::exp_array(x, y, n);
+    case CpuIsa::kScalar: return cpu::scalar::exp_array(x, y, n);
+  }
+}
+
 void cpu_backward(const BwdParams& p) {
   check_params(p);
   FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");

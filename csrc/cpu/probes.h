@@ -1,6 +1,8 @@
-// The machine's FMA peak for this ISA, measured: independent FMA chains on VecF, enough of
-// them to cover the FMA latency, on `threads` threads at once. fmha-bench reports kernel
-// speed as a fraction of it.
+// Probes of this ISA's building blocks, for fmha-bench and the tests:
+// - the machine's FMA peak, measured: independent FMA chains on VecF, enough of them to cover
+//   the FMA latency, on `threads` threads at once; fmha-bench reports kernel speed against it;
+// - the softmax's exp exactly as the kernels evaluate it (vectors, then a scalar tail), so its
+//   accuracy can be tested against std::exp.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +39,12 @@ double fma_peak_gflops(int threads) {
     best = std::max(best, double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9);
   }
   return best;
+}
+
+void exp_array(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vexp(VecF::load(x + i)).store(y + i);
+  for (; i < n; ++i) y[i] = exp_approx(x[i]);
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS
