@@ -19,6 +19,7 @@ endif()
 # one-line wrapper, so that no source-file property changes how the real CUDA build (which
 # may compile the same .cu with nvcc) treats it.
 set(FMHA_EMU_CUDA_SOURCES
+  csrc/cuda/flash_fwd.cu
   csrc/cuda/gemm_tc.cu
   csrc/cuda/probes.cu
 )

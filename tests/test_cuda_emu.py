@@ -195,6 +195,15 @@ def test_sanitized_clean(programs, variant):
     assert "ERROR: AddressSanitizer" not in proc.stderr
 
 
+@pytest.mark.parametrize("variant", ["plain", "asan", "racecheck"])
+def test_flash_forward_clean_under_sanitizers(programs, variant):
+    """The FlashAttention-2 forward kernel (csrc/cuda/flash_fwd.cuh) against a float64
+    reference, with no out-of-bounds access (ASan) and no shared-memory race (race checker)."""
+    proc = programs.run(variant, "flash.*")
+    _assert_all_pass(proc, expect_at_least=4)
+    assert "ERROR: AddressSanitizer" not in proc.stderr
+
+
 def test_tsan_clean(programs):
     """ThreadSanitizer finds no race in the emulator runtime nor in correct kernels."""
     proc = programs.run("tsan", "kat.*", "gemm.f16.64x64x64", "gemm.bf16.17x33x29",

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <string>
 
+#include "bindings/dlpack_view.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_fwd.h"
 #include "cuda/gemm_tc.h"
@@ -24,55 +25,18 @@ namespace py = pybind11;
 
 namespace {
 
-// A borrowed view of a DLPack tensor in host memory; `capsule` keeps the producer's memory.
-struct HostArray {
-  py::object capsule;
-  const void* data = nullptr;
-  int ndim = 0;
-  std::array<int64_t, 4> shape{}, strides{};
-  DLDataType dtype{};
-  bool read_only = false;
-};
+// A borrowed view of a DLPack tensor (bindings/dlpack_view.h), here required to be in host
+// memory and to have at most max_ndim dimensions.
+using HostArray = fmha::View;
 
-HostArray import_host(const char* name, const py::handle& obj, int max_ndim = 2) {
-  if (!py::hasattr(obj, "__dlpack__"))
-    throw py::type_error(fmha::concat(name, ": expected an array with __dlpack__"));
-  py::object cap;
-  try {
-    cap = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0));
-  } catch (py::error_already_set& e) {
-    if (!e.matches(PyExc_TypeError)) throw;
-    cap = obj.attr("__dlpack__")();  // a producer from before DLPack 1.0
-  }
-  const DLTensor* t = nullptr;
-  bool read_only = false;
-  if (PyCapsule_IsValid(cap.ptr(), "dltensor_versioned")) {
-    auto* mt = static_cast<DLManagedTensorVersioned*>(
-        PyCapsule_GetPointer(cap.ptr(), "dltensor_versioned"));
-    t = &mt->dl_tensor;
-    read_only = (mt->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
-  } else if (PyCapsule_IsValid(cap.ptr(), "dltensor")) {
-    t = &static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"))->dl_tensor;
-  } else {
-    throw py::type_error(fmha::concat(name, ": __dlpack__ did not return a DLPack capsule"));
-  }
-  FMHA_CHECK_ARG(t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost,
+HostArray import_host(const char* name, const py::handle& obj, int max_ndim = 2,
+                      bool writable = false) {
+  HostArray a = fmha::import(name, obj, writable);
+  FMHA_CHECK_ARG(a.device.device_type == kDLCPU || a.device.device_type == kDLCUDAHost,
                  name, ": the emulator runs on host memory (device type ",
-                 int(t->device.device_type), ")");
-  FMHA_CHECK_ARG(t->ndim >= 1 && t->ndim <= max_ndim, name, ": expected 1 to ", max_ndim,
-                 " dimensions, got ", t->ndim);
-  HostArray a;
-  a.read_only = read_only;
-  a.capsule = cap;
-  a.ndim = t->ndim;
-  a.dtype = t->dtype;
-  a.data = static_cast<const char*>(t->data) + t->byte_offset;
-  int64_t compact = 1;
-  for (int i = t->ndim - 1; i >= 0; --i) {
-    a.shape[size_t(i)] = t->shape[i];
-    a.strides[size_t(i)] = t->strides ? t->strides[i] : compact;
-    compact *= t->shape[i];
-  }
+                 int(a.device.device_type), ")");
+  FMHA_CHECK_ARG(a.ndim <= max_ndim, name, ": expected 1 to ", max_ndim, " dimensions, got ",
+                 a.ndim);
   return a;
 }
 
@@ -205,12 +169,11 @@ void flash_forward(const py::object& q_obj, const py::object& k_obj, const py::o
                    const py::object& alibi_obj, double dropout_p, uint64_t seed,
                    uint64_t offset) {
   const HostArray q = import_host("q", q_obj, 4), k = import_host("k", k_obj, 4),
-                  v = import_host("v", v_obj, 4), o = import_host("out", out_obj, 4),
-                  lse = import_host("lse", lse_obj, 3);
+                  v = import_host("v", v_obj, 4), o = import_host("out", out_obj, 4, true),
+                  lse = import_host("lse", lse_obj, 3, true);
   FMHA_CHECK_ARG(q.ndim == 4 && k.ndim == 4 && v.ndim == 4 && o.ndim == 4,
                  "q, k, v, out: expected 4-D (batch, seqlen, heads, head_dim) arrays");
   FMHA_CHECK_ARG(lse.ndim == 3, "lse: expected a 3-D (batch, heads_q, seqlen_q) array");
-  FMHA_CHECK_ARG(!o.read_only && !lse.read_only, "out, lse: read-only");
   const fmha::DType dtype = half_dtype(q, "q");
   FMHA_CHECK_ARG(half_dtype(k, "k") == dtype && half_dtype(v, "v") == dtype &&
                      half_dtype(o, "out") == dtype,
