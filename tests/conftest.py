@@ -256,20 +256,26 @@ def naive_attention_torch(q, k, v, *, scale=None, causal=False, window=(-1, -1),
     return out, lse
 
 
-def naive_results(q, k, v, dout, *, bias=None, bias_grad=False, **kw):
-    """Run naive_attention_torch with autograd on torch copies of (q, k, v, bias)."""
-    import torch
+def _autograd_results(attend, q, k, v, dout, bias, bias_grad):
+    """attend(q, k, v, bias) -> (out, lse) on fresh leaf copies, backward with dout; a dict of
+    out, lse and the gradients (dbias when bias_grad)."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
     b = None
     if bias is not None:
         b = bias.detach().clone().requires_grad_(bias_grad)
-    out, lse = naive_attention_torch(*leaves, bias=b, **kw)
+    out, lse = attend(*leaves, b)
     out.backward(dout)
     res = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad,
                dv=leaves[2].grad)
     if bias_grad:
         res["dbias"] = b.grad
     return res
+
+
+def naive_results(q, k, v, dout, *, bias=None, bias_grad=False, **kw):
+    """Run naive_attention_torch with autograd on torch copies of (q, k, v, bias)."""
+    return _autograd_results(lambda q_, k_, v_, b: naive_attention_torch(q_, k_, v_, bias=b, **kw),
+                             q, k, v, dout, bias, bias_grad)
 
 
 def reference_results(q, k, v, dout, *, bias=None, bias_grad=False, mask=None,
@@ -290,17 +296,9 @@ def fmha_results(q, k, v, dout, *, bias=None, bias_grad=False, seed=None, **kw):
     """fmha forward and backward (NumPy: attention_backward; torch: autograd)."""
     import fmha
     if is_torch(q):
-        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        b = None
-        if bias is not None:
-            b = bias.detach().clone().requires_grad_(bias_grad)
-        out, lse = fmha.attention(*leaves, bias=b, return_lse=True, **kw)
-        out.backward(dout)
-        res = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad,
-                   dv=leaves[2].grad)
-        if bias_grad:
-            res["dbias"] = b.grad
-        return res
+        return _autograd_results(
+            lambda q_, k_, v_, b: fmha.attention(q_, k_, v_, bias=b, return_lse=True, **kw),
+            q, k, v, dout, bias, bias_grad)
     out, lse = fmha.attention(q, k, v, bias=bias, return_lse=True, seed=seed, **kw)
     grads = fmha.attention_backward(dout, q, k, v, out, lse, bias=bias, bias_grad=bias_grad,
                                     seed=seed, **kw)
