@@ -14,7 +14,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -95,6 +97,45 @@ void set_max_dynamic_smem(Kernel kernel, size_t bytes) {
   ::emu::set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 #endif
+
+// Scratch memory for one launch (split-KV partials, the backward's float32 dQ and D):
+// stream-ordered on the GPU (cudaMallocAsync / cudaFreeAsync on the caller's stream, served
+// from the device's memory pool, so no device-wide synchronisation), plain host memory
+// under the emulator. Zero-filled on request, also stream-ordered.
+class Scratch {
+ public:
+  Scratch(size_t bytes, Stream stream, bool zero = false) : stream_(stream), bytes_(bytes) {
+    if (bytes == 0) return;
+#if defined(__CUDACC__)
+    cudaError_t err = cudaMallocAsync(&ptr_, bytes, stream);
+    if (err == cudaSuccess && zero) err = cudaMemsetAsync(ptr_, 0, bytes, stream);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("fmha scratch (") + std::to_string(bytes) +
+                               " bytes): " + cudaGetErrorString(err));
+#else
+    ptr_ = zero ? std::calloc(bytes, 1) : std::malloc(bytes);
+    if (!ptr_) throw std::bad_alloc();
+#endif
+  }
+  ~Scratch() {
+    if (!ptr_) return;
+#if defined(__CUDACC__)
+    cudaFreeAsync(ptr_, stream_);
+#else
+    std::free(ptr_);
+#endif
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename U>
+  U* as() const { return static_cast<U*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  Stream stream_;
+  size_t bytes_;
+};
 
 // ---------------------------------------------------------------------------- conversions
 // PTX ISA 9.0 §9.7.9.21 "cvt": .rn rounds to nearest even; a NaN becomes 0x7FFF.

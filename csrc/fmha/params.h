@@ -77,6 +77,9 @@ struct FwdParams {
   uint64_t seed = 0, offset = 0;
 
   int num_threads = 0;  // CPU: 0 = library default
+  // CUDA forward: split the keys of each (query block, head) over this many CTAs and merge
+  // the partial results by their lse (FlashDecoding); 0 = pick by occupancy, 1 = no split.
+  int num_splits = 0;
 };
 
 struct BwdParams : FwdParams {
@@ -93,6 +96,9 @@ struct BwdParams : FwdParams {
   // float32, float64 for float64 inputs.
   void* dbias = nullptr;
   int dbias_batch = 0, dbias_heads = 0, dbias_rows = 0, dbias_cols = 0;
+  // CUDA: true = bitwise-reproducible gradients (dQ summed in a fixed order instead of by
+  // atomics). The CPU backward is always deterministic.
+  bool deterministic = false;
 };
 
 }  // namespace fmha
