@@ -2,7 +2,12 @@
 // driver: without one, cudaGetDeviceCount fails and fmha reports "no GPU".
 #include <cuda_runtime.h>
 
+#include <stdexcept>
 #include <string>
+#include <utility>
+
+#include "cuda/flash_bwd.h"
+#include "cuda/flash_fwd.h"
 
 #include "fmha/api.h"
 #include "fmha/error.h"
@@ -35,6 +40,69 @@ std::string cuda_status() {
     out += concat(i ? "; " : "", "cuda:", i, " ", prop.name, " (sm_", prop.major, prop.minor, ")");
   }
   return out;
+}
+
+std::pair<int, int> cuda_capability(int device) {
+  const int n = cuda_device_count();
+  if (device < 0 || device >= n)
+    throw Unsupported(concat("CUDA device ", device, " is not available: ", cuda_status()));
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return {major, minor};
+}
+
+namespace {
+
+// Makes `device` current for one launch and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) {
+      const cudaError_t err = cudaSetDevice(device);
+      if (err != cudaSuccess)
+        throw std::runtime_error(concat("cudaSetDevice(", device, "): ", cudaGetErrorString(err)));
+    }
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    cudaGetDevice(&now);
+    if (now != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+void check_capability(int device) {
+  const auto [major, minor] = cuda_capability(device);
+  if (major < 8)
+    throw Unsupported(concat("CUDA device ", device, " has compute capability ", major, ".",
+                             minor, "; fmha's CUDA kernels need sm_80 or newer (Ampere+)"));
+}
+
+// The launchers report unsupported inputs as std::invalid_argument (they are shared with the
+// emulator build, which has no fmha error types): here they become InvalidArgument.
+template <typename Params, typename Launch>
+void launch(const Params& p, int device, void* stream, Launch&& run) {
+  check_capability(device);
+  DeviceGuard guard(device);
+  try {
+    run(p, stream);
+  } catch (const std::invalid_argument& e) {
+    throw InvalidArgument(e.what());
+  }
+}
+
+}  // namespace
+
+void cuda_forward(const FwdParams& p, int device, void* stream) {
+  launch(p, device, stream, [](const FwdParams& q, void* s) { gpu::launch_flash_fwd(q, s); });
+}
+
+void cuda_backward(const BwdParams& p, int device, void* stream) {
+  launch(p, device, stream, [](const BwdParams& q, void* s) { gpu::launch_flash_bwd(q, s); });
 }
 
 }  // namespace fmha

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fmha/params.h"
@@ -35,5 +36,15 @@ void check_params(const FwdParams& p);
 bool cuda_built();
 int cuda_device_count();  // 0 when there is no driver or no GPU
 std::string cuda_status();  // why there is no GPU, or the devices found
+// (major, minor) compute capability of device `device`; throws Unsupported when there is
+// no such device (or no CUDA in this build).
+std::pair<int, int> cuda_capability(int device);
+// The CUDA kernels on device memory, enqueued on `stream` (a cudaStream_t; nullptr = the
+// legacy default stream) of device `device`, which they make current for the launch.
+// Throw Unsupported when fmha was built without CUDA, InvalidArgument for inputs the kernels
+// do not support (float32, head_dim > 256, ...). Every pointer of p, cu_seqlens included,
+// is device memory; alibi_slopes are float64 on the device.
+void cuda_forward(const FwdParams& p, int device, void* stream);
+void cuda_backward(const BwdParams& p, int device, void* stream);
 
 }  // namespace fmha
