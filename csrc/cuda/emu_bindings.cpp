@@ -14,6 +14,7 @@
 
 #include "bindings/dlpack_view.h"
 #include "cuda/emu/runtime.h"
+#include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
 #include "cuda/gemm_tc.h"
 #include "cuda/probes.h"
@@ -108,7 +109,8 @@ fmha::Broadcast4 import_broadcast(const char* name, const HostArray& a, const fm
 }
 
 // The options every flash_forward variant shares: fills them into p and runs the kernel.
-void finish_and_launch(fmha::FwdParams& p, const py::object& scale, int window_left,
+template <typename Launch>
+void finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::object& scale, int window_left,
                        int window_right, bool bottom_right, double softcap,
                        const py::object& bias_obj, const py::object& mask_obj,
                        const py::object& alibi_obj, double dropout_p, uint64_t seed,
@@ -156,10 +158,15 @@ void finish_and_launch(fmha::FwdParams& p, const py::object& scale, int window_l
   }
   try {
     py::gil_scoped_release nogil;
-    fmha::gpu::launch_flash_fwd(p, nullptr);
+    launch();
   } catch (const std::invalid_argument& e) {
     throw fmha::InvalidArgument(e.what());
   }
+}
+
+template <typename... A>
+void finish_and_launch(fmha::FwdParams& p, A&&... a) {
+  finish_and_launch_with(p, [&] { fmha::gpu::launch_flash_fwd(p, nullptr); }, a...);
 }
 
 void flash_forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
@@ -222,6 +229,52 @@ void flash_forward(const py::object& q_obj, const py::object& k_obj, const py::o
                     mask_obj, alibi_obj, dropout_p, seed, offset);
 }
 
+// dq, dk, dv (and dbias) <- the CUDA FlashAttention-2 backward (cuda/flash_bwd.cuh), emulated,
+// from the forward's out and lse. Same layouts and options as flash_forward; dbias float32,
+// shaped like the (broadcast) bias before expansion.
+void flash_backward(const py::object& dout_obj, const py::object& q_obj, const py::object& k_obj,
+                    const py::object& v_obj, const py::object& out_obj, const py::object& lse_obj,
+                    const py::object& dq_obj, const py::object& dk_obj, const py::object& dv_obj,
+                    const py::object& dbias_obj, bool deterministic, const py::object& scale,
+                    int window_left, int window_right, bool bottom_right, double softcap,
+                    const py::object& bias_obj, const py::object& mask_obj,
+                    const py::object& alibi_obj, double dropout_p, uint64_t seed, uint64_t offset) {
+  const HostArray q = import_host("q", q_obj, 4), k = import_host("k", k_obj, 4),
+                  v = import_host("v", v_obj, 4), o = import_host("out", out_obj, 4),
+                  lse = import_host("lse", lse_obj, 3), dO = import_host("dout", dout_obj, 4),
+                  dq = import_host("dq", dq_obj, 4, true), dk = import_host("dk", dk_obj, 4, true),
+                  dv = import_host("dv", dv_obj, 4, true);
+  fmha::BwdParams p;
+  p.dtype = half_dtype(q, "q");
+  p.batch = int(q.shape[0]); p.seqlen_q = int(q.shape[1]); p.heads_q = int(q.shape[2]);
+  p.head_dim = int(q.shape[3]); p.seqlen_k = int(k.shape[1]); p.heads_kv = int(k.shape[2]);
+  p.head_dim_v = int(v.shape[3]);
+  p.q = q.data; p.k = k.data; p.v = v.data; p.o = const_cast<void*>(o.data);
+  p.lse = const_cast<void*>(lse.data); p.dout = dO.data;
+  p.dq = const_cast<void*>(dq.data); p.dk = const_cast<void*>(dk.data); p.dv = const_cast<void*>(dv.data);
+  p.q_batch_stride = q.strides[0], p.q_row_stride = q.strides[1], p.q_head_stride = q.strides[2];
+  p.k_batch_stride = k.strides[0], p.k_row_stride = k.strides[1], p.k_head_stride = k.strides[2];
+  p.v_batch_stride = v.strides[0], p.v_row_stride = v.strides[1], p.v_head_stride = v.strides[2];
+  p.o_batch_stride = o.strides[0], p.o_row_stride = o.strides[1], p.o_head_stride = o.strides[2];
+  p.do_batch_stride = dO.strides[0], p.do_row_stride = dO.strides[1], p.do_head_stride = dO.strides[2];
+  p.dq_batch_stride = dq.strides[0], p.dq_row_stride = dq.strides[1], p.dq_head_stride = dq.strides[2];
+  p.dk_batch_stride = dk.strides[0], p.dk_row_stride = dk.strides[1], p.dk_head_stride = dk.strides[2];
+  p.dv_batch_stride = dv.strides[0], p.dv_row_stride = dv.strides[1], p.dv_head_stride = dv.strides[2];
+  p.lse_batch_stride = lse.strides[0], p.lse_head_stride = lse.strides[1];
+  p.lse_row_stride = lse.strides[2];
+  p.deterministic = deterministic;
+  HostArray db;
+  if (!dbias_obj.is_none()) {
+    db = import_host("dbias", dbias_obj, 4, true);
+    p.dbias = const_cast<void*>(db.data);
+    p.dbias_batch = int(db.shape[0]); p.dbias_heads = int(db.shape[1]);
+    p.dbias_rows = int(db.shape[2]); p.dbias_cols = int(db.shape[3]);
+  }
+  finish_and_launch_with(p, [&] { fmha::gpu::launch_flash_bwd(p, nullptr); }, scale,
+                         window_left, window_right, bottom_right, softcap, bias_obj, mask_obj,
+                         alibi_obj, dropout_p, seed, offset);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cuda_emu, m) {
@@ -262,6 +315,13 @@ PYBIND11_MODULE(_cuda_emu, m) {
         "bottom_right else 0; causal is window_right = 0. softcap, bias / mask (4-D, size-1 "
         "dimensions broadcast; mask True = may attend), alibi_slopes (float64), dropout_p with "
         "(seed, offset): as fmha.reference.attention_forward.");
+  m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::kw_only(), py::arg("dbias") = py::none(), py::arg("deterministic") = false,
+        py::arg("scale") = py::none(), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("bottom_right") = true, py::arg("softcap") = 0.0, py::arg("bias") = py::none(),
+        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("offset") = 0);
   m.def("stats", [] {
     const emu::Stats s = emu::stats();
     py::dict d;

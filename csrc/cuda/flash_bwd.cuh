@@ -1,0 +1,648 @@
+// The FlashAttention-2 backward kernels (Dao, "FlashAttention-2", 2023, Algorithm 2), written
+// only with the wrappers of cuda/primitives.cuh so that they run on sm_80+ GPUs and, in CI,
+// under the SIMT emulator.
+//
+// Given the forward's O and lse, per (batch, head) with D = rowsum(dO o O):
+//   P  = exp(S - lse)            recomputed from Q, K: never stored
+//   dV = Pd^T dO                 Pd = P o Z, Z the dropout mask scaled by 1/(1-p)
+//   dP = dO V^T
+//   dS = P o (dP o Z - D)        (times 1 - tanh^2 with softcap; dbias = dS before that)
+//   dK = scale dS^T Q,  dQ = scale dS K
+//
+// Kernels, in launch order (flash_bwd.cu):
+//  1. flash_bwd_dot_do_o   D for every query row (float32 scratch).
+//  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 64 keys, kv head, batch):
+//                          Kj, Vj stay in shared memory, dKj and dVj in registers, while the
+//                          CTA sweeps every query block Qi of every query head of the kv
+//                          head's group (GQA: dK/dV summed on chip, never per-head copies).
+//                          dQ: dS goes through shared memory and is added to a float32
+//                          accumulator with atomics (the default).
+//  3. deterministic mode: flash_bwd_dq_kernel, one CTA per (query block, query head, batch),
+//                          sweeps the key blocks and sums dQ in registers in a fixed order
+//                          (recomputing S and dP: two more GEMMs, no atomics), else
+//                          flash_bwd_convert_dq scales the float32 accumulator into dq.
+//  4. with a broadcast dbias: flash_bwd_reduce_dbias sums the full-size dS over the broadcast
+//                          dimensions, in a fixed order.
+//
+// The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does): each
+// of its 4 warps owns 16 keys, so its rows of dK and dV are mma accumulators of its own, and
+// the accumulator of S^T (keys x queries) is, re-packed in registers, the A operand of
+// dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/flash_bwd.h"
+#include "cuda/primitives.cuh"
+#include "cuda/tile_io.cuh"
+
+namespace fmha {
+namespace gpu {
+
+// Registers: a thread of the main kernel holds its warp's 16 x kHeadDim slices of dK and dV
+// (kHeadDim/2 floats each: 64 + 64 at d = 128) plus S^T and dP^T for one query block
+// (kBlockM/2 floats each); K and V fragments are re-read from shared memory per k-step
+// rather than held (that would be another kHeadDim/2 registers each).
+template <int kHeadDim_, bool kExtras_>
+struct FlashBwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = 64;  // keys per CTA: 4 warps x 16
+  // Queries per step: S^T and dP^T cost kBlockM/2 registers each on top of dK, dV. At
+  // d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did too
+  // with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut).
+  static constexpr int kBlockM = kHeadDim_ < 96 ? 64 : kExtras_ ? 16 : 32;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kStages = 2;  // Qi, dOi double-buffered
+  // Rows padded by 8 elements (16 bytes): 16-byte aligned row starts for ldmatrix and
+  // cp.async, and the 8 rows one ldmatrix reads fall in distinct banks.
+  static constexpr int kPad = 8;
+  static constexpr int kStride = kHeadDim + kPad;
+  static constexpr int kDsStride = kBlockM + kPad;
+  static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
+  // Kj, Vj; kStages x (Qi, dOi); dS^T; kStages x (lse, D) of the query block.
+  static constexpr size_t kSmemBytes =
+      size_t(2 * kTileKV + 2 * kStages * kTileQ + kBlockN * kDsStride) * 2 +
+      size_t(2 * kStages * kBlockM) * sizeof(float);
+
+  static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
+  static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
+  static constexpr int kNTilesD = kHeadDim / 8;   // n-tiles of dK, dV, dQ (head dim)
+  static constexpr int kKStepsM = kBlockM / 16;   // k-steps over queries (dV, dK)
+  static constexpr int kKStepsN = kBlockN / 16;   // k-steps over keys (dQ)
+  static constexpr int kDqChunk = 2;  // n-tiles of dQ per pass
+
+  static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
+  static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
+  static_assert(kNTilesS % 2 == 0 && kNTilesD % 2 == 0, "B fragments load two n-tiles per x4");
+  static_assert(kNTilesD % kDqChunk == 0 && kDqChunk % 2 == 0, "whole dQ chunks");
+};
+
+// The deterministic dQ kernel: the forward's shape (4 warps x 16 query rows, key blocks
+// streamed), with dQ accumulated in registers.
+template <int kHeadDim_>
+struct FlashBwdDqConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 128 ? 32 : 64;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kPad = 8, kStride = kHeadDim + kPad;
+  static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
+  // Qi, dOi once; Kj, Vj (single stage: this path trades speed for reproducibility).
+  static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;
+  static constexpr int kNTilesS = kBlockN / 8, kKStepsD = kHeadDim / 16;
+  static constexpr int kNTilesD = kHeadDim / 8, kKStepsN = kBlockN / 16;
+  static_assert(kBlockM == 16 * kWarps && kNTilesS % 2 == 0 && kNTilesD % 2 == 0, "layout");
+  static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "whole chunks");
+};
+
+// Scratch of one backward launch (flash_bwd.cu owns it). Rows of a query head are
+// indexed b * seqlen_q + i (seqlen_q the maximum when varlen).
+struct BwdWork {
+  float* d = nullptr;         // (heads_q, batch * seqlen_q): rowsum(dO o O)
+  float* dq_accum = nullptr;  // (heads_q, batch * seqlen_q, head_dim), unscaled; atomics mode
+  float* ds = nullptr;        // dS for dbias: (batch, heads_q, seqlen_q, seqlen_k), or nullptr
+  int64_t ds_batch_stride = 0, ds_head_stride = 0, ds_row_stride = 0;
+};
+
+namespace bwd_detail {
+
+FMHA_DEVICE int64_t work_row(const FwdParams& p, int h, int b, int i) {
+  return (int64_t(h) * p.batch + b) * p.seqlen_q + i;
+}
+
+// The query blocks [m_begin, m_end) that can see some key of [n0, n0 + kBlockN).
+template <int kBlockM, int kBlockN>
+FMHA_DEVICE void query_range(const FwdParams& p, const tile::Seq& s, int n0, int& m_begin,
+                             int& m_end) {
+  // Query i sees key j iff j - off - right <= i <= j - off + left.
+  int lo = 0, hi = s.sq - 1;
+  if (p.window_right >= 0) lo = max(lo, n0 - s.off - p.window_right);
+  if (p.window_left >= 0) hi = min(hi, n0 + kBlockN - 1 - s.off + p.window_left);
+  if (lo > hi) {
+    m_begin = m_end = 0;
+    return;
+  }
+  m_begin = lo / kBlockM;
+  m_end = hi / kBlockM + 1;
+}
+
+}  // namespace bwd_detail
+
+// ---------------------------------------------------------------------------- 1. D
+
+// D[i] = sum_c dO[i][c] O[i][c], in float32: one warp per row at a time, lanes across the
+// head dim, a butterfly sum.
+template <typename T>
+__global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const tile::Seq s = tile::seq(p, b);
+  const T* O = static_cast<const T*>(p.o) + s.q_base(b, p.o_batch_stride, p.o_row_stride) +
+               h * p.o_head_stride;
+  const T* dO = static_cast<const T*>(p.dout) +
+                s.q_base(b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+  for (int r = warp; r < 64; r += 4) {
+    const int i = blockIdx.x * 64 + r;
+    if (i >= p.seqlen_q) break;
+    float sum = 0.0f;
+    if (i < s.sq)
+      for (int c = lane; c < p.head_dim_v; c += 32)
+        sum += to_float(O[i * p.o_row_stride + c]) * to_float(dO[i * p.do_row_stride + c]);
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) sum += shfl_xor(sum, m);
+    if (lane == 0) w.d[bwd_detail::work_row(p, h, b, i)] = sum;
+  }
+}
+
+// ---------------------------------------------------------------------------- 2. dK, dV (dQ)
+
+template <typename T, typename Cfg, bool kExtras, bool kAtomicDq>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p, BwdWork w,
+                                                                  bool vec) {
+  FMHA_DYNAMIC_SHARED(T, smem);
+  T* sK = smem;                                // [kBlockN][kStride]
+  T* sV = sK + Cfg::kTileKV;                   // [kBlockN][kStride]
+  T* sQ = sV + Cfg::kTileKV;                   // [kStages][kBlockM][kStride]
+  T* sdO = sQ + Cfg::kStages * Cfg::kTileQ;    // [kStages][kBlockM][kStride]
+  T* sdS = sdO + Cfg::kStages * Cfg::kTileQ;   // [kBlockN][kDsStride]: dS^T
+  float* sLse = reinterpret_cast<float*>(sdS + Cfg::kBlockN * Cfg::kDsStride);  // [kStages][kBlockM]
+  float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                              // [kStages][kBlockM]
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads_q / p.heads_kv;
+  const tile::Seq s = tile::seq(p, b);
+  const int n0 = n_block * Cfg::kBlockN;
+  if (n0 >= s.sk) return;  // varlen: past this sequence's keys (it writes nothing there)
+  const int d = p.head_dim;
+
+  const T* K = static_cast<const T*>(p.k) + s.k_base(b, p.k_batch_stride, p.k_row_stride) +
+               h_kv * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) + s.k_base(b, p.v_batch_stride, p.v_row_stride) +
+               h_kv * p.v_head_stride;
+
+  int m_begin, m_end;
+  bwd_detail::query_range<Cfg::kBlockM, Cfg::kBlockN>(p, s, n0, m_begin, m_end);
+  const int blocks_per_head = m_end - m_begin, steps = group * blocks_per_head;
+
+  // The two key rows of this thread in the accumulator layout of S^T: key_lo, key_lo + 8
+  // (computed, not an array: a runtime-indexed array would live in local memory).
+  const int key_lo = n0 + warp * 16 + g;
+
+  float acc_dk[Cfg::kNTilesD][4], acc_dv[Cfg::kNTilesD][4];
+#pragma unroll
+  for (int j = 0; j < Cfg::kNTilesD; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.0f;
+
+  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
+  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      sV, V, p.v_row_stride, s.sk, d, n0, vec, tid);
+  cp_async_commit();
+
+  // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
+  // block m_begin + step % blocks_per_head. Loads its Qi, dOi (cp.async) and lse, D (plain).
+  auto load_step = [&](int step, int stage) {
+    const int h = h_kv * group + step / blocks_per_head;
+    const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
+    const T* Q = static_cast<const T*>(p.q) + s.q_base(b, p.q_batch_stride, p.q_row_stride) +
+                 h * p.q_head_stride;
+    const T* dO = static_cast<const T*>(p.dout) +
+                  s.q_base(b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        sQ + stage * Cfg::kTileQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
+    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        sdO + stage * Cfg::kTileQ, dO, p.do_row_stride, s.sq, d, m0, vec, tid);
+    if (tid < Cfg::kBlockM) {
+      const int i = m0 + tid;
+      // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows
+      // past the sequence, so that exp2(x - lse) is exactly 0 there, never NaN.
+      float lse_l2 = INFINITY, dd = 0.0f;
+      if (i < s.sq) {
+        const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
+                           (s.varlen ? int64_t(s.q_first) * p.lse_row_stride
+                                     : int64_t(b) * p.lse_batch_stride);
+        const float l = lse[int64_t(i) * p.lse_row_stride];
+        lse_l2 = l == -INFINITY ? INFINITY : l * tile::kLog2e;
+        dd = w.d[bwd_detail::work_row(p, h, b, i)];
+      }
+      sLse[stage * Cfg::kBlockM + tid] = lse_l2;
+      sD[stage * Cfg::kBlockM + tid] = dd;
+    }
+  };
+
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  const float scale_log2 = float(p.scale) * tile::kLog2e;
+  const uint32_t threshold = kExtras ? tile::dropout_threshold(p.dropout_p) : 0u;
+  const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step % Cfg::kStages;
+    // Prefetch the next step into the other stage; its last readers (step - 1) finished at
+    // the trailing __syncthreads of the previous iteration.
+    if (step + 1 < steps) load_step(step + 1, (stage + 1) % Cfg::kStages);
+    cp_async_commit();
+    cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
+    __syncthreads();     // ... for every thread, and lse / D too
+
+    const int h = h_kv * group + step / blocks_per_head;
+    const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
+    const T* tQ = sQ + stage * Cfg::kTileQ;
+    const T* tdO = sdO + stage * Cfg::kTileQ;
+    const float* tLse = sLse + stage * Cfg::kBlockM;
+    const float* tD = sD + stage * Cfg::kBlockM;
+
+    // ---- S^T = Kj Qi^T and dP^T = Vj dOi^T (keys x queries). A: the warp's 16 rows of Kj
+    // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
+    // plain ldmatrix, two n-tiles (8 queries each) x two k-halves per x4.
+    float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
+      uint32_t a_k[4], a_v[4];
+      const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
+      ldmatrix<4>(a_k, sK + a_off);
+      ldmatrix<4>(a_v, sV + a_off);
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesS; j += 2) {
+        const int q = j * 8 + (lane % 8) + (lane / 16) * 8;
+        const int dim = kk * 16 + ((lane / 8) % 2) * 8;
+        uint32_t b4[4];
+        ldmatrix<4>(b4, tQ + q * Cfg::kStride + dim);
+        const uint32_t bq0[2] = {b4[0], b4[1]}, bq1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_s[j], a_k, bq0, acc_s[j]);
+        mma_m16n8k16<T>(acc_s[j + 1], a_k, bq1, acc_s[j + 1]);
+        ldmatrix<4>(b4, tdO + q * Cfg::kStride + dim);
+        const uint32_t bo0[2] = {b4[0], b4[1]}, bo1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_dp[j], a_v, bo0, acc_dp[j]);
+        mma_m16n8k16<T>(acc_dp[j + 1], a_v, bo1, acc_dp[j + 1]);
+      }
+    }
+
+    // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
+    // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
+    const float slope = kExtras ? tile::alibi_slope(p, b, h) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
+        bool visible = tile::in_window(p, s, i, key);
+        float x, dcap = 1.0f;
+        if constexpr (kExtras)
+          x = tile::score_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+        else
+          x = acc_s[j][e] * scale_log2;
+        const float prob = visible ? exp2_approx(x - tLse[il]) : 0.0f;
+        float dp = acc_dp[j][e], pd = prob;
+        if (kExtras && p.dropout_p > 0.0) {
+          const bool keep = visible && tile::dropout_keep(p, b, h, i, key, threshold);
+          dp = keep ? dp * keep_scale : 0.0f;
+          pd = keep ? prob * keep_scale : 0.0f;
+        }
+        float ds = prob * (dp - tD[il]);
+        if (kExtras && w.ds && visible && i < s.sq && key < s.sk)
+          w.ds[b * w.ds_batch_stride + h * w.ds_head_stride + int64_t(i) * w.ds_row_stride + key] = ds;
+        if constexpr (kExtras) ds *= dcap;
+        acc_s[j][e] = pd;
+        acc_dp[j][e] = ds;
+      }
+
+    // ---- dV += Pd^T dOi, dK += dS^T Qi. The accumulators of n-tiles 2k, 2k+1 are the A
+    // fragment of k-step k (keys g / g+8, queries 2t.. / 2t+8..): converted in registers.
+    // B[k][n] = dOi[k][n] (Qi): row-major queries x dims, ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKStepsM; ++kk) {
+      const uint32_t p_frag[4] = {pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
+                                  pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
+                                  pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
+                                  pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+      const uint32_t ds_frag[4] = {pack2<T>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]),
+                                   pack2<T>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]),
+                                   pack2<T>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]),
+                                   pack2<T>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3])};
+      if constexpr (kAtomicDq) {
+        // dS^T for the dQ product below, in the same packed form.
+        T* row_lo = sdS + (warp * 16 + g) * Cfg::kDsStride + kk * 16 + 2 * t;
+        T* row_hi = row_lo + 8 * Cfg::kDsStride;
+        *reinterpret_cast<uint32_t*>(row_lo) = ds_frag[0];
+        *reinterpret_cast<uint32_t*>(row_hi) = ds_frag[1];
+        *reinterpret_cast<uint32_t*>(row_lo + 8) = ds_frag[2];
+        *reinterpret_cast<uint32_t*>(row_hi + 8) = ds_frag[3];
+      }
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesD; j += 2) {
+        const int q = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int dim = j * 8 + (lane / 16) * 8;
+        uint32_t b4[4];
+        ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
+        const uint32_t bo0[2] = {b4[0], b4[1]}, bo1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_dv[j], p_frag, bo0, acc_dv[j]);
+        mma_m16n8k16<T>(acc_dv[j + 1], p_frag, bo1, acc_dv[j + 1]);
+        ldmatrix<4, true>(b4, tQ + q * Cfg::kStride + dim);
+        const uint32_t bq0[2] = {b4[0], b4[1]}, bq1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_dk[j], ds_frag, bq0, acc_dk[j]);
+        mma_m16n8k16<T>(acc_dk[j + 1], ds_frag, bq1, acc_dk[j + 1]);
+      }
+    }
+
+    if constexpr (kAtomicDq) {
+      __syncthreads();  // dS^T of every warp is in shared memory
+      // ---- dQi += dS Kj.
+      // A[q][key] = dS^T[key][q]: ldmatrix.trans from dS^T (lanes address its key rows).
+      // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
+      // Work units of (16 queries) x (kDqChunk n-tiles of the head dim), dealt round-robin
+      // to the warps, so that every warp has work even when kBlockM < 64.
+      float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
+      constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
+#pragma unroll 1
+      for (int unit = warp; unit < (Cfg::kBlockM / 16) * kChunks; unit += Cfg::kWarps) {
+        const int q0 = (unit / kChunks) * 16, c0 = (unit % kChunks) * Cfg::kDqChunk;
+        float acc_q[Cfg::kDqChunk][4];
+#pragma unroll
+        for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
+          uint32_t a[4];
+          ldmatrix<4, true>(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Cfg::kDsStride +
+                                   q0 + ((lane / 8) % 2) * 8);
+#pragma unroll
+          for (int j = 0; j < Cfg::kDqChunk; j += 2) {
+            const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            const int dim = (c0 + j) * 8 + (lane / 16) * 8;
+            uint32_t b4[4];
+            ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
+            const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
+            mma_m16n8k16<T>(acc_q[j], a, b0, acc_q[j]);
+            mma_m16n8k16<T>(acc_q[j + 1], a, b1, acc_q[j + 1]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = m0 + q0 + g + 8 * (e / 2);
+            const int col = (c0 + j) * 8 + 2 * t + (e % 2);
+            if (i < s.sq && col < d && acc_q[j][e] != 0.0f)
+              atomic_add(dq_rows + int64_t(i) * d + col, acc_q[j][e]);
+          }
+      }
+    }
+    // Every warp is done with this stage (and dS^T) before the next prefetch overwrites it.
+    __syncthreads();
+  }
+  cp_async_wait<0>();  // Kj, Vj when there was no step; the trailing empty group otherwise
+
+  // ---- dK = scale dS^T Q, dV: this thread's rows key_lo, key_lo + 8.
+  T* dK = static_cast<T*>(p.dk) + s.k_base(b, p.dk_batch_stride, p.dk_row_stride) +
+          h_kv * p.dk_head_stride;
+  T* dV = static_cast<T*>(p.dv) + s.k_base(b, p.dv_batch_stride, p.dv_row_stride) +
+          h_kv * p.dv_head_stride;
+  const float scale = float(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_lo + 8 * r;
+    if (key >= s.sk) continue;
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesD; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = j * 8 + 2 * t + e;
+        if (col < d) {
+          dK[int64_t(key) * p.dk_row_stride + col] = from_float<T>(acc_dk[j][2 * r + e] * scale);
+          dV[int64_t(key) * p.dv_row_stride + col] = from_float<T>(acc_dv[j][2 * r + e]);
+        }
+      }
+  }
+}
+
+// ---------------------------------------------------------------------------- 3. dQ
+
+// Deterministic dQ: per (query block, query head, batch), dQi = scale sum_j dS_ij Kj over key
+// blocks in order, in registers. S = Qi Kj^T and dP = dOi Vj^T as the forward forms S; the
+// dS accumulator is the A operand of dS Kj (Kj via ldmatrix.trans), as P of P V in the forward.
+template <typename T, typename Cfg, bool kExtras>
+__global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p, BwdWork w,
+                                                                     bool vec) {
+  FMHA_DYNAMIC_SHARED(T, smem);
+  T* sQ = smem;
+  T* sdO = sQ + Cfg::kTileQ;
+  T* sK = sdO + Cfg::kTileQ;
+  T* sV = sK + Cfg::kTileKV;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int h_kv = h / (p.heads_q / p.heads_kv);
+  const tile::Seq s = tile::seq(p, b);
+  const int m0 = m_block * Cfg::kBlockM;
+  if (m0 >= s.sq) return;
+  const int d = p.head_dim;
+
+  const T* Q = static_cast<const T*>(p.q) + s.q_base(b, p.q_batch_stride, p.q_row_stride) +
+               h * p.q_head_stride;
+  const T* dO = static_cast<const T*>(p.dout) + s.q_base(b, p.do_batch_stride, p.do_row_stride) +
+                h * p.do_head_stride;
+  const T* K = static_cast<const T*>(p.k) + s.k_base(b, p.k_batch_stride, p.k_row_stride) +
+               h_kv * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) + s.k_base(b, p.v_batch_stride, p.v_row_stride) +
+               h_kv * p.v_head_stride;
+
+  // Key blocks that intersect some row's window.
+  int n_begin = 0, n_end = (s.sk + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (p.window_left >= 0) n_begin = max(0, m0 + s.off - p.window_left) / Cfg::kBlockN;
+  if (p.window_right >= 0) {
+    const int last_key = m0 + Cfg::kBlockM - 1 + s.off + p.window_right;
+    n_end = last_key < 0 ? 0 : min(n_end, last_key / Cfg::kBlockN + 1);
+  }
+
+  // This thread's query rows row_lo and row_lo + 8, with their lse (log2 domain, +inf for
+  // rows without a visible key or past the sequence: P = 0 there) and D.
+  const int row_lo = m0 + warp * 16 + g;
+  float lse_lo = INFINITY, lse_hi = INFINITY, d_lo = 0.0f, d_hi = 0.0f;
+  {
+    const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
+                       (s.varlen ? int64_t(s.q_first) * p.lse_row_stride
+                                 : int64_t(b) * p.lse_batch_stride);
+    auto lse_l2 = [&](int i) {
+      const float l = lse[int64_t(i) * p.lse_row_stride];
+      return l == -INFINITY ? INFINITY : l * tile::kLog2e;
+    };
+    if (row_lo < s.sq) {
+      lse_lo = lse_l2(row_lo);
+      d_lo = w.d[bwd_detail::work_row(p, h, b, row_lo)];
+    }
+    if (row_lo + 8 < s.sq) {
+      lse_hi = lse_l2(row_lo + 8);
+      d_hi = w.d[bwd_detail::work_row(p, h, b, row_lo + 8)];
+    }
+  }
+
+  float acc_dq[Cfg::kNTilesD][4];
+#pragma unroll
+  for (int j = 0; j < Cfg::kNTilesD; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.0f;
+
+  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      sQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
+  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      sdO, dO, p.do_row_stride, s.sq, d, m0, vec, tid);
+  cp_async_commit();
+
+  const float scale_log2 = float(p.scale) * tile::kLog2e;
+  const uint32_t threshold = kExtras ? tile::dropout_threshold(p.dropout_p) : 0u;
+  const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+  const float slope = kExtras ? tile::alibi_slope(p, b, h) : 0.0f;
+
+  for (int n_block = n_begin; n_block < n_end; ++n_block) {
+    const int n0 = n_block * Cfg::kBlockN;
+    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
+    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        sV, V, p.v_row_stride, s.sk, d, n0, vec, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
+      uint32_t a_q[4], a_do[4];
+      const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
+      ldmatrix<4>(a_q, sQ + a_off);
+      ldmatrix<4>(a_do, sdO + a_off);
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesS; j += 2) {
+        const int key = j * 8 + (lane % 8) + (lane / 16) * 8;
+        const int dim = kk * 16 + ((lane / 8) % 2) * 8;
+        uint32_t b4[4];
+        ldmatrix<4>(b4, sK + key * Cfg::kStride + dim);
+        const uint32_t bk0[2] = {b4[0], b4[1]}, bk1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_s[j], a_q, bk0, acc_s[j]);
+        mma_m16n8k16<T>(acc_s[j + 1], a_q, bk1, acc_s[j + 1]);
+        ldmatrix<4>(b4, sV + key * Cfg::kStride + dim);
+        const uint32_t bv0[2] = {b4[0], b4[1]}, bv1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_dp[j], a_do, bv0, acc_dp[j]);
+        mma_m16n8k16<T>(acc_dp[j + 1], a_do, bv1, acc_dp[j + 1]);
+      }
+    }
+
+    // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t + e % 2.
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
+        bool visible = tile::in_window(p, s, i, key);
+        float x, dcap = 1.0f;
+        if constexpr (kExtras)
+          x = tile::score_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+        else
+          x = acc_s[j][e] * scale_log2;
+        const float prob = visible ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+        float dp = acc_dp[j][e];
+        if (kExtras && p.dropout_p > 0.0)
+          dp = visible && tile::dropout_keep(p, b, h, i, key, threshold) ? dp * keep_scale : 0.0f;
+        acc_s[j][e] = prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
+      }
+
+    // dQi += dS Kj.
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
+      const uint32_t ds_frag[4] = {pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
+                                   pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
+                                   pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
+                                   pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesD; j += 2) {
+        const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int dim = j * 8 + (lane / 16) * 8;
+        uint32_t b4[4];
+        ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
+        const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
+        mma_m16n8k16<T>(acc_dq[j], ds_frag, b0, acc_dq[j]);
+        mma_m16n8k16<T>(acc_dq[j + 1], ds_frag, b1, acc_dq[j + 1]);
+      }
+    }
+    __syncthreads();  // every warp is done with Kj, Vj before the next block overwrites them
+  }
+  cp_async_wait<0>();
+
+  T* dQ = static_cast<T*>(p.dq) + s.q_base(b, p.dq_batch_stride, p.dq_row_stride) +
+          h * p.dq_head_stride;
+  const float scale = float(p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row_lo + 8 * r;
+    if (i >= s.sq) continue;
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesD; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = j * 8 + 2 * t + e;
+        if (col < d) dQ[int64_t(i) * p.dq_row_stride + col] = from_float<T>(acc_dq[j][2 * r + e] * scale);
+      }
+  }
+}
+
+// dq = scale * dq_accum, in the input dtype: 64 rows of one (head, batch) per CTA.
+template <typename T>
+__global__ void __launch_bounds__(128) flash_bwd_convert_dq(BwdParams p, BwdWork w) {
+  const int h = blockIdx.y, b = blockIdx.z, d = p.head_dim;
+  const tile::Seq s = tile::seq(p, b);
+  const int m0 = blockIdx.x * 64;
+  if (m0 >= s.sq) return;
+  const int rows = min(64, s.sq - m0);
+  T* dQ = static_cast<T*>(p.dq) + s.q_base(b, p.dq_batch_stride, p.dq_row_stride) +
+          h * p.dq_head_stride;
+  const float* acc = w.dq_accum + bwd_detail::work_row(p, h, b, m0) * d;
+  const float scale = float(p.scale);
+  for (int idx = threadIdx.x; idx < rows * d; idx += 128) {
+    const int r = idx / d, c = idx % d;
+    dQ[int64_t(m0 + r) * p.dq_row_stride + c] = from_float<T>(acc[idx] * scale);
+  }
+}
+
+// ---------------------------------------------------------------------------- 4. dbias
+
+// dbias[o] = sum of dS over the broadcast dimensions of the bias, in a fixed order (the
+// same every run): dS is full-size (batch, heads_q, seqlen_q, seqlen_k) in float32.
+__global__ void __launch_bounds__(128) flash_bwd_reduce_dbias(BwdParams p, BwdWork w) {
+  const int64_t total = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
+  float* out = static_cast<float*>(p.dbias);
+  for (int64_t o = int64_t(blockIdx.x) * 128 + threadIdx.x; o < total;
+       o += int64_t(gridDim.x) * 128) {
+    int64_t rest = o;
+    const int jj = int(rest % p.dbias_cols); rest /= p.dbias_cols;
+    const int ii = int(rest % p.dbias_rows); rest /= p.dbias_rows;
+    const int hh = int(rest % p.dbias_heads); rest /= p.dbias_heads;
+    const int bb = int(rest);
+    const int nb = p.dbias_batch == 1 ? p.batch : 1, nh = p.dbias_heads == 1 ? p.heads_q : 1;
+    const int ni = p.dbias_rows == 1 ? p.seqlen_q : 1, nj = p.dbias_cols == 1 ? p.seqlen_k : 1;
+    float sum = 0.0f;
+    for (int b = 0; b < nb; ++b)
+      for (int h = 0; h < nh; ++h)
+        for (int i = 0; i < ni; ++i)
+          for (int j = 0; j < nj; ++j)
+            sum += w.ds[(nb == 1 ? bb : b) * w.ds_batch_stride + (nh == 1 ? hh : h) * w.ds_head_stride +
+                        int64_t(ni == 1 ? ii : i) * w.ds_row_stride + (nj == 1 ? jj : j)];
+    out[o] = sum;
+  }
+}
+
+}  // namespace gpu
+}  // namespace fmha

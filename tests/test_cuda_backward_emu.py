@@ -1,0 +1,173 @@
+"""The CUDA FlashAttention-2 backward kernels (csrc/cuda/flash_bwd.cuh) under the SIMT emulator.
+
+fmha._cuda_emu.flash_forward then flash_backward run the real kernel sources (mma.sync,
+ldmatrix, cp.async, float32 atomics, emulated) on the CPU; dq, dk, dv (and dbias) are compared
+with fmha.reference (float64) by the 3x rule of design.md (3x the error of the same backward
+done naively in the input precision, by torch autograd). Deterministic mode must give bitwise
+identical gradients run to run.
+
+Shapes stay tiny (the emulator runs one OS thread per CUDA thread): seqlens 1-80, batch and
+heads 1-2; they cross the 64-key and 16/32/64-query blocks of every head-dim tile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_close, naive_results, reference_results
+from fmha._philox import dropout_keep_mask
+
+emu = pytest.importorskip("fmha._cuda_emu")
+if not hasattr(emu, "flash_backward"):
+    pytest.skip("fmha._cuda_emu was built without flash_backward", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+
+def emu_grads(q, k, v, dout, *, bias=None, bias_grad=False, deterministic=False, **kw):
+    """Forward and backward by the emulated CUDA kernels; a dict like naive_results."""
+    b, sq, hq, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32)
+    emu.flash_forward(q, k, v, out, lse, bias=bias, **kw)
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full_like(k, float("nan"))
+    dv = torch.full_like(v, float("nan"))
+    dbias = None
+    if bias_grad:
+        dbias = torch.full(bias.shape, float("nan"), dtype=torch.float32)
+    emu.flash_backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
+                       deterministic=deterministic, bias=bias, **kw)
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    if bias_grad:
+        res["dbias"] = dbias
+    return res
+
+
+def window_args(causal, window, alignment):
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return dict(window_left=left, window_right=right, bottom_right=alignment == "bottom_right")
+
+
+def run_case(*, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype=torch.float16, causal=False,
+             window=(-1, -1), alignment="bottom_right", scale=None, softcap=0.0, bias=None,
+             bias_grad=False, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0,
+             deterministic=False, seed_data=0):
+    gen = torch.Generator().manual_seed(seed_data)
+    q = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
+    dout = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
+    got = emu_grads(q, k, v, dout, bias=bias, bias_grad=bias_grad, scale=scale, softcap=softcap,
+                    mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                    deterministic=deterministic, **window_args(causal, window, alignment))
+    sem = dict(scale=scale, causal=causal, window=window, alignment=alignment, softcap=softcap)
+    ref = reference_results(q, k, v, dout, bias=bias, bias_grad=bias_grad, mask=mask,
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, **sem)
+    z = None
+    if dropout_p > 0:
+        z = dropout_keep_mask(seed, 0, batch, hq, sq, sk, dropout_p) / (1.0 - dropout_p)
+    naive = naive_results(q, k, v, dout, bias=None if bias is None else bias.to(dtype),
+                          bias_grad=bias_grad,
+                          mask=None if mask is None else torch.as_tensor(mask),
+                          alibi_slopes=alibi_slopes, dropout_z=z, **sem)
+    name = "float16" if dtype == torch.float16 else "bfloat16"
+    for key in ("dq", "dk", "dv") + (("dbias",) if bias_grad else ()):
+        assert not torch.isnan(got[key]).any(), f"{key}: NaN (unwritten or 0 * inf)"
+        assert_close(key, got[key].double().numpy(), ref[key], name,
+                     naive=naive[key].double().numpy(), grad=True,
+                     result_dtype="float32" if key == "dbias" else None)
+    return got
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 70), (70, 17), (80, 80)])
+def test_plain(d, sq, sk):
+    run_case(sq=sq, sk=sk, d=d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("sq,sk", [(70, 70), (17, 80), (80, 17)])
+def test_causal(d, sq, sk, alignment):
+    run_case(sq=sq, sk=sk, d=d, causal=True, alignment=alignment)
+
+
+@pytest.mark.parametrize("window,sq,sk", [((8, 0), 70, 70), ((5, 3), 17, 80), ((3, 2), 80, 17)])
+def test_window(window, sq, sk):
+    run_case(sq=sq, sk=sk, window=window)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 1), (4, 2)])
+def test_gqa_batch(hq, hkv):
+    run_case(batch=2, sq=17, sk=70, hq=hq, hkv=hkv, causal=True)
+
+
+@pytest.mark.parametrize("d", [8, 40, 59, 111])
+def test_odd_head_dims(d):
+    run_case(sq=17, sk=70, d=d, causal=True, alignment="top_left")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bfloat16(d):
+    run_case(sq=70, sk=17, d=d, dtype=torch.bfloat16, causal=True, alignment="top_left")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap_alibi(d):
+    slopes = np.array([[0.25, 0.5]])
+    run_case(sq=33, sk=70, hq=2, d=d, softcap=5.0, alibi_slopes=slopes, causal=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 33, 70), (1, 1, 1, 70), (1, 2, 1, 1), (1, 1, 33, 1)])
+@pytest.mark.parametrize("d", [64, 96])
+def test_bias_and_dbias(shape, d):
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(*shape, generator=gen, dtype=torch.float32)
+    bias_full = bias.expand(1, 2, 33, 70)
+    got = run_case(sq=33, sk=70, hq=2, d=d, bias=bias_full, bias_grad=True)
+    assert got["dbias"].shape == bias_full.shape
+
+
+def test_mask_with_dead_rows():
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(1, 1, 40, 70, generator=gen) > 0.5
+    mask[:, :, 3] = False  # a row that sees no key: gradients 0, no NaN
+    got = run_case(sq=40, sk=70, mask=mask)
+    assert torch.all(got["dq"][0, 3] == 0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout(d):
+    run_case(batch=2, sq=33, sk=70, hq=2, d=d, dropout_p=0.3, seed=1234, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_matches_reference(d):
+    run_case(batch=2, sq=70, sk=80, hq=2, hkv=1, d=d, deterministic=True, causal=True)
+
+
+def test_deterministic_bitwise_stable_over_20_runs():
+    # One forward, then the deterministic backward 20 times over the same inputs: every
+    # gradient bit for bit the same (dropout on, GQA: dk, dv summed over two query heads).
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 40, 2, 32, generator=gen).half()
+    k = torch.randn(1, 70, 1, 32, generator=gen).half()
+    v = torch.randn(1, 70, 1, 32, generator=gen).half()
+    dout = torch.randn(1, 40, 2, 32, generator=gen).half()
+    kw = dict(dropout_p=0.1, seed=7)
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 2, 40, dtype=torch.float32)
+    emu.flash_forward(q, k, v, out, lse, **kw)
+    runs = []
+    for _ in range(20):
+        dq, dk, dv = torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        emu.flash_backward(dout, q, k, v, out, lse, dq, dk, dv, deterministic=True, **kw)
+        runs.append((dq, dk, dv))
+    assert not any(torch.isnan(x).any() for x in runs[0])
+    for r in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), r, runs[0]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
