@@ -83,7 +83,7 @@ def run_case(*, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype=torch.float16, causal=
     return got
 
 
-@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 70), (70, 17), (80, 80)])
 def test_plain(d, sq, sk):
     run_case(sq=sq, sk=sk, d=d)
@@ -106,7 +106,7 @@ def test_gqa_batch(hq, hkv):
     run_case(batch=2, sq=17, sk=70, hq=hq, hkv=hkv, causal=True)
 
 
-@pytest.mark.parametrize("d", [8, 40, 59, 111])
+@pytest.mark.parametrize("d", [8, 40, 59, 111, 200])
 def test_odd_head_dims(d):
     run_case(sq=17, sk=70, d=d, causal=True, alignment="top_left")
 
@@ -116,7 +116,7 @@ def test_bfloat16(d):
     run_case(sq=70, sk=17, d=d, dtype=torch.bfloat16, causal=True, alignment="top_left")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_softcap_alibi(d):
     slopes = np.array([[0.25, 0.5]])
     run_case(sq=33, sk=70, hq=2, d=d, softcap=5.0, alibi_slopes=slopes, causal=True)
@@ -146,7 +146,7 @@ def test_dropout(d):
     run_case(batch=2, sq=33, sk=70, hq=2, d=d, dropout_p=0.3, seed=1234, causal=True)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_matches_reference(d):
     run_case(batch=2, sq=70, sk=80, hq=2, hkv=1, d=d, deterministic=True, causal=True)
 

@@ -2,9 +2,9 @@
 // head_dim become template arguments here, once; the launches of one backward, in order, on
 // the caller's stream. Compiled by nvcc and, as host C++, for the emulator (fmha._cuda_emu).
 //
-// Head-dim tiles 32, 64, 96, 128 (a head_dim runs in the smallest built tile that holds it,
-// zero-padded). 256 is not supported by the backward: a thread would hold 2 x 128 floats of
-// dK, dV alone (see FlashBwdConfig).
+// Head-dim tiles 32, 64, 96, 128, 256 (a head_dim runs in the smallest built tile that holds
+// it, zero-padded); at 256 two CTAs share each key block, 128 output columns each (see
+// FlashBwdConfig).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -68,7 +68,7 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
     using Cfg = FlashBwdConfig<kHeadDim, kExtras>;
     auto kernel = &flash_bwd_kernel<T, Cfg, kExtras, kAtomic>;
     if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
-    const dim3 grid(ceil_div(p.seqlen_k, Cfg::kBlockN), p.heads_kv, p.batch);
+    const dim3 grid(ceil_div(p.seqlen_k, Cfg::kBlockN) * Cfg::kSplits, p.heads_kv, p.batch);
     FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, p, w, vec);
   };
   if (p.deterministic) {
@@ -76,7 +76,7 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
     using Cfg = FlashBwdDqConfig<kHeadDim>;
     auto kernel = &flash_bwd_dq_kernel<T, Cfg, kExtras>;
     if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
-    const dim3 grid(ceil_div(p.seqlen_q, Cfg::kBlockM), p.heads_q, p.batch);
+    const dim3 grid(ceil_div(p.seqlen_q, Cfg::kBlockM) * Cfg::kSplits, p.heads_q, p.batch);
     FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, p, w, vec);
   } else {
     launch_main(std::true_type{});
@@ -93,14 +93,14 @@ namespace {
 
 template <typename T, bool kExtras>
 void run_head_dim(const BwdParams& p, Stream stream) {
-  switch (head_dim_tile(p.head_dim, 128)) {
+  switch (head_dim_tile(p.head_dim)) {
     case 32: if constexpr (head_dim_tile_built(32)) return run_flash_bwd<T, 32, kExtras>(p, stream); break;
     case 64: if constexpr (head_dim_tile_built(64)) return run_flash_bwd<T, 64, kExtras>(p, stream); break;
     case 96: if constexpr (head_dim_tile_built(96)) return run_flash_bwd<T, 96, kExtras>(p, stream); break;
     case 128: if constexpr (head_dim_tile_built(128)) return run_flash_bwd<T, 128, kExtras>(p, stream); break;
+    case 256: if constexpr (head_dim_tile_built(256)) return run_flash_bwd<T, 256, kExtras>(p, stream); break;
   }
-  unsupported("head_dim " + std::to_string(p.head_dim) +
-              " has no backward tile in this build (the CUDA backward supports head_dim <= 128)");
+  unsupported("head_dim " + std::to_string(p.head_dim) + " has no tile in this build");
 }
 
 }  // namespace
@@ -108,9 +108,8 @@ void run_head_dim(const BwdParams& p, Stream stream) {
 void launch_flash_bwd(const BwdParams& p, void* stream_ptr) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
     unsupported(std::string("dtype ") + dtype_name(p.dtype) + ", expected float16 or bfloat16");
-  if (p.head_dim < 1 || p.head_dim > 128)
-    unsupported("head_dim " + std::to_string(p.head_dim) +
-                ", expected 1..128 (the CUDA backward has no 256 tile)");
+  if (p.head_dim < 1 || p.head_dim > 256)
+    unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..256");
   if (p.head_dim_v != p.head_dim)
     unsupported("head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " +
                 std::to_string(p.head_dim));
@@ -138,10 +137,12 @@ FMHA_BWD_INSTANTIATE(half_t, 32)
 FMHA_BWD_INSTANTIATE(half_t, 64)
 FMHA_BWD_INSTANTIATE(half_t, 96)
 FMHA_BWD_INSTANTIATE(half_t, 128)
+FMHA_BWD_INSTANTIATE(half_t, 256)
 FMHA_BWD_INSTANTIATE(bf16_t, 32)
 FMHA_BWD_INSTANTIATE(bf16_t, 64)
 FMHA_BWD_INSTANTIATE(bf16_t, 96)
 FMHA_BWD_INSTANTIATE(bf16_t, 128)
+FMHA_BWD_INSTANTIATE(bf16_t, 256)
 
 }  // namespace gpu
 }  // namespace fmha

@@ -40,18 +40,23 @@
 namespace fmha {
 namespace gpu {
 
-// Registers: a thread of the main kernel holds its warp's 16 x kHeadDim slices of dK and dV
-// (kHeadDim/2 floats each: 64 + 64 at d = 128) plus S^T and dP^T for one query block
+// Registers: a thread of the main kernel holds its warp's 16 x kOutDim slices of dK and dV
+// (kOutDim/2 floats each: 64 + 64 at d = 128) plus S^T and dP^T for one query block
 // (kBlockM/2 floats each); K and V fragments are re-read from shared memory per k-step
 // rather than held (that would be another kHeadDim/2 registers each).
+// d = 256 would need 256 registers for dK, dV alone: there, kSplits = 2 CTAs share a key
+// block, each computing S^T and dP^T over the whole head dim (the 2 GEMMs of 5 that every
+// column needs) but dK, dV, dQ for its own 128 columns.
 template <int kHeadDim_, bool kExtras_>
 struct FlashBwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kOutDim = kHeadDim_ > 128 ? 128 : kHeadDim_;  // dK/dV/dQ columns per CTA
+  static constexpr int kSplits = kHeadDim / kOutDim;
   static constexpr int kBlockN = 64;  // keys per CTA: 4 warps x 16
   // Queries per step: S^T and dP^T cost kBlockM/2 registers each on top of dK, dV. At
   // d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did too
   // with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut).
-  static constexpr int kBlockM = kHeadDim_ < 96 ? 64 : kExtras_ ? 16 : 32;
+  static constexpr int kBlockM = kHeadDim_ < 96 ? 64 : (kExtras_ || kSplits > 1) ? 16 : 32;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kStages = 2;  // Qi, dOi double-buffered
   // Rows padded by 8 elements (16 bytes): 16-byte aligned row starts for ldmatrix and
@@ -67,7 +72,7 @@ struct FlashBwdConfig {
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
-  static constexpr int kNTilesD = kHeadDim / 8;   // n-tiles of dK, dV, dQ (head dim)
+  static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
   static constexpr int kKStepsM = kBlockM / 16;   // k-steps over queries (dV, dK)
   static constexpr int kKStepsN = kBlockN / 16;   // k-steps over keys (dQ)
   static constexpr int kDqChunk = 2;  // n-tiles of dQ per pass
@@ -76,6 +81,7 @@ struct FlashBwdConfig {
   static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
   static_assert(kNTilesS % 2 == 0 && kNTilesD % 2 == 0, "B fragments load two n-tiles per x4");
   static_assert(kNTilesD % kDqChunk == 0 && kDqChunk % 2 == 0, "whole dQ chunks");
+  static_assert(kHeadDim % kOutDim == 0, "whole column splits");
 };
 
 // The deterministic dQ kernel: the forward's shape (4 warps x 16 query rows, key blocks
@@ -83,6 +89,10 @@ struct FlashBwdConfig {
 template <int kHeadDim_>
 struct FlashBwdDqConfig {
   static constexpr int kHeadDim = kHeadDim_;
+  // d = 256: two CTAs per query block, 128 dQ columns each (as FlashBwdConfig: S and dP
+  // over the whole head dim in both), else 128 accumulator registers spilled.
+  static constexpr int kOutDim = kHeadDim_ > 128 ? 128 : kHeadDim_;
+  static constexpr int kSplits = kHeadDim / kOutDim;
   static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 128 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
@@ -90,7 +100,7 @@ struct FlashBwdDqConfig {
   // Qi, dOi once; Kj, Vj (single stage: this path trades speed for reproducibility).
   static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;
   static constexpr int kNTilesS = kBlockN / 8, kKStepsD = kHeadDim / 16;
-  static constexpr int kNTilesD = kHeadDim / 8, kKStepsN = kBlockN / 16;
+  static constexpr int kNTilesD = kOutDim / 8, kKStepsN = kBlockN / 16;
   static_assert(kBlockM == 16 * kWarps && kNTilesS % 2 == 0 && kNTilesD % 2 == 0, "layout");
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "whole chunks");
 };
@@ -170,7 +180,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
-  const int n_block = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z;
+  const int n_block = blockIdx.x / Cfg::kSplits, h_kv = blockIdx.y, b = blockIdx.z;
+  const int c_base = (blockIdx.x % Cfg::kSplits) * Cfg::kOutDim;  // this CTA's columns
   const int group = p.heads_q / p.heads_kv;
   const tile::Seq s = tile::seq(p, b);
   const int n0 = n_block * Cfg::kBlockN;
@@ -340,7 +351,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
       for (int j = 0; j < Cfg::kNTilesD; j += 2) {
         const int q = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int dim = j * 8 + (lane / 16) * 8;
+        const int dim = c_base + j * 8 + (lane / 16) * 8;
         uint32_t b4[4];
         ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
         const uint32_t bo0[2] = {b4[0], b4[1]}, bo1[2] = {b4[2], b4[3]};
@@ -378,7 +389,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
           for (int j = 0; j < Cfg::kDqChunk; j += 2) {
             const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            const int dim = (c0 + j) * 8 + (lane / 16) * 8;
+            const int dim = c_base + (c0 + j) * 8 + (lane / 16) * 8;
             uint32_t b4[4];
             ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
             const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
@@ -391,7 +402,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = m0 + q0 + g + 8 * (e / 2);
-            const int col = (c0 + j) * 8 + 2 * t + (e % 2);
+            const int col = c_base + (c0 + j) * 8 + 2 * t + (e % 2);
             if (i < s.sq && col < d && acc_q[j][e] != 0.0f)
               atomic_add(dq_rows + int64_t(i) * d + col, acc_q[j][e]);
           }
@@ -416,7 +427,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     for (int j = 0; j < Cfg::kNTilesD; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = j * 8 + 2 * t + e;
+        const int col = c_base + j * 8 + 2 * t + e;
         if (col < d) {
           dK[int64_t(key) * p.dk_row_stride + col] = from_float<T>(acc_dk[j][2 * r + e] * scale);
           dV[int64_t(key) * p.dv_row_stride + col] = from_float<T>(acc_dv[j][2 * r + e]);
@@ -441,7 +452,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m_block = blockIdx.x / Cfg::kSplits, h = blockIdx.y, b = blockIdx.z;
+  const int c_base = (blockIdx.x % Cfg::kSplits) * Cfg::kOutDim;  // this CTA's dQ columns
   const int h_kv = h / (p.heads_q / p.heads_kv);
   const tile::Seq s = tile::seq(p, b);
   const int m0 = m_block * Cfg::kBlockM;
@@ -570,7 +582,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
 #pragma unroll
       for (int j = 0; j < Cfg::kNTilesD; j += 2) {
         const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int dim = j * 8 + (lane / 16) * 8;
+        const int dim = c_base + j * 8 + (lane / 16) * 8;
         uint32_t b4[4];
         ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
         const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
@@ -593,7 +605,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
     for (int j = 0; j < Cfg::kNTilesD; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = j * 8 + 2 * t + e;
+        const int col = c_base + j * 8 + 2 * t + e;
         if (col < d) dQ[int64_t(i) * p.dq_row_stride + col] = from_float<T>(acc_dq[j][2 * r + e] * scale);
       }
   }
