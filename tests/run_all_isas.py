@@ -12,7 +12,7 @@ import sys
 from fmha import _C
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
-CUDA_EMULATOR_SUITES = ["test_cuda_emu.py", "test_cuda_forward_emu.py"]
+CUDA_EMULATOR_SUITES = ["test_cuda_emu.py", "test_cuda_forward_emu.py", "test_cuda_emu_cases.py"]
 
 
 def main() -> int:

@@ -557,3 +557,164 @@ def test_core_rejects_inconsistent_arguments(stmt, fragment):
     message = res.stdout.split("|", 1)[1]
     assert fragment in message, detail
     assert "ALIVE" in res.stdout, detail
+
+
+# ---------------------------------------------------------------- CUDA arrays, without a GPU
+#
+# Arrays that say they live on a CUDA device, made from host memory: a DLPack capsule built by
+# hand (ctypes) whose device is (kDLCUDA, id). Every case below is refused before anything
+# could read the memory, so it is safe on any machine; the one that reaches the launch (all
+# arrays on one device) runs only where there is no usable GPU, which it must then report.
+
+_FAKE_CUDA_PRELUDE = _CORE_PRELUDE + textwrap.dedent("""
+    import ctypes
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    class DLManagedTensor(ctypes.Structure):
+        _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p)]
+    ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+    ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    CODES = {"f": 2, "i": 0, "u": 1, "b": 1}
+    class FakeCuda:
+        '''A host array that claims, through DLPack, to be on CUDA device `device`.'''
+        def __init__(self, host, device=0):
+            self.host, self.device = np.ascontiguousarray(host), device
+            n = self.host.ndim
+            self.shape_c = (ctypes.c_int64 * n)(*self.host.shape)
+            self.strides_c = (ctypes.c_int64 * n)(*(s // self.host.itemsize for s in self.host.strides))
+            t = DLTensor(self.host.ctypes.data, DLDevice(2, device), n,
+                         DLDataType(CODES[self.host.dtype.kind], self.host.dtype.itemsize * 8, 1),
+                         self.shape_c, self.strides_c, 0)
+            self.managed = DLManagedTensor(t, None, None)
+        def __dlpack_device__(self):
+            return (2, self.device)
+        def __dlpack__(self, stream=None, max_version=None, **kw):
+            self.stream_seen = stream
+            return ctypes.pythonapi.PyCapsule_New(ctypes.addressof(self.managed), b"dltensor", None)
+    h = lambda x: x.astype(np.float16)
+    C = lambda x, d=0: FakeCuda(h(x), d)
+    qc, kc, vc, oc, lc = C(q), C(k), C(v), C(out), FakeCuda(lse)
+""")
+
+FAKE_CUDA_CASES = [
+    ("k_on_host", "_C.forward(qc, h(k), vc, oc, lc, **S)", "k: on device cpu, expected q's device cuda:0"),
+    ("out_on_other_gpu", "_C.forward(qc, kc, vc, C(out, 1), lc, **S)",
+     "out: on device cuda:1, expected q's device cuda:0"),
+    ("bias_on_host", "_C.forward(qc, kc, vc, oc, lc, bias=np.zeros((2, 4, 5, 6), np.float16), **S)",
+     "bias: on device cpu"),
+    ("alibi_on_host", "_C.forward(qc, kc, vc, oc, lc, alibi_slopes=np.zeros((2, 4)), **S)",
+     "alibi_slopes: on device cpu"),
+    ("float32_on_cuda", "_C.forward(FakeCuda(q), FakeCuda(k), FakeCuda(v), FakeCuda(out), lc, **S)",
+     "CUDA kernels take float16/bfloat16"),
+    ("device_cu_seqlens_need_max_seqlen",
+     "_C.forward(C(r(7, 4, 8)), C(r(9, 2, 8)), C(r(9, 2, 8)), C(z(7, 4, 8)), FakeCuda(z(4, 7)), "
+     "cu_seqlens_q=FakeCuda(np.array([0, 3, 7], np.int32)), "
+     "cu_seqlens_k=FakeCuda(np.array([0, 4, 9], np.int32)), **S)", "max_seqlen"),
+    ("host_cu_seqlens_with_device_q",
+     "_C.forward(C(r(7, 4, 8)), C(r(9, 2, 8)), C(r(9, 2, 8)), C(z(7, 4, 8)), FakeCuda(z(4, 7)), "
+     "cu_seqlens_q=np.array([0, 3, 7], np.int32), cu_seqlens_k=np.array([0, 4, 9], np.int32), "
+     "max_seqlen_q=4, max_seqlen_k=5, **S)", "cu_seqlens_q: on device cpu"),
+    ("bwd_dq_on_host", "_C.backward(oc, qc, kc, vc, oc, lc, h(z(2, 5, 4, 8)), C(z(2, 6, 2, 8)), "
+                       "C(z(2, 6, 2, 8)), **S)", "dq: on device cpu"),
+    ("negative_stream", "_C.forward(qc, kc, vc, oc, lc, stream=-5, **S)", "stream"),
+    ("unknown_keyword", "_C.forward(qc, kc, vc, oc, lc, strem=0, **S)", "strem"),
+]
+
+
+def _run_fake_cuda(stmt):
+    code = _FAKE_CUDA_PRELUDE + textwrap.dedent(f"""
+        try:
+            {stmt}
+        except (ValueError, TypeError, NotImplementedError) as e:
+            print("RAISED", type(e).__name__, "|", e)
+        else:
+            print("NO ERROR")
+        _C.forward(q, k, v, out, lse, **S)
+        assert np.isfinite(out).all()
+        print("ALIVE")
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("stmt,fragment", [pytest.param(s, f, id=i) for i, s, f in FAKE_CUDA_CASES])
+def test_core_cuda_arrays_refused_before_launch(stmt, fragment):
+    """Mixed devices, dtypes the CUDA kernels lack, device offsets without maxima: refused
+    with the argument (and both devices) named, before any memory is read."""
+    res = _run_fake_cuda(stmt)
+    detail = f"rc={res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-2000:]}"
+    assert res.returncode == 0, "the process died:\n" + detail
+    assert "RAISED" in res.stdout, "no error was raised:\n" + detail
+    assert fragment in res.stdout.split("|", 1)[1], detail
+    assert "ALIVE" in res.stdout, detail
+
+
+def test_core_cuda_arrays_without_gpu_report_why():
+    """All arrays on one CUDA device and no usable GPU (or no CUDA build): NotImplementedError
+    with fmha.cuda_status()'s reason, and the producer was asked for the launch stream."""
+    from fmha import _C
+    if _C.cuda_device_count() > 0:
+        pytest.skip("a GPU is present: the fake device arrays would reach a real launch")
+    res = _run_fake_cuda("_C.forward(qc, kc, vc, oc, lc, stream=1234, **S)")
+    detail = f"rc={res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-2000:]}"
+    assert res.returncode == 0 and "RAISED NotImplementedError" in res.stdout, detail
+    message = res.stdout.split("|", 1)[1]
+    assert ("no GPU" in message or "without CUDA" in message), detail
+    assert "ALIVE" in res.stdout, detail
+
+
+def test_core_cuda_stream_passed_to_producer():
+    """A CUDA producer is asked to order its work before our stream (DLPack `stream`), with
+    stream 0 (legacy default) sent as 1, since DLPack reserves 0."""
+    stmt = ("try:\n"
+            "            _C.forward(qc, kc, vc, oc, lc, stream=STREAM, **S)\n"
+            "        except NotImplementedError:\n"
+            "            pass\n"
+            "        print('SEEN', qc.stream_seen, kc.stream_seen)\n"
+            "        print('HOST', fake_host.stream_seen)")
+    from fmha import _C
+    if _C.cuda_device_count() > 0:
+        pytest.skip("a GPU is present: the fake device arrays would reach a real launch")
+    for given, expected in ((0, 1), (4096, 4096)):
+        code = _FAKE_CUDA_PRELUDE + textwrap.dedent(f"""
+            STREAM = {given}
+            class HostArray:
+                def __init__(self, a): self.a = a; self.stream_seen = 'unset'
+                def __dlpack_device__(self): return (1, 0)
+                def __dlpack__(self, stream=None, **kw):
+                    self.stream_seen = stream
+                    return self.a.__dlpack__()
+            fake_host = HostArray(q)
+            _C.forward(fake_host, k, v, out, lse, **S)
+        """) + textwrap.indent(textwrap.dedent(stmt.replace("\n        ", "\n")), "")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert f"SEEN {expected} {expected}" in res.stdout, res.stdout
+        assert "HOST None" in res.stdout, res.stdout  # host arrays: no stream argument
+
+
+def test_emulator_refuses_device_arrays():
+    pytest.importorskip("fmha._cuda_emu")
+    res = _run_fake_cuda("from fmha import _cuda_emu; _cuda_emu.forward(qc, kc, vc, oc, lc, **S)")
+    assert "RAISED ValueError" in res.stdout and "host arrays only" in res.stdout, res.stdout
+
+
+def test_python_layer_cuda_checks_without_gpu():
+    """The Python layer's CUDA checks, driven directly (torch here has no CUDA tensors)."""
+    from fmha import _C
+    with pytest.raises(NotImplementedError, match="float16/bfloat16; cast, or use the CPU"):
+        _validate._check_cuda("cuda:0", "float32")
+    with pytest.raises(NotImplementedError, match="not supported"):
+        _validate._check_cuda("mps:0", "float16")
+    if _C.cuda_device_count() == 0:
+        _validate._CUDA_USABLE.clear()
+        with pytest.raises(NotImplementedError, match="q: on cuda:0, but .*no GPU"):
+            _validate._check_cuda("cuda:0", "float16")

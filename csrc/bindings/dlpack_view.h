@@ -31,18 +31,41 @@ struct View {
   int64_t stride(int i) const { return strides[size_t(i)]; }
 };
 
-inline View import(const std::string& name, const py::handle& obj, bool writable) {
+// Where a producer says its array lives (__dlpack_device__), without exporting it; kDLCPU
+// for producers that do not say.
+inline DLDevice dlpack_device(const py::handle& obj) {
+  DLDevice d{kDLCPU, 0};
+  if (!py::hasattr(obj, "__dlpack_device__")) return d;
+  const py::tuple t = obj.attr("__dlpack_device__")();
+  d.device_type = static_cast<DLDeviceType>(t[0].cast<int>());
+  d.device_id = t[1].cast<int>();
+  return d;
+}
+
+// `cuda_stream`: the stream the kernels will run on (a cudaStream_t as an integer, 0 = the
+// legacy default stream), or -1 for none. A CUDA producer is then asked to make the array
+// ready on that stream (DLPack's `stream` argument, where 1 names the legacy default stream
+// because 0 is reserved), so work still queued on the producer's stream is ordered before
+// ours.
+inline View import(const std::string& name, const py::handle& obj, bool writable,
+                   intptr_t cuda_stream = -1) {
   if (!py::hasattr(obj, "__dlpack__"))
     throw py::type_error(concat(name, ": expected an array with __dlpack__, got ",
                                 std::string(py::str(py::type::of(obj).attr("__name__")))));
   View v;
   v.name = name;
+  py::dict kw;
+  if (cuda_stream >= 0) {
+    const DLDevice d = dlpack_device(obj);
+    if (d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged)
+      kw["stream"] = py::int_(cuda_stream == 0 ? intptr_t(1) : cuda_stream);
+  }
   py::object cap;
   try {
-    cap = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0));
+    cap = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0), **kw);
   } catch (py::error_already_set& e) {
     if (!e.matches(PyExc_TypeError)) throw;
-    cap = obj.attr("__dlpack__")();  // a producer from before DLPack 1.0
+    cap = obj.attr("__dlpack__")(**kw);  // a producer from before DLPack 1.0
   }
   const DLTensor* t = nullptr;
   if (PyCapsule_IsValid(cap.ptr(), "dltensor_versioned")) {

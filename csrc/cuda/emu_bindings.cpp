@@ -13,6 +13,7 @@
 #include <string>
 
 #include "bindings/dlpack_view.h"
+#include "bindings/params_from_dlpack.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
@@ -277,17 +278,56 @@ void flash_backward(const py::object& dout_obj, const py::object& q_obj, const p
 
 }  // namespace
 
+// ---- forward / backward: fmha._C's signature, run by the emulated CUDA kernels ----------
+//
+// The same filler as fmha._C (bindings/params_from_dlpack.h), so that swapping fmha._C for
+// this module under the Python API (tests/test_cuda_emu_cases.py) runs the CUDA kernels on
+// exactly the params the real launch would get; only the memory differs (host arrays here).
+namespace {
+
+void expect_half(const fmha::FwdParams& p) {
+  if (p.dtype == fmha::DType::kFloat16 || p.dtype == fmha::DType::kBFloat16) return;
+  throw fmha::Unsupported(fmha::concat("q: dtype ", fmha::dtype_name(p.dtype),
+                                       ": the CUDA kernels take float16/bfloat16"));
+}
+
+// The launchers are shared with the nvcc build, which has no fmha error types: their
+// std::invalid_argument ("not supported / not implemented yet") becomes a ValueError.
+template <typename Params, typename Launch>
+void launch_emulated(const Params& p, Launch&& launch) {
+  expect_half(p);
+  try {
+    py::gil_scoped_release nogil;
+    launch(p, nullptr);
+  } catch (const std::invalid_argument& e) {
+    throw fmha::InvalidArgument(e.what());
+  }
+}
+
+void emu_forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
+                 py::object bias, py::object mask, py::object alibi, py::object cu_q,
+                 py::object cu_k, py::kwargs kw) {
+  const auto c = fmha::bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
+                                          /*host_only=*/true);
+  launch_emulated(c.p, [](const fmha::FwdParams& p, void* s) { fmha::gpu::launch_flash_fwd(p, s); });
+}
+
+void emu_backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
+                  py::object lse, py::object dq, py::object dk, py::object dv,
+                  py::object dbias, py::object bias, py::object mask, py::object alibi,
+                  py::object cu_q, py::object cu_k, py::kwargs kw) {
+  const auto c = fmha::bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias,
+                                           mask, alibi, cu_q, cu_k, kw, /*host_only=*/true);
+  launch_emulated(c.p, [](const fmha::BwdParams& p, void* s) { fmha::gpu::launch_flash_bwd(p, s); });
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_cuda_emu, m) {
   m.doc() =
       "fmha's CUDA kernels run on the CPU by the SIMT emulator (for tests; see "
       "csrc/cuda/emu/cuda_emu.h)";
-  py::register_exception_translator([](std::exception_ptr e) {
-    try {
-      if (e) std::rethrow_exception(e);
-    } catch (const fmha::InvalidArgument& err) {
-      PyErr_SetString(PyExc_ValueError, err.what());
-    }
-  });
+  fmha::bind::register_errors();  // InvalidArgument -> ValueError, Unsupported -> NotImplementedError
   m.def("gemm", &gemm, py::arg("a"), py::arg("b"),
         "C = A @ B by the tensor-core GEMM kernel (ldmatrix + mma.sync + cp.async), emulated. "
         "a: (M, K), b: (K, N), float16 or bfloat16, last dimension contiguous. Returns float32 "
@@ -340,4 +380,18 @@ PYBIND11_MODULE(_cuda_emu, m) {
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
+  m.def("forward", &emu_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("bias") = py::none(), py::arg("mask") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
+        py::arg("cu_seqlens_k") = py::none(),
+        "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
+        "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
+        "accepted and ignored.");
+  m.def("backward", &emu_backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("dbias") = py::none(), py::arg("bias") = py::none(),
+        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+        "fmha._C.backward's signature and keyword settings (deterministic included), on host "
+        "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
 }

@@ -3,7 +3,12 @@
 Registered with torch.library.custom_op + register_fake + register_autograd, so autograd
 works and ``torch.compile(fullgraph=True)`` traces through them without graph breaks. The
 implementations hand the tensors to the core through DLPack; nothing here is below the
-bindings.
+bindings. One op serves every device: the implementation allocates on q's device and the
+core picks the CPU or CUDA kernels from where the arrays live (CUDA: on the current stream).
+
+Dropout: ``rng`` = [seed, offset] is drawn from torch's CPU generator for CPU and CUDA
+tensors alike, so ``torch.manual_seed(s)`` fixes the mask on either device and the same
+seed gives the same mask on CPU and GPU (it is a function of (seed, offset, b, h, i, j)).
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
-from ._api import _last_contiguous, core_args, dbias_shape, get_num_threads
+from . import _api
+from ._api import _last_contiguous, core_args, dbias_shape, get_num_threads, stream_of
 from ._validate import Spec
 
 
@@ -44,39 +49,44 @@ def _rng_pair(rng: Optional[Tensor]):
     return seed % 2**64, offset % 2**64
 
 
-def _settings(scale, softcap, window_left, window_right, bottom_right, dropout_p, rng, cu_q,
+def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng, cu_q,
               cu_k, max_q, max_k) -> dict:
     seed, offset = _rng_pair(rng)
     kw = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
               bottom_right=bottom_right, dropout_p=dropout_p, seed=seed, offset=offset,
-              num_threads=get_num_threads())
+              num_threads=get_num_threads(), stream=stream_of(q))
     if cu_q is not None:
         kw.update(cu_seqlens_q=cu_q.contiguous(), cu_seqlens_k=cu_k.contiguous(),
                   max_seqlen_q=max_q, max_seqlen_k=max_k)
     return kw
 
 
-@torch.library.custom_op("fmha::fwd", mutates_args=(), device_types="cpu")
+# device_types: the CPU and CUDA kernels behind one device-generic implementation.
+@torch.library.custom_op("fmha::fwd", mutates_args=(), device_types=("cpu", "cuda"))
 def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
         alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
-        window_right: int, bottom_right: bool, dropout_p: float) -> Tuple[Tensor, Tensor]:
-    """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout."""
+        window_right: int, bottom_right: bool, dropout_p: float,
+        deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+    """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout.
+    deterministic only travels to the backward (see _setup_context)."""
     q, k, v, bias, mask, alibi_slopes = _detached(q, k, v, bias, mask, alibi_slopes)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    lse = torch.empty(_lse_shape(q, full, cu_seqlens_q is not None),
+    lse = torch.empty(_lse_shape(q, full, cu_seqlens_q is not None), device=q.device,
                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    _C.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
-               **_settings(scale, softcap, window_left, window_right, bottom_right, dropout_p,
-                           rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    _api._kernels.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
+                          **_settings(q, scale, softcap, window_left, window_right, bottom_right,
+                                      dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k))
     return out, lse
 
 
 @fwd.register_fake
 def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right, dropout_p):
+      max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right, dropout_p,
+      deterministic=False):
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, full, cu_seqlens_q is not None),
@@ -84,25 +94,29 @@ def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return out, lse
 
 
-@torch.library.custom_op("fmha::bwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("fmha::bwd", mutates_args=(), device_types=("cpu", "cuda"))
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
         max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
-        bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad."""
+        bias_grad: bool, deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
+    deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
+    bitwise-reproducible CUDA gradients."""
     dout, q, k, v, out, lse, bias, mask, alibi_slopes = _detached(
         dout, q, k, v, out, lse, bias, mask, alibi_slopes)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = None
     if bias_grad:
-        dbias = torch.empty(dbias_shape(bias.shape, full), dtype=lse.dtype)
-    _C.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
-                **core_args(full, bias, mask, alibi_slopes),
-                **_settings(scale, softcap, window_left, window_right, bottom_right, dropout_p,
-                            rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        dbias = torch.empty(dbias_shape(bias.shape, full), dtype=lse.dtype, device=q.device)
+    _api._kernels.backward(
+        dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
+        **core_args(full, bias, mask, alibi_slopes),
+        **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        deterministic=bool(deterministic or torch.are_deterministic_algorithms_enabled()))
     if dbias is None:
         dbias = q.new_empty((0,))
     else:
@@ -113,7 +127,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right,
-      dropout_p, bias_grad):
+      dropout_p, bias_grad, deterministic=False):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -121,35 +135,39 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, bias, mask, alibi, cu_q, cu_k, max_q, max_k, rng, scale, softcap, wl, wr, br,
-     p) = inputs
+     p) = inputs[:17]
+    deterministic = inputs[17] if len(inputs) > 17 else False
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, rng)
-    ctx.settings = (max_q, max_k, scale, softcap, wl, wr, br, p)
+    ctx.settings = (max_q, max_k, scale, softcap, wl, wr, br, p, deterministic)
 
 
 def _backward(ctx, dout, dlse):
     # The gradient through lse is not propagated (flash-attn does the same); lse is an
     # auxiliary output for merging partial attentions, not a training target.
     q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, rng = ctx.saved_tensors
-    max_q, max_k, scale, softcap, wl, wr, br, p = ctx.settings
+    max_q, max_k, scale, softcap, wl, wr, br, p, deterministic = ctx.settings
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, max_q,
-                            max_k, rng, scale, softcap, wl, wr, br, p, bias_grad)
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 13
+                            max_k, rng, scale, softcap, wl, wr, br, p, bias_grad, deterministic)
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None):
+def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None,
+              deterministic=False):
     """fmha.attention / attention_varlen for torch tensors (arguments already validated)."""
     rng = None
     if spec.dropout_p > 0:
-        # Drawn from torch's default generator, so torch.manual_seed reproduces the mask.
+        # Drawn from torch's default (CPU) generator whatever q's device, so torch.manual_seed
+        # reproduces the mask, and reproduces the same one on CPU and GPU.
         rng = torch.randint(0, 2**62, (2,), dtype=torch.int64)
     if cu_q is not None:
-        cu_q, cu_k = cu_q.to("cpu"), cu_k.to("cpu")
+        # The kernels read the offsets where they read q (validated on the host already).
+        cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
     out, lse = fwd(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
                    rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
-                   spec.bottom_right, spec.dropout_p)
+                   spec.bottom_right, spec.dropout_p, bool(deterministic))
     return (out, lse) if return_lse else out

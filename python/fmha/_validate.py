@@ -18,6 +18,11 @@ import numpy as np
 #: Largest head_dim the CPU kernels accept (their tiles are sized per call; past this the
 #: per-thread workspace stops fitting in L2 and nothing is gained over a plain GEMM).
 MAX_HEAD_DIM_CPU = 1024
+#: Largest head_dim the CUDA kernels accept: a 256-wide row of Q, K and V tiles is what fits
+#: in one SM's shared memory next to the pipeline's second stage.
+MAX_HEAD_DIM_CUDA = 256
+#: Dtypes the CUDA kernels take (tensor-core mma.sync inputs).
+CUDA_DTYPES = ("float16", "bfloat16")
 _MAX_SEQLEN = 2**31 - 1
 
 _NUMPY_FLOATS = {np.dtype(np.float64): "float64", np.dtype(np.float32): "float32",
@@ -28,27 +33,56 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "device")
 
 
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy") and hasattr(x, "__cuda_array_interface__")
+
+
+def _is_jax(x) -> bool:
+    return type(x).__module__.startswith(("jax", "jaxlib")) and hasattr(x, "__dlpack__")
+
+
 def kind_of(x) -> str:
-    """'numpy', 'torch', or raise TypeError."""
+    """'numpy', 'torch', 'cupy', or '' for anything else."""
     if isinstance(x, np.ndarray):
         return "numpy"
     if _is_torch(x):
         return "torch"
+    if _is_cupy(x):
+        return "cupy"
     return ""
 
 
 def dtype_name(x) -> str:
     """'float64' | 'float32' | 'bfloat16' | 'float16' | '<other>' of an array."""
-    if isinstance(x, np.ndarray):
-        return _NUMPY_FLOATS.get(x.dtype, str(x.dtype))
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        return _NUMPY_FLOATS.get(np.dtype(x.dtype), str(x.dtype))
     return str(x.dtype).replace("torch.", "")
+
+
+def device_of(x) -> str:
+    """'cpu' or 'cuda:N' of a NumPy / torch / CuPy array."""
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if _is_cupy(x):
+        return f"cuda:{x.device.id}"
+    d = x.device
+    return "cpu" if d.type == "cpu" else f"{d.type}:{d.index if d.index is not None else 0}"
+
+
+def to_host(x) -> np.ndarray:
+    """A NumPy copy (or view) of a small array on any device (used for cu_seqlens)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_cupy(x):
+        return x.get()
+    return x.detach().cpu().numpy()
 
 
 _FLOAT_NAMES = ("float64", "float32", "bfloat16", "float16")
 
 
 def _describe(x) -> str:
-    if isinstance(x, np.ndarray) or _is_torch(x):
+    if kind_of(x):
         return f"{kind_of(x)} array of shape {tuple(x.shape)} and dtype {dtype_name(x)}"
     return f"{type(x).__name__} {x!r}"[:120]
 
@@ -56,7 +90,8 @@ def _describe(x) -> str:
 def _check_array(name: str, x, kind: str, ndims: Tuple[int, ...]):
     k = kind_of(x)
     if not k:
-        raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray, got {_describe(x)}")
+        raise TypeError(f"{name}: expected a torch.Tensor, numpy.ndarray or cupy.ndarray, got "
+                        f"{_describe(x)}")
     if k != kind:
         raise TypeError(f"{name}: expected a {kind} array like q, got a {k} array")
     if x.ndim not in ndims:
@@ -143,8 +178,13 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     """Validates every argument of an attention call; returns the normalised :class:`Spec`."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     kind = kind_of(q)
+    if not kind and _is_jax(q):
+        raise NotImplementedError(
+            "q: JAX arrays are immutable, so fmha cannot write its outputs into them through "
+            "DLPack; pass torch tensors, NumPy or CuPy arrays (e.g. torch.from_dlpack(x))")
     if not kind:
-        raise TypeError(f"q: expected a torch.Tensor or numpy.ndarray, got {_describe(q)}")
+        raise TypeError(f"q: expected a torch.Tensor, numpy.ndarray or cupy.ndarray, got "
+                        f"{_describe(q)}")
     nd = (3,) if varlen else (4,)
     layout = "(total_tokens, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -153,14 +193,12 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     dt = dtype_name(q)
     _check_float("k", k, dt)
     _check_float("v", v, dt)
-    if kind == "torch":
-        for name, x in (("k", k), ("v", v)):
-            if x.device != q.device:
-                raise ValueError(f"{name}: on device {x.device}, expected q's device {q.device}")
-        if q.device.type != "cpu":
-            raise NotImplementedError(
-                f"q: device {q.device} is not supported by this build of fmha "
-                f"(CPU tensors are; the CUDA kernels are not built yet)")
+    device = device_of(q)
+    for name, x in (("k", k), ("v", v)):
+        if device_of(x) != device:
+            raise ValueError(f"{name}: on device {device_of(x)}, expected q's device {device}")
+    if device != "cpu":
+        _check_cuda(device, dt)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if any(s == 0 for s in x.shape):
             raise ValueError(f"{name}: every dimension must be non-empty, got shape "
@@ -186,9 +224,11 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     if heads_q % heads_kv:
         raise ValueError(f"q, k: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
                          f"for grouped-query attention")
+    limit = MAX_HEAD_DIM_CPU if device == "cpu" else MAX_HEAD_DIM_CUDA
     for name, d in (("q", head_dim), ("v", head_dim_v)):
-        if d > MAX_HEAD_DIM_CPU:
-            raise ValueError(f"{name}: head_dim {d} is over the limit of {MAX_HEAD_DIM_CPU}")
+        if d > limit:
+            raise ValueError(f"{name}: head_dim {d} is over the limit of {limit} on {device}"
+                             + (" (the CPU takes up to 1024)" if device != "cpu" else ""))
 
     if varlen:
         batch, seqlen_q, seqlen_k = _check_cu_seqlens(
@@ -224,8 +264,8 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
         if not _broadcastable(tuple(bias.shape), full):
             raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to "
                              f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
-        if kind == "torch" and bias.device != q.device:
-            raise ValueError(f"bias: on device {bias.device}, expected q's device {q.device}")
+        if device_of(bias) != device:
+            raise ValueError(f"bias: on device {device_of(bias)}, expected q's device {device}")
         bias_shape = tuple(bias.shape)
     if mask is not None:
         _check_array("mask", mask, kind, (1, 2, 3, 4))
@@ -235,19 +275,58 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
         if not _broadcastable(tuple(mask.shape), full):
             raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast to "
                              f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
-        if kind == "torch" and mask.device != q.device:
-            raise ValueError(f"mask: on device {mask.device}, expected q's device {q.device}")
+        if device_of(mask) != device:
+            raise ValueError(f"mask: on device {device_of(mask)}, expected q's device {device}")
     if alibi_slopes is not None:
         _check_array("alibi_slopes", alibi_slopes, kind, (1, 2))
         _check_float("alibi_slopes", alibi_slopes)
         if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
             raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}), "
                              f"got {tuple(alibi_slopes.shape)}")
+        if device_of(alibi_slopes) != device:
+            raise ValueError(f"alibi_slopes: on device {device_of(alibi_slopes)}, expected q's "
+                             f"device {device}")
     return Spec(kind=kind, dtype=dt, varlen=varlen, batch=batch, heads_q=heads_q,
                 heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                 head_dim_v=head_dim_v, scale=scale, softcap=softcap, window_left=left,
                 window_right=right, bottom_right=(alignment == "bottom_right"),
                 dropout_p=dropout_p, bias_shape=bias_shape)
+
+
+def _check_cuda(device: str, dtype: str) -> None:
+    """Can fmha's CUDA kernels run on `device` ('cuda:N') for `dtype`? NotImplementedError
+    naming q and saying why not."""
+    if not device.startswith("cuda:"):
+        raise NotImplementedError(f"q: device {device} is not supported (fmha runs on the CPU "
+                                  f"and on CUDA GPUs)")
+    if dtype not in CUDA_DTYPES:
+        raise NotImplementedError(f"q: dtype {dtype} on {device}: CUDA kernels take "
+                                  f"float16/bfloat16; cast, or use the CPU")
+    if _compiling():
+        return  # the GPU checks below query the driver; the core repeats them at run time
+    ok, why = _cuda_device_usable(int(device.split(":")[1]))
+    if not ok:
+        raise NotImplementedError(f"q: on {device}, but {why}")
+
+
+_CUDA_USABLE: dict = {}
+
+
+def _cuda_device_usable(index: int):
+    """(True, '') or (False, reason), cached per device."""
+    if index not in _CUDA_USABLE:
+        from . import _C
+        if not _C.cuda_built() or _C.cuda_device_count() <= index:
+            _CUDA_USABLE[index] = (False, f"fmha's CUDA backend cannot run there: "
+                                          f"{_C.cuda_status()}")
+        else:
+            major, minor = _C.cuda_capability(index)
+            if major < 8:
+                _CUDA_USABLE[index] = (False, f"its compute capability is {major}.{minor}; "
+                                              f"fmha's CUDA kernels need sm_80 or newer")
+            else:
+                _CUDA_USABLE[index] = (True, "")
+    return _CUDA_USABLE[index]
 
 
 def _compiling() -> bool:
@@ -280,7 +359,7 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
         _check_array(name, cu, kind, (1,))
         if dtype_name(cu) != "int32":
             raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
-        host = cu.cpu().numpy() if kind == "torch" else np.asarray(cu)
+        host = to_host(cu)
         if host.shape[0] < 2:
             raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {host.shape[0]}")
         if host[0] != 0:

@@ -1,0 +1,472 @@
+// DLPack arrays + keyword settings -> FwdParams / BwdParams: the one filler that fmha._C (CPU
+// and CUDA kernels) and fmha._cuda_emu (the CUDA kernels run by the emulator) share, so that
+// both modules read the same call in the same way and a test of one is a test of the other's
+// input handling.
+//
+// The Python layer (python/fmha/_api.py) has already validated everything a user can pass and
+// allocated the outputs; this re-checks, cheaply, whatever a wrong direct call could turn into
+// an out-of-bounds access, and names the argument in every error. Header-only: the emulator
+// module links no core library.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+
+#include "bindings/dlpack_view.h"
+#include "dlpack/dlpack.h"
+#include "fmha/error.h"
+#include "fmha/params.h"
+
+namespace fmha {
+namespace bind {
+
+namespace py = pybind11;
+
+// ------------------------------------------------------------------------------ devices
+
+// Where the kernels would read an array: host memory (CPU kernels, the emulator) or the
+// memory of one CUDA device. Pinned host memory is host memory; managed memory is reachable
+// from its device, so it counts as that device's.
+enum class Memory { kHost, kCuda };
+
+struct Device {
+  Memory mem = Memory::kHost;
+  int id = 0;
+  bool operator==(const Device& o) const { return mem == o.mem && (mem == Memory::kHost || id == o.id); }
+};
+
+inline std::string device_name(const Device& d) {
+  return d.mem == Memory::kHost ? std::string("cpu") : concat("cuda:", d.id);
+}
+
+inline Device device_of(const std::string& name, const DLDevice& d) {
+  switch (d.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost: return {Memory::kHost, 0};
+    case kDLCUDA:
+    case kDLCUDAManaged: return {Memory::kCuda, d.device_id};
+    default:
+      throw Unsupported(concat(name, ": arrays on DLPack device type ", int(d.device_type),
+                               " are not supported (expected host memory or a CUDA device)"));
+  }
+}
+
+inline void expect_device(const View& v, const Device& dev) {
+  const Device got = device_of(v.name, v.device);
+  FMHA_CHECK_ARG(got == dev, v.name, ": on device ", device_name(got), ", expected q's device ",
+                 device_name(dev), " (every array of a call must be on the same device)");
+}
+
+// ------------------------------------------------------------------------------ keywords
+
+// The keyword settings of forward/backward. Unknown names are errors, so that a misspelt
+// setting cannot silently fall back to its default.
+class Settings {
+ public:
+  Settings(const char* fn, const py::kwargs& kw, std::initializer_list<const char*> allowed)
+      : fn_(fn), kw_(kw) {
+    for (auto item : kw) {
+      const std::string key = py::str(item.first);
+      bool known = false;
+      std::string list;
+      for (const char* a : allowed) {
+        known = known || key == a;
+        list += concat(list.empty() ? "" : ", ", a);
+      }
+      if (!known)
+        throw py::type_error(concat(fn, ": unknown keyword argument '", key, "' (expected ",
+                                    list, ")"));
+    }
+  }
+  bool has(const char* name) const { return kw_.contains(name) && !kw_[name].is_none(); }
+  template <typename T>
+  T get(const char* name) const {
+    if (!has(name))
+      throw py::type_error(concat(fn_, ": missing keyword argument '", name, "'"));
+    try {
+      return kw_[name].cast<T>();
+    } catch (const py::cast_error&) {
+      throw py::type_error(concat(fn_, ": keyword argument '", name, "' has the wrong type (",
+                                  std::string(py::str(py::type::of(kw_[name]).attr("__name__"))),
+                                  ")"));
+    }
+  }
+  template <typename T>
+  T get(const char* name, T fallback) const {
+    return has(name) ? get<T>(name) : fallback;
+  }
+
+ private:
+  const char* fn_;
+  const py::kwargs& kw_;
+};
+
+#define FMHA_FORWARD_KEYWORDS                                                                  \
+  "scale", "softcap", "window_left", "window_right", "bottom_right", "dropout_p", "seed",     \
+      "offset", "num_threads", "max_seqlen_q", "max_seqlen_k", "stream", "num_splits"
+
+// ------------------------------------------------------------------------------ the call
+
+// One call: the params plus the views that keep the producers' memory alive while the
+// kernels read it.
+template <typename Params>
+struct Call {
+  Params p;
+  Device dev;
+  intptr_t stream = 0;  // cudaStream_t of the launch (CUDA arrays only; 0 = legacy default)
+  View q, k, v, o, lse;
+  std::optional<View> bias, mask, alibi, cu_q, cu_k;
+  std::optional<View> dout, dq, dk, dv, dbias;  // backward only
+};
+
+inline std::optional<View> import_opt(const std::string& name, const py::object& obj,
+                                      bool writable, intptr_t stream) {
+  if (obj.is_none()) return std::nullopt;
+  return import(name, obj, writable, stream);
+}
+
+inline DType float_dtype(const View& v) {
+  if (v.dtype.lanes == 1) {
+    if (v.dtype.code == kDLFloat && v.dtype.bits == 64) return DType::kFloat64;
+    if (v.dtype.code == kDLFloat && v.dtype.bits == 32) return DType::kFloat32;
+    if (v.dtype.code == kDLFloat && v.dtype.bits == 16) return DType::kFloat16;
+    if (v.dtype.code == kDLBfloat && v.dtype.bits == 16) return DType::kBFloat16;
+  }
+  throw InvalidArgument(concat(v.name, ": expected float64, float32, bfloat16 or float16 (code ",
+                               int(v.dtype.code), ", ", int(v.dtype.bits), " bits)"));
+}
+
+inline void expect_dtype(const View& v, DType want) {
+  FMHA_CHECK_ARG(float_dtype(v) == want, v.name, ": dtype ", dtype_name(float_dtype(v)),
+                 " differs from q's ", dtype_name(want));
+}
+
+inline void expect_shape(const View& v, std::initializer_list<int64_t> shape) {
+  FMHA_CHECK_ARG(v.ndim == int(shape.size()), v.name, ": expected ", shape.size(),
+                 " dimensions, got ", v.ndim);
+  int i = 0;
+  for (int64_t s : shape) {
+    FMHA_CHECK_ARG(v.size(i) == s, v.name, ": dimension ", i, " is ", v.size(i), ", expected ",
+                   s);
+    ++i;
+  }
+  FMHA_CHECK_ARG(v.stride(v.ndim - 1) == 1 || v.size(v.ndim - 1) == 1, v.name,
+                 ": the last dimension must be contiguous");
+}
+
+// (batch, seqlen, heads, dim) or, varlen, (total, heads, dim): element strides.
+struct Bshd {
+  int64_t batch = 0, row = 0, head = 0;
+};
+inline Bshd bshd(const View& t, bool varlen) {
+  if (varlen) return {0, t.stride(0), t.stride(1)};
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// The cheap checks of every backend's contract on sizes and settings (the core's
+// check_params, which the emulator module does not link, in the bindings' words).
+inline void check_settings(const FwdParams& p) {
+  FMHA_CHECK_ARG(p.batch > 0, "q: batch must be > 0, got ", p.batch);
+  FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "q, k: seqlen must be > 0, got ", p.seqlen_q,
+                 " and ", p.seqlen_k);
+  FMHA_CHECK_ARG(std::isfinite(p.scale), "scale: expected a finite number, got ", p.scale);
+  FMHA_CHECK_ARG(p.softcap >= 0.0 && std::isfinite(p.softcap), "softcap: expected >= 0, got ",
+                 p.softcap);
+  FMHA_CHECK_ARG(p.dropout_p >= 0.0 && p.dropout_p < 1.0, "dropout_p: expected [0, 1), got ",
+                 p.dropout_p);
+  FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1,
+                 "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
+                 p.window_left, " and ", p.window_right);
+  FMHA_CHECK_ARG(p.num_splits >= 0, "num_splits: expected >= 0 (0 = heuristic), got ",
+                 p.num_splits);
+}
+
+// cu_seqlens in host memory: read and check them, and take the maxima from them.
+inline void host_cu_seqlens(FwdParams& p, const View& cu_q, const View& cu_k, int64_t total_q,
+                            int64_t total_k, const Settings& s) {
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data);
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data);
+  int max_q = 0, max_k = 0;
+  FMHA_CHECK_ARG(p.cu_seqlens_q[0] == 0 && p.cu_seqlens_k[0] == 0,
+                 "cu_seqlens_q, cu_seqlens_k: must start at 0");
+  for (int b = 0; b < p.batch; ++b) {
+    const int lq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    const int lk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    FMHA_CHECK_ARG(lq >= 0 && lk >= 0, "cu_seqlens_q, cu_seqlens_k: must be non-decreasing");
+    max_q = std::max(max_q, lq);
+    max_k = std::max(max_k, lk);
+  }
+  FMHA_CHECK_ARG(p.cu_seqlens_q[p.batch] == total_q && p.cu_seqlens_k[p.batch] == total_k,
+                 "cu_seqlens_q, cu_seqlens_k: must end at the packed lengths ", total_q, " and ",
+                 total_k, ", got ", p.cu_seqlens_q[p.batch], " and ", p.cu_seqlens_k[p.batch]);
+  p.seqlen_q = s.get<int>("max_seqlen_q", max_q);
+  p.seqlen_k = s.get<int>("max_seqlen_k", max_k);
+  FMHA_CHECK_ARG(p.seqlen_q >= max_q && p.seqlen_k >= max_k,
+                 "max_seqlen_q, max_seqlen_k: smaller than the longest sequence (", max_q, ", ",
+                 max_k, ")");
+}
+
+// Everything but the gradients: q, k, v, out, lse, bias, mask, ALiBi, varlen offsets and the
+// settings. `host_only`: the caller can run host arrays only (the emulator).
+template <typename Params>
+void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const py::object& k,
+                  const py::object& v, const py::object& out, const py::object& lse,
+                  bool outputs_writable, const py::object& bias, const py::object& mask,
+                  const py::object& alibi, const py::object& cu_q, const py::object& cu_k,
+                  bool host_only) {
+  Params& p = c.p;
+  c.stream = s.get<intptr_t>("stream", 0);
+  FMHA_CHECK_ARG(c.stream >= 0, "stream: expected a cudaStream_t as a non-negative int, got ",
+                 c.stream);
+  c.q = import("q", q, false, c.stream);
+  c.dev = device_of("q", c.q.device);
+  if (host_only)
+    FMHA_CHECK_ARG(c.dev.mem == Memory::kHost, "q: on device ", device_name(c.dev),
+                   "; the emulator runs the CUDA kernels on host arrays only");
+  c.k = import("k", k, false, c.stream);
+  c.v = import("v", v, false, c.stream);
+  c.o = import("out", out, outputs_writable, c.stream);
+  c.lse = import("lse", lse, outputs_writable, c.stream);
+  for (View* t : {&c.k, &c.v, &c.o, &c.lse}) expect_device(*t, c.dev);
+
+  const bool varlen = !cu_q.is_none() || !cu_k.is_none();
+  p.dtype = float_dtype(c.q);
+  const int nd = varlen ? 3 : 4;
+  FMHA_CHECK_ARG(c.q.ndim == nd, "q: expected ", nd, " dimensions, got ", c.q.ndim);
+  FMHA_CHECK_ARG(c.k.ndim == nd, "k: expected ", nd, " dimensions, got ", c.k.ndim);
+  FMHA_CHECK_ARG(c.v.ndim == nd, "v: expected ", nd, " dimensions, got ", c.v.ndim);
+  const int o_ = varlen ? 0 : 1;  // index of the seqlen dimension
+  p.batch = varlen ? 0 : int(c.q.size(0));  // varlen: from cu_seqlens below
+  p.heads_q = int(c.q.size(o_ + 1));
+  p.heads_kv = int(c.k.size(o_ + 1));
+  p.head_dim = int(c.q.size(o_ + 2));
+  p.head_dim_v = int(c.v.size(o_ + 2));
+  FMHA_CHECK_ARG(p.heads_q > 0 && p.heads_kv > 0 && p.head_dim > 0 && p.head_dim_v > 0,
+                 "q, k, v: heads and head_dim must be > 0");
+  if (varlen) {
+    FMHA_CHECK_ARG(!cu_q.is_none() && !cu_k.is_none(),
+                   "cu_seqlens_q, cu_seqlens_k: give both or neither");
+    c.cu_q = import("cu_seqlens_q", cu_q, false, c.stream);
+    c.cu_k = import("cu_seqlens_k", cu_k, false, c.stream);
+    for (View* cu : {&*c.cu_q, &*c.cu_k}) {
+      FMHA_CHECK_ARG(cu->ndim == 1 && cu->dtype.code == kDLInt && cu->dtype.bits == 32 &&
+                         cu->dtype.lanes == 1 && (cu->stride(0) == 1 || cu->size(0) == 1),
+                     cu->name, ": expected a contiguous 1-D int32 array");
+      expect_device(*cu, c.dev);
+    }
+    FMHA_CHECK_ARG(c.cu_q->size(0) == c.cu_k->size(0) && c.cu_q->size(0) >= 2,
+                   "cu_seqlens_q, cu_seqlens_k: must have the same length batch + 1 >= 2, got ",
+                   c.cu_q->size(0), " and ", c.cu_k->size(0));
+    p.batch = int(c.cu_q->size(0) - 1);
+    const int64_t total_q = c.q.size(0), total_k = c.k.size(0);
+    if (c.dev.mem == Memory::kHost) {
+      host_cu_seqlens(p, *c.cu_q, *c.cu_k, total_q, total_k, s);
+    } else {
+      // Device offsets cannot be read here (no CUDA in the bindings): the Python layer has
+      // checked them on the host and passes the maxima.
+      FMHA_CHECK_ARG(s.has("max_seqlen_q") && s.has("max_seqlen_k"),
+                     "max_seqlen_q, max_seqlen_k: required with cu_seqlens in device memory");
+      p.cu_seqlens_q = static_cast<const int32_t*>(c.cu_q->data);
+      p.cu_seqlens_k = static_cast<const int32_t*>(c.cu_k->data);
+      p.seqlen_q = s.get<int>("max_seqlen_q");
+      p.seqlen_k = s.get<int>("max_seqlen_k");
+      FMHA_CHECK_ARG(p.seqlen_q >= 0 && p.seqlen_k >= 0,
+                     "max_seqlen_q, max_seqlen_k: expected >= 0, got ", p.seqlen_q, " and ",
+                     p.seqlen_k);
+    }
+    // A batch of empty sequences still has well-formed (1-row) tiles.
+    p.seqlen_q = std::max(p.seqlen_q, 1);
+    p.seqlen_k = std::max(p.seqlen_k, 1);
+    expect_shape(c.q, {total_q, p.heads_q, p.head_dim});
+    expect_shape(c.k, {total_k, p.heads_kv, p.head_dim});
+    expect_shape(c.v, {total_k, p.heads_kv, p.head_dim_v});
+    expect_shape(c.o, {total_q, p.heads_q, p.head_dim_v});
+    expect_shape(c.lse, {p.heads_q, total_q});
+    p.lse_batch_stride = 0;
+    p.lse_head_stride = c.lse.stride(0);
+    p.lse_row_stride = c.lse.stride(1);
+  } else {
+    FMHA_CHECK_ARG(!s.has("max_seqlen_q") && !s.has("max_seqlen_k"),
+                   "max_seqlen_q, max_seqlen_k: only meaningful with cu_seqlens");
+    p.seqlen_q = int(c.q.size(1));
+    p.seqlen_k = int(c.k.size(1));
+    expect_shape(c.q, {p.batch, p.seqlen_q, p.heads_q, p.head_dim});
+    expect_shape(c.k, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim});
+    expect_shape(c.v, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v});
+    expect_shape(c.o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
+    expect_shape(c.lse, {p.batch, p.heads_q, p.seqlen_q});
+    p.lse_batch_stride = c.lse.stride(0);
+    p.lse_head_stride = c.lse.stride(1);
+    p.lse_row_stride = c.lse.stride(2);
+  }
+  for (View* t : {&c.k, &c.v, &c.o}) expect_dtype(*t, p.dtype);
+  const bool f64 = p.dtype == DType::kFloat64;
+  FMHA_CHECK_ARG(c.lse.dtype.code == kDLFloat && c.lse.dtype.bits == (f64 ? 64 : 32) &&
+                     c.lse.dtype.lanes == 1,
+                 "lse: expected ", f64 ? "float64" : "float32");
+  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
+                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
+
+  const Bshd sq = bshd(c.q, varlen), sk = bshd(c.k, varlen), sv = bshd(c.v, varlen),
+             so = bshd(c.o, varlen);
+  p.q = c.q.data; p.k = c.k.data; p.v = c.v.data; p.o = c.o.data; p.lse = c.lse.data;
+  p.q_batch_stride = sq.batch; p.q_row_stride = sq.row; p.q_head_stride = sq.head;
+  p.k_batch_stride = sk.batch; p.k_row_stride = sk.row; p.k_head_stride = sk.head;
+  p.v_batch_stride = sv.batch; p.v_row_stride = sv.row; p.v_head_stride = sv.head;
+  p.o_batch_stride = so.batch; p.o_row_stride = so.row; p.o_head_stride = so.head;
+
+  // bias / mask: 4-D views broadcast (stride 0) to (batch, heads_q, seqlen_q, seqlen_k);
+  // the Python layer expands them as views, so only the extents are checked here.
+  auto broadcast4 = [&](std::optional<View>& slot, const char* name, const py::object& obj,
+                        Broadcast4& b, bool is_mask) {
+    slot = import_opt(name, obj, false, c.stream);
+    if (!slot) return;
+    View& t = *slot;
+    expect_device(t, c.dev);
+    FMHA_CHECK_ARG(t.ndim == 4 && t.size(0) == p.batch && t.size(1) == p.heads_q &&
+                       t.size(2) >= p.seqlen_q && t.size(3) >= p.seqlen_k,
+                   name, ": expected a view of shape (", p.batch, ", ", p.heads_q, ", ",
+                   p.seqlen_q, ", ", p.seqlen_k, ")");
+    if (is_mask) {
+      FMHA_CHECK_ARG((t.dtype.code == kDLBool || t.dtype.code == kDLUInt) &&
+                         t.dtype.bits == 8 && t.dtype.lanes == 1,
+                     name, ": expected a bool array");
+    } else {
+      b.dtype = float_dtype(t);
+    }
+    b.ptr = t.data;
+    b.batch_stride = t.stride(0);
+    b.head_stride = t.stride(1);
+    b.row_stride = t.stride(2);
+    b.col_stride = t.stride(3);
+  };
+  broadcast4(c.bias, "bias", bias, p.bias, false);
+  broadcast4(c.mask, "mask", mask, p.mask, true);
+
+  c.alibi = import_opt("alibi_slopes", alibi, false, c.stream);
+  if (c.alibi) {
+    View& a = *c.alibi;
+    FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
+                       a.dtype.code == kDLFloat && a.dtype.bits == 64 && a.dtype.lanes == 1,
+                   "alibi_slopes: expected a float64 (batch, heads_q) = (", p.batch, ", ",
+                   p.heads_q, ") view");
+    expect_device(a, c.dev);
+    p.alibi_slopes = static_cast<const double*>(a.data);
+    p.alibi_batch_stride = a.stride(0);
+    p.alibi_head_stride = a.stride(1);
+  }
+
+  p.scale = s.get<double>("scale");
+  p.softcap = s.get<double>("softcap");
+  p.window_left = s.get<int>("window_left");
+  p.window_right = s.get<int>("window_right");
+  p.bottom_right = s.get<bool>("bottom_right");
+  p.dropout_p = s.get<double>("dropout_p");
+  p.seed = s.get<uint64_t>("seed", 0);
+  p.offset = s.get<uint64_t>("offset", 0);
+  p.num_threads = s.get<int>("num_threads", 0);
+  p.num_splits = s.get<int>("num_splits", 0);
+  check_settings(p);
+}
+
+inline Call<FwdParams> forward_call(const py::object& q, const py::object& k,
+                                    const py::object& v, const py::object& out,
+                                    const py::object& lse, const py::object& bias,
+                                    const py::object& mask, const py::object& alibi,
+                                    const py::object& cu_q, const py::object& cu_k,
+                                    const py::kwargs& kw, bool host_only) {
+  const Settings s("forward", kw, {FMHA_FORWARD_KEYWORDS});
+  Call<FwdParams> c;
+  fill_forward(c, s, q, k, v, out, lse, true, bias, mask, alibi, cu_q, cu_k, host_only);
+  return c;
+}
+
+inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q,
+                                     const py::object& k, const py::object& v,
+                                     const py::object& out, const py::object& lse,
+                                     const py::object& dq, const py::object& dk,
+                                     const py::object& dv, const py::object& dbias,
+                                     const py::object& bias, const py::object& mask,
+                                     const py::object& alibi, const py::object& cu_q,
+                                     const py::object& cu_k, const py::kwargs& kw,
+                                     bool host_only) {
+  const Settings s("backward", kw, {FMHA_FORWARD_KEYWORDS, "deterministic"});
+  Call<BwdParams> c;
+  fill_forward(c, s, q, k, v, out, lse, false, bias, mask, alibi, cu_q, cu_k, host_only);
+  BwdParams& p = c.p;
+  p.deterministic = s.get<bool>("deterministic", false);
+  const bool varlen = c.cu_q.has_value();
+  c.dout = import("dout", dout, false, c.stream);
+  c.dq = import("dq", dq, true, c.stream);
+  c.dk = import("dk", dk, true, c.stream);
+  c.dv = import("dv", dv, true, c.stream);
+  const View* like[4] = {&c.o, &c.q, &c.k, &c.v};
+  View* grads[4] = {&*c.dout, &*c.dq, &*c.dk, &*c.dv};
+  for (int t = 0; t < 4; ++t) {
+    View& g = *grads[t];
+    expect_dtype(g, p.dtype);
+    expect_device(g, c.dev);
+    FMHA_CHECK_ARG(g.ndim == like[t]->ndim, g.name, ": expected ", like[t]->ndim,
+                   " dimensions like ", like[t]->name, ", got ", g.ndim);
+    for (int i = 0; i < g.ndim; ++i)
+      FMHA_CHECK_ARG(g.size(i) == like[t]->size(i), g.name, ": dimension ", i, " is ",
+                     g.size(i), ", expected ", like[t]->size(i), " (", like[t]->name,
+                     "'s shape)");
+    FMHA_CHECK_ARG(g.stride(g.ndim - 1) == 1 || g.size(g.ndim - 1) == 1, g.name,
+                   ": the last dimension must be contiguous");
+  }
+  const Bshd sdo = bshd(*c.dout, varlen), sdq = bshd(*c.dq, varlen), sdk = bshd(*c.dk, varlen),
+             sdv = bshd(*c.dv, varlen);
+  p.dout = c.dout->data; p.dq = c.dq->data; p.dk = c.dk->data; p.dv = c.dv->data;
+  p.do_batch_stride = sdo.batch; p.do_row_stride = sdo.row; p.do_head_stride = sdo.head;
+  p.dq_batch_stride = sdq.batch; p.dq_row_stride = sdq.row; p.dq_head_stride = sdq.head;
+  p.dk_batch_stride = sdk.batch; p.dk_row_stride = sdk.row; p.dk_head_stride = sdk.head;
+  p.dv_batch_stride = sdv.batch; p.dv_row_stride = sdv.row; p.dv_head_stride = sdv.head;
+
+  c.dbias = import_opt("dbias", dbias, true, c.stream);
+  if (c.dbias) {
+    View& db = *c.dbias;
+    FMHA_CHECK_ARG(p.bias.ptr != nullptr, "dbias: given without bias");
+    const bool f64 = p.dtype == DType::kFloat64;
+    FMHA_CHECK_ARG(db.ndim == 4 && db.dtype.code == kDLFloat && db.dtype.bits == (f64 ? 64 : 32),
+                   "dbias: expected a 4-D ", f64 ? "float64" : "float32", " array");
+    expect_device(db, c.dev);
+    const int64_t full[4] = {p.batch, p.heads_q, p.seqlen_q, p.seqlen_k};
+    int64_t compact = 1;
+    for (int i = 3; i >= 0; --i) {
+      FMHA_CHECK_ARG(db.size(i) == 1 || db.size(i) == full[i], "dbias: dimension ", i, " is ",
+                     db.size(i), ", expected 1 or ", full[i]);
+      FMHA_CHECK_ARG(db.size(i) == 1 || db.stride(i) == compact, "dbias: must be contiguous");
+      compact *= db.size(i);
+    }
+    p.dbias = db.data;
+    p.dbias_batch = int(db.size(0));
+    p.dbias_heads = int(db.size(1));
+    p.dbias_rows = int(db.size(2));
+    p.dbias_cols = int(db.size(3));
+  }
+  return c;
+}
+
+// The exception translation both modules install: the core's error types become the Python
+// exceptions the Python layer documents.
+inline void register_errors() {
+  py::register_exception_translator([](std::exception_ptr e) {
+    try {
+      if (e) std::rethrow_exception(e);
+    } catch (const InvalidArgument& err) {
+      PyErr_SetString(PyExc_ValueError, err.what());
+    } catch (const Unsupported& err) {
+      PyErr_SetString(PyExc_NotImplementedError, err.what());
+    }
+  });
+}
+
+}  // namespace bind
+}  // namespace fmha

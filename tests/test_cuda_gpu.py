@@ -1,0 +1,237 @@
+"""The CUDA kernels on a real GPU: the emulator suite's cases, plus bigger shapes, through
+torch CUDA tensors (and CuPy, when installed).
+
+Part 1 re-runs every test of tests/test_cuda_emu_cases.py with its `kernels` fixture
+replaced by `_OnGpu`, a kernel module with fmha._C's signature that copies the host arrays
+to the GPU, runs fmha._C on the copies (so the real CUDA kernels on the current stream) and
+copies the results back: the very cases the emulator checks, on the hardware.
+
+Part 2 drives the public API with CUDA tensors end to end (device allocation, streams,
+autograd, varlen with device offsets, torch.compile) at sizes the emulator cannot reach,
+against the float64 reference and the CPU path.
+
+Skipped as a whole, with one reason, where there is no usable GPU or fmha has no CUDA build.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fmha  # noqa: E402
+from fmha import _C  # noqa: E402
+
+if not (torch.cuda.is_available() and _C.cuda_built() and _C.cuda_device_count() > 0):
+    pytest.skip(f"no usable GPU for fmha's CUDA kernels (torch.cuda.is_available() = "
+                f"{torch.cuda.is_available()}; fmha: {_C.cuda_status()})",
+                allow_module_level=True)
+
+from conftest import (LOW_PRECISION, assert_close, fmha_results, make_inputs,  # noqa: E402
+                      naive_results, reference_results, to_f64)
+from fmha._api import _kernel_module  # noqa: E402
+from test_cuda_emu_cases import *  # noqa: E402,F401,F403  (part 1: the emulator's cases)
+
+DEV = "cuda"
+
+
+# ============================================================================ part 1
+
+def _to_gpu(x):
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    return x.to(DEV)
+
+
+class _OnGpu:
+    """fmha._C.forward / backward for host arrays, run on the GPU (copies in and out)."""
+
+    @staticmethod
+    def _copy_back(host, dev):
+        if host is None:
+            return
+        if isinstance(host, np.ndarray):
+            np.copyto(host, dev.cpu().numpy())
+        else:
+            host.copy_(dev.cpu())
+
+    @classmethod
+    def forward(cls, q, k, v, out, lse, **kw):
+        arrays = {n: _to_gpu(kw.pop(n, None)) for n in
+                  ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
+        d_out, d_lse = _to_gpu(out), _to_gpu(lse)
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+        _C.forward(_to_gpu(q), _to_gpu(k), _to_gpu(v), d_out, d_lse, **arrays, **kw)
+        torch.cuda.synchronize()
+        cls._copy_back(out, d_out)
+        cls._copy_back(lse, d_lse)
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, dq, dk, dv, dbias=None, **kw):
+        arrays = {n: _to_gpu(kw.pop(n, None)) for n in
+                  ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
+        grads = [_to_gpu(g) for g in (dq, dk, dv, dbias)]
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+        _C.backward(_to_gpu(dout), _to_gpu(q), _to_gpu(k), _to_gpu(v), _to_gpu(out),
+                    _to_gpu(lse), *grads[:3], dbias=grads[3], **arrays, **kw)
+        torch.cuda.synchronize()
+        for host, dev in zip((dq, dk, dv, dbias), grads):
+            cls._copy_back(host, dev)
+
+
+@pytest.fixture(autouse=True)
+def kernels():  # noqa: F811  (replaces the emulator suite's fixture)
+    with _kernel_module(_OnGpu):
+        yield _OnGpu
+
+
+# ============================================================================ part 2
+
+def _check_on_gpu(rng, b, sq, sk, hq, hkv, d, dtype="bfloat16", bias_shape=None, **kw):
+    """fmha with CUDA tensors (autograd) vs the float64 reference, within 2x / 3x of the
+    naive low-precision error (computed on the CPU)."""
+    q, k, v, do = make_inputs(rng, b, sq, sk, hq, hkv, d, dtype=dtype, lib="torch")
+    bias = None
+    if bias_shape is not None:
+        bias = torch.from_numpy(rng.standard_normal(bias_shape)).to(getattr(torch, dtype))
+    with _kernel_module(_C):
+        res = fmha_results(*(x.to(DEV) for x in (q, k, v, do)),
+                           bias=None if bias is None else bias.to(DEV),
+                           bias_grad=bias is not None, **kw)
+    for key, val in res.items():
+        assert val.device.type == "cuda", key
+    ref = reference_results(q, k, v, do, bias=bias, bias_grad=bias is not None, **kw)
+    naive = naive_results(q, k, v, do, bias=bias, bias_grad=bias is not None, **kw)
+    for key in ref:
+        assert_close(key, res[key].cpu(), ref[key], dtype, naive=naive[key],
+                     grad=key.startswith("d"),
+                     result_dtype="float32" if key == "lse" else None)
+
+
+BIG = [(2, 1000, 1000, 8, 2, 128, True), (1, 113, 1000, 4, 4, 256, False),
+       (1, 1000, 113, 4, 1, 59, True), (4, 1, 4096, 8, 1, 128, False),
+       (1, 777, 777, 2, 2, 64, False)]
+
+
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal", BIG,
+                         ids=[f"b{b}-sq{a}-sk{c}-h{h}/{g}-d{d}-{'causal' if z else 'full'}"
+                              for b, a, c, h, g, d, z in BIG])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_big_shapes(rng, dtype, b, sq, sk, hq, hkv, d, causal):
+    with _kernel_module(_C):
+        _check_on_gpu(rng, b, sq, sk, hq, hkv, d, dtype, causal=causal)
+
+
+def test_big_shape_every_feature(rng):
+    with _kernel_module(_C):
+        _check_on_gpu(rng, 2, 300, 517, 8, 2, 96, "bfloat16", bias_shape=(2, 1, 300, 517),
+                      causal=True, window=(200, -1), softcap=20.0,
+                      alibi_slopes=torch.linspace(0.01, 0.1, 8).to(DEV))
+
+
+def test_dropout_same_mask_on_cpu_and_gpu():
+    """After torch.manual_seed(s), a GPU call drops exactly the elements a CPU call drops."""
+    def keep(device, sq=100, sk=200, h=2):
+        q = torch.zeros(1, sq, h, sk, dtype=torch.bfloat16, device=device)
+        k = torch.zeros(1, sk, h, sk, dtype=torch.bfloat16, device=device)
+        v = torch.eye(sk, dtype=torch.bfloat16, device=device)[None, :, None, :]
+        torch.manual_seed(123)
+        out = fmha.attention(q, k, v.expand(1, sk, h, sk).contiguous(), dropout_p=0.4)
+        return (out > 0).cpu()
+
+    with _kernel_module(_C):
+        assert torch.equal(keep(DEV), keep("cpu"))
+
+
+def test_varlen_device_offsets(rng):
+    lens_q, lens_k = [300, 1, 77, 513], [250, 40, 77, 1]
+    cu_q = torch.tensor(np.r_[0, np.cumsum(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor(np.r_[0, np.cumsum(lens_k)], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16)
+    with _kernel_module(_C):
+        out_gpu = fmha.attention_varlen(q.to(DEV), k.to(DEV), v.to(DEV), cu_q.to(DEV),
+                                        cu_k.to(DEV), causal=True)
+        out_cpu = fmha.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    from fmha import reference
+    ref, _ = reference.attention_varlen_forward(to_f64(q), to_f64(k), to_f64(v), cu_q.numpy(),
+                                                cu_k.numpy(), causal=True)
+    err_gpu = np.abs(to_f64(out_gpu) - ref).max()
+    err_cpu = np.abs(to_f64(out_cpu) - ref).max()
+    assert err_gpu <= 2 * err_cpu + 1e-3, (err_gpu, err_cpu)
+
+
+def test_deterministic_backward_bitwise_on_gpu(rng):
+    q, k, v, do = (x.to(DEV) for x in make_inputs(rng, 2, 500, 700, 8, 2, 128, dtype="bfloat16",
+                                                  lib="torch"))
+    grads = []
+    with _kernel_module(_C):
+        for _ in range(20):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            fmha.attention(*leaves, causal=True, deterministic=True).backward(do)
+            grads.append([x.grad for x in leaves])
+    for run in grads[1:]:
+        for a, b in zip(grads[0], run):
+            assert torch.equal(a, b)
+
+
+def test_side_stream(rng):
+    """Calls on a non-default stream run on that stream and give the default stream's bits."""
+    q, k, v, _ = (x.to(DEV) for x in make_inputs(rng, 2, 333, 444, 4, 4, 64, dtype="float16",
+                                                 lib="torch"))
+    with _kernel_module(_C):
+        ref = fmha.attention(q, k, v, causal=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out = fmha.attention(q, k, v, causal=True)
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+def test_torch_compile_fullgraph_on_gpu(rng):
+    q, k, v, do = (x.to(DEV) for x in make_inputs(rng, 2, 100, 120, 4, 2, 64, dtype="bfloat16",
+                                                  lib="torch"))
+
+    def f(q, k, v):
+        return fmha.attention(q, k, v, causal=True)
+
+    with _kernel_module(_C):
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        outs = []
+        for fn in (compiled, f):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            y = fn(*leaves)
+            y.backward(do)
+            outs.append([y] + [x.grad for x in leaves])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_cuda_errors():
+    q = torch.randn(1, 8, 2, 64, device=DEV)
+    with pytest.raises(NotImplementedError, match="float16/bfloat16; cast, or use the CPU"):
+        fmha.attention(q, q, q)
+    h = q.half()
+    with pytest.raises(ValueError, match="k: on device cpu, expected q's device cuda:0"):
+        fmha.attention(h, h.cpu(), h)
+    big = torch.randn(1, 8, 2, 300, device=DEV, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim 300 is over the limit of 256"):
+        fmha.attention(big, big, big)
+    with pytest.raises(ValueError, match="alibi_slopes: on device cpu"):
+        fmha.attention(h, h, h, alibi_slopes=torch.ones(2))
+
+
+def test_cupy_arrays(rng):
+    cupy = pytest.importorskip("cupy")
+    q, k, v, _ = make_inputs(rng, 2, 65, 130, 4, 2, 64, dtype="float16", lib="numpy")
+    with _kernel_module(_C):
+        out = fmha.attention(*(cupy.asarray(x) for x in (q, k, v)), causal=True)
+        assert isinstance(out, cupy.ndarray)
+        want = fmha.attention(*(torch.from_numpy(x).to(DEV) for x in (q, k, v)), causal=True)
+    assert np.array_equal(cupy.asnumpy(out), want.cpu().numpy())
