@@ -120,7 +120,7 @@ def short_name(demangled: str) -> str:
     """fmha::gpu::flash_fwd_kernel<__half, fmha::gpu::FlashFwdConfig<128>, true>(...) ->
     flash_fwd_kernel<__half, FlashFwdConfig<128>, true>"""
     name = demangled.split("(")[0]
-    return re.sub(r"\bfmha::gpu::", "", name)
+    return re.sub(r"\bfmha::gpu::", "", name).removeprefix("void ")
 
 
 def print_register_table(kernels: list[Kernel], names: dict[str, str], archs: list[str]) -> None:

@@ -83,6 +83,8 @@ struct FlashFwdConfigBase {
   static constexpr int kKStepsQK = kHeadDim / 16;  // k-steps of Qi Kj^T (head dim)
   static constexpr int kNTilesO = kHeadDim / 8;    // n-tiles of O (head dim)
   static constexpr int kKStepsPV = kBlockN / 16;   // k-steps of P Vj (keys)
+  // Philox draws of dropout unrolled together: all of them (ILP) unless registers are short.
+  static constexpr int kDropoutUnroll = kHeadDim >= 256 ? 1 : 2 * kNTilesS;
   // Accumulator + fragment registers per thread (the part that grows with the tile).
   static constexpr int kTileRegs = kHeadDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4);
 
@@ -407,19 +409,31 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
         const uint32_t threshold = uint32_t(fmin(p.dropout_p * 4294967296.0, 4294967295.0));
         const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
         const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
+        // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
+        // j, key 2t + e), then the multiplies: the draws loop indexes no register array, so
+        // where registers are short (kDropoutUnroll = 1) it runs one Philox at a time.
+        static_assert(2 * Cfg::kNTilesS * 2 <= 32, "keep bits fit one word");
+        uint32_t keep = 0;
+#pragma unroll Cfg::kDropoutUnroll
+        for (int x = 0; x < 2 * Cfg::kNTilesS; ++x) {
+          const int r = x / Cfg::kNTilesS, j = x % Cfg::kNTilesS;
+          const int key = n0 + j * 8 + 2 * t;
+          const Philox4 rnd = philox4x32_10(
+              uint32_t(key >> 2), uint32_t(row_lo + 8 * r), bh, uint32_t(p.offset),
+              uint32_t(p.seed), uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
+          const uint32_t w0 = (t & 1) ? rnd.x[2] : rnd.x[0];
+          const uint32_t w1 = (t & 1) ? rnd.x[3] : rnd.x[1];
+          keep |= (uint32_t(w0 >= threshold) | (uint32_t(w1 >= threshold) << 1)) << (2 * x);
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int j = 0; j < Cfg::kNTilesS; ++j) {
-            const int key = n0 + j * 8 + 2 * t;
-            const Philox4 rnd = philox4x32_10(
-                uint32_t(key >> 2), uint32_t(rows[r]), bh, uint32_t(p.offset), uint32_t(p.seed),
-                uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
-            const uint32_t w0 = (t & 1) ? rnd.x[2] : rnd.x[0];
-            const uint32_t w1 = (t & 1) ? rnd.x[3] : rnd.x[1];
-            acc_s[j][2 * r] = w0 >= threshold ? acc_s[j][2 * r] * keep_scale : 0.0f;
-            acc_s[j][2 * r + 1] = w1 >= threshold ? acc_s[j][2 * r + 1] * keep_scale : 0.0f;
-          }
+          for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              acc_s[j][2 * r + e] =
+                  (keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u ? acc_s[j][2 * r + e] * keep_scale
+                                                                   : 0.0f;
       }
 
       // ---- O += P Vj. The S accumulator of n-tiles 2k, 2k+1 is exactly the A fragment of

@@ -105,7 +105,9 @@ Result flash_case(const Case& c) {
         double sum = 0;
         for (int j = 0; j < sk; ++j) sum += mx == -INFINITY ? 0.0 : std::exp(srow[size_t(j)] - mx);
         const double ref_lse = sum > 0 ? mx + std::log(sum) : -INFINITY;
-        const float got_lse = lse[size_t(h) * tq + qrow];
+        // lse: (heads, total_q) when varlen, else (batch, heads, seqlen_q).
+        const size_t lse_at = varlen ? size_t(h) * tq + qrow : (size_t(b) * c.hq + h) * c.sq + i;
+        const float got_lse = lse[lse_at];
         if (!(got_lse == ref_lse || std::fabs(got_lse - ref_lse) <= 1e-4 * (1 + std::fabs(ref_lse)))) {
           char buf[160];
           std::snprintf(buf, sizeof buf, "lse[%d][%d][%d] = %.7g, expected %.7g", b, h, i, got_lse,
