@@ -10,8 +10,8 @@
 // nothing for them in registers. Varlen and split-KV are runtime: they cost a few scalar
 // registers once per CTA, not per score.
 //
-// Registers per thread (ptxas 13.0, sm_80 / sm_90; python tools/ptxas_check.py), no spills,
-// no stack frame -- the record of each config:
+// Registers per thread (ptxas 13.0, sm_80 / sm_90; python tools/ptxas_check.py); no spills
+// and no stack frame except where marked -- the record of each config:
 //   tile   plain (kBlockN, Q)        extras (kBlockN, Q)
 //   32     139 / 108  (64, regs)     246 / 246  (64, regs)
 //   64     166 / 135  (64, smem)     165 / 148  (32, regs)
