@@ -5,11 +5,19 @@ shuffles, emulated) on the CPU and is compared with fmha.reference (float64): ou
 2x the error of a naive torch computation in the same low precision (design.md), lse the
 same, with -inf (and out 0) exactly on the rows that see no key.
 
+Also: every head-dim tile (32, 64, 96, 128, 256, odd dims in the next tile), varlen
+batches (cu_seqlens, against fmha.reference.attention_varlen_forward), split-KV (forced
+splits, empty splits, fully masked rows) and the generated instantiation files.
+
 The emulator runs one OS thread per CUDA thread, so shapes stay tiny: seqlens 1, 17, 64
-(one whole tile), 70 (a whole tile plus a tail), 80; batch and heads 1-2.
+(one whole tile), 70 (a whole tile plus a tail), 80, 130; batch and heads 1-2.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +35,8 @@ torch = pytest.importorskip("torch")  # the naive low-precision baseline (and bf
 
 def run_case(rng, *, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype="float16", causal=False,
              window=(-1, -1), alignment="bottom_right", scale=None, lib="numpy", softcap=0.0,
-             bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0):
+             bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0,
+             num_splits=1, expect_splits=None):
     q64 = rng.standard_normal((batch, sq, hq, d))
     k64 = rng.standard_normal((batch, sk, hkv, d))
     v64 = rng.standard_normal((batch, sk, hkv, d))
@@ -41,10 +50,13 @@ def run_case(rng, *, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype="float16", causal
     left, right = window
     if causal:
         right = 0 if right < 0 else min(right, 0)
-    emu.flash_forward(q, k, v, out, lse, scale=scale, window_left=left, window_right=right,
-                      bottom_right=alignment == "bottom_right", softcap=softcap, bias=bias,
-                      mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                      offset=offset)
+    used = emu.flash_forward(q, k, v, out, lse, scale=scale, window_left=left,
+                             window_right=right, bottom_right=alignment == "bottom_right",
+                             softcap=softcap, bias=bias, mask=mask, alibi_slopes=alibi_slopes,
+                             dropout_p=dropout_p, seed=seed, offset=offset,
+                             num_splits=num_splits)
+    if expect_splits is not None:
+        assert used == expect_splits
 
     def f64(x):
         return x.double().numpy() if lib == "torch" else np.asarray(x, dtype=np.float64)
@@ -100,11 +112,18 @@ def test_gqa_batch(rng, hq, hkv):
     run_case(rng, batch=2, sq=17, sk=70, hq=hq, hkv=hkv, causal=True)
 
 
-@pytest.mark.parametrize("d", [8, 40, 59, 111])
-def test_odd_head_dims(rng, d):
-    # Padded to the 64- or 128-wide tile with zero columns; odd dims are not 16-byte rows,
-    # so these also take the element-wise (non-cp.async) load path.
+@pytest.mark.parametrize("d", [8, 32, 40, 59, 96, 111, 200, 256])
+def test_head_dims(rng, d):
+    # Every tile (32, 64, 96, 128, 256); odd dims run in the next tile with zero columns and,
+    # not being 16-byte rows, take the element-wise (non-cp.async) load path.
     run_case(rng, sq=17, sk=70, d=d, causal=True, alignment="top_left")
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_head_dims_extras_bf16(rng, d):
+    # The extras configs (narrower key blocks) of the new tiles, in bfloat16.
+    run_case(rng, batch=1, sq=33, sk=40, hq=2, hkv=1, d=d, dtype="bfloat16", lib="torch",
+             softcap=3.0, alibi_slopes=rng.uniform(0.1, 0.3, 2), causal=True)
 
 
 def test_explicit_scale(rng):
@@ -139,7 +158,7 @@ def test_rejects_bad_inputs():
     out = np.zeros_like(q)
     lse = np.zeros((1, 2, 4), np.float32)
     with pytest.raises(ValueError, match="head_dim"):
-        big = np.zeros((1, 4, 1, 256), np.float16)
+        big = np.zeros((1, 4, 1, 257), np.float16)
         emu.flash_forward(big, big, big, np.zeros_like(big), np.zeros((1, 1, 4), np.float32))
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         f = q.astype(np.float32)
@@ -207,3 +226,218 @@ def test_everything_at_once(rng):
              bias=rng.standard_normal((b, hq, sq, sk)).astype(np.float32),
              mask=rng.random((1, 1, sq, sk)) < 0.8, alibi_slopes=rng.uniform(0.1, 0.3, hq),
              dropout_p=0.2, seed=99, window=(20, 5), alignment="top_left")
+
+
+# ----------------------------------------------------------------------------- split-KV
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("d", [64, 128])
+def test_split_kv_forced(rng, splits, d):
+    # 130 keys = 3 key blocks of 64 (5 of 32 for extras): 7 splits leave some empty.
+    run_case(rng, sq=17, sk=130, d=d, num_splits=splits, expect_splits=splits)
+    run_case(rng, sq=70, sk=130, d=d, causal=True, alignment="top_left", num_splits=splits,
+             expect_splits=splits)
+
+
+def test_split_kv_empty_splits_and_dead_rows(rng):
+    # A sliding window of 5 keys: most splits of each row see nothing; the bias kills every
+    # key of head 0 (all splits empty there) and the bottom-right causal diagonal leaves the
+    # first rows without keys.
+    b, hq, sq, sk = 1, 2, 40, 30
+    bias = np.zeros((1, hq, 1, sk), np.float32)
+    bias[:, 0] = -np.inf
+    dead = run_case(rng, batch=b, sq=sq, sk=sk, hq=hq, hkv=1, window=(4, 0), bias=bias,
+                    num_splits=7, expect_splits=7)
+    assert dead[:, 0].all() and dead[0, 1, : sq - sk].all() and not dead[0, 1, sq - sk:].any()
+
+
+def test_split_kv_dropout_mask_unchanged(rng):
+    # The Philox mask is a function of (b, h, i, j): splitting must not move it. Same inputs
+    # with 1 and 3 splits, against the reference that applies the same mask.
+    for splits in (1, 3):
+        run_case(np.random.default_rng(5), batch=1, sq=17, sk=130, hq=2, hkv=1, dropout_p=0.3,
+                 seed=77, offset=3, num_splits=splits, expect_splits=splits)
+
+
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_split_kv_head_dims(rng, d):
+    run_case(rng, sq=5, sk=100, d=d, dtype="bfloat16", lib="torch", num_splits=3,
+             expect_splits=3)
+
+
+def test_split_kv_heuristic(rng):
+    # One query block, one head: 1 CTA for a 108-SM GPU (the emulator's), so the heuristic
+    # splits the keys; one split when forced, or when there is one key block only.
+    q = np.zeros((1, 1, 1, 64), np.float16)
+    k = np.zeros((1, 130, 1, 64), np.float16)
+    out, lse = np.zeros_like(q), np.zeros((1, 1, 1), np.float32)
+    assert emu.flash_forward(q, k, k, out, lse, num_splits=0) > 1
+    assert emu.flash_forward(q, k, k, out, lse, num_splits=1) == 1
+    assert emu.flash_forward(q, k[:, :64], k[:, :64], out, lse, num_splits=0) == 1
+    # A full GPU: 88 query blocks at d = 256 (one CTA per SM: >= 80% of 108). Varlen with a
+    # long max_seqlen_q sizes the grid while all but one CTA exit at once (cheap to emulate).
+    q = np.zeros((1, 1, 256), np.float16)
+    k = np.zeros((130, 1, 256), np.float16)
+    cu_q, cu_k = np.array([0, 1], np.int32), np.array([0, 130], np.int32)
+    out, lse = np.zeros_like(q), np.zeros((1, 1), np.float32)
+    assert emu.flash_forward(q, k, k, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=64 * 88, num_splits=0) == 1
+    assert emu.flash_forward(q, k, k, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             max_seqlen_q=64, num_splits=0) > 1
+    run_case(rng, sq=1, sk=130, num_splits=0)  # the heuristic's choice is still correct
+
+
+# ----------------------------------------------------------------------------- varlen
+
+def run_varlen(rng, seqlens_q, seqlens_k, *, hq=2, hkv=1, d=64, dtype="float16",
+               causal=False, window=(-1, -1), alignment="bottom_right", alibi_slopes=None,
+               softcap=0.0, dropout_p=0.0, seed=0, offset=0, num_splits=1, bias=None,
+               mask=None):
+    """Packed sequences through the kernel vs reference.attention_varlen_forward (and, for
+    bias/mask, per-sequence attention_forward with positions inside the sequence)."""
+    lib = "torch" if dtype == "bfloat16" else "numpy"
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q64 = rng.standard_normal((tq, hq, d))
+    k64 = rng.standard_normal((tk, hkv, d))
+    v64 = rng.standard_normal((tk, hkv, d))
+    q, k, v = (from_f64(x, dtype, lib) for x in (q64, k64, v64))
+    if lib == "numpy":
+        out = np.full((tq, hq, d), np.nan, dtype=dtype)
+        lse = np.full((hq, tq), np.nan, dtype=np.float32)
+    else:
+        out = torch.full((tq, hq, d), float("nan"), dtype=q.dtype)
+        lse = torch.full((hq, tq), float("nan"), dtype=torch.float32)
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    emu.flash_forward(q, k, v, out, lse, window_left=left, window_right=right,
+                      bottom_right=alignment == "bottom_right", softcap=softcap,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,
+                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, num_splits=num_splits, bias=bias,
+                      mask=mask)
+
+    def f64(x):
+        return x.double().numpy() if lib == "torch" else np.asarray(x, dtype=np.float64)
+
+    qf, kf, vf = f64(q), f64(k), f64(v)
+    ref_out = np.zeros((tq, hq, d))
+    ref_lse = np.full((hq, tq), -np.inf)
+    naive_out = np.zeros((tq, hq, d))
+    naive_lse = np.full((hq, tq), -np.inf)
+    tq_, tk_, tv_ = (torch.as_tensor(x) for x in (q, k, v))
+    for b in range(len(seqlens_q)):
+        sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        nq, nk = seqlens_q[b], seqlens_k[b]
+        if nq == 0:
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if np.ndim(alibi_slopes) == 2 else alibi_slopes
+        # Bias / mask: (b, h, i, j) with positions inside the sequence, as the CPU path.
+        bb = None if bias is None else np.asarray(bias, np.float64)[
+            min(b, bias.shape[0] - 1):][:1, :, :nq, :nk]
+        mb = None if mask is None else np.asarray(mask)[min(b, mask.shape[0] - 1):][:1, :, :nq, :nk]
+        if bias is not None or mask is not None:
+            assert dropout_p == 0  # attention_forward would number this sequence batch 0
+            o_b, l_b = reference.attention_forward(
+                qf[None, sq_], kf[None, sk_], vf[None, sk_], causal=causal, window=window,
+                alignment=alignment, alibi_slopes=slopes, softcap=softcap, bias=bb, mask=mb)
+            ref_out[sq_], ref_lse[:, sq_] = o_b[0], l_b[0]
+        if nk == 0:
+            continue  # no key: out 0, lse -inf (naive softmax of nothing is NaN)
+        z = None
+        if dropout_p > 0:
+            z = dropout_keep_mask(seed, offset, b + 1, hq, nq, nk, dropout_p)[b:] / (1 - dropout_p)
+        no, nl = naive_attention_torch(
+            tq_[None, sq_], tk_[None, sk_], tv_[None, sk_], causal=causal, window=window,
+            alignment=alignment, alibi_slopes=None if slopes is None else np.asarray(slopes),
+            softcap=softcap, dropout_z=z,
+            bias=None if bb is None else torch.as_tensor(bb),
+            mask=None if mb is None else torch.as_tensor(mb))
+        naive_out[sq_], naive_lse[:, sq_] = no[0].double().numpy(), nl[0].double().numpy()
+    if bias is None and mask is None:
+        ref_out, ref_lse = reference.attention_varlen_forward(
+            qf, kf, vf, cu_q, cu_k, causal=causal, window=window, alignment=alignment,
+            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+            offset=offset)
+    assert_close("out", f64(out), ref_out, dtype, naive=naive_out)
+    assert_close("lse", f64(lse), ref_lse, dtype, naive=naive_lse, result_dtype="float32")
+    dead = np.isneginf(ref_lse)  # (hq, tq)
+    assert np.all(f64(out).transpose(1, 0, 2)[dead] == 0.0)
+    return dead
+
+
+def test_varlen_plain(rng):
+    # Lengths around the 64-row tile, an empty sequence on each side, sq != sk both ways.
+    run_varlen(rng, [17, 0, 70, 1, 5], [40, 9, 70, 0, 130])
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_varlen_causal(rng, alignment):
+    dead = run_varlen(rng, [30, 70, 3], [10, 65, 0], causal=True, alignment=alignment)
+    if alignment == "bottom_right":
+        assert dead[:, :20].all()  # sequence 0: its first 20 rows sit above the diagonal
+
+
+def test_varlen_window_alibi_softcap(rng):
+    run_varlen(rng, [33, 0, 17], [20, 5, 66], window=(6, 2), alibi_slopes=rng.uniform(0.1, 0.4, (3, 2)),
+               softcap=2.0)
+
+
+@pytest.mark.parametrize("d", [32, 128, 256])
+def test_varlen_head_dims_bf16(rng, d):
+    run_varlen(rng, [9, 20], [30, 7], d=d, dtype="bfloat16", causal=True)
+
+
+def test_varlen_dropout(rng):
+    run_varlen(rng, [17, 40], [70, 12], dropout_p=0.25, seed=11, offset=2)
+
+
+def test_varlen_bias_mask(rng):
+    # Indexed by position inside each sequence, broadcast to (batch, hq, max_sq, max_sk).
+    bias = rng.standard_normal((2, 1, 20, 33)).astype(np.float32)
+    mask = rng.random((1, 2, 1, 33)) < 0.8
+    run_varlen(rng, [20, 7], [33, 11], bias=bias, mask=mask)
+
+
+@pytest.mark.parametrize("splits", [2, 7])
+def test_varlen_split_kv(rng, splits):
+    run_varlen(rng, [5, 0, 66], [130, 3, 70], causal=True, num_splits=splits)
+    run_varlen(rng, [3, 12], [0, 100], window=(10, 3), dropout_p=0.2, seed=5, num_splits=splits)
+
+
+def test_varlen_rejects_bad_inputs():
+    q = np.zeros((10, 2, 64), np.float16)
+    out, lse = np.zeros_like(q), np.zeros((2, 10), np.float32)
+    good = np.array([0, 4, 10], np.int32)
+    with pytest.raises(ValueError, match="both or neither"):
+        emu.flash_forward(q, q, q, out, lse, cu_seqlens_q=good)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        emu.flash_forward(q, q, q, out, lse, cu_seqlens_q=np.array([0, 6, 4, 10], np.int32),
+                          cu_seqlens_k=np.array([0, 4, 6, 10], np.int32))
+    with pytest.raises(ValueError, match="total rows"):
+        emu.flash_forward(q, q, q, out, lse, cu_seqlens_q=np.array([0, 4, 9], np.int32),
+                          cu_seqlens_k=good)
+    with pytest.raises(ValueError, match="lse"):
+        emu.flash_forward(q, q, q, out, np.zeros((2, 9), np.float32), cu_seqlens_q=good,
+                          cu_seqlens_k=good)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        emu.flash_forward(q, q, q, out, lse, cu_seqlens_q=good, cu_seqlens_k=good,
+                          max_seqlen_q=3)
+    with pytest.raises(ValueError, match="num_splits"):
+        emu.flash_forward(q[None], q[None], q[None], out[None], np.zeros((1, 2, 10), np.float32),
+                          num_splits=-1)
+
+
+# ----------------------------------------------------------------------------- generated files
+
+def test_generated_instantiations_up_to_date():
+    # csrc/cuda/instantiations/ must be exactly what tools/generate_instantiations.py writes.
+    root = Path(__file__).resolve().parents[1]
+    tool = root / "tools" / "generate_instantiations.py"
+    if not tool.is_file():
+        pytest.skip("no source tree (installed package)")
+    r = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

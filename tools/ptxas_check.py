@@ -3,8 +3,12 @@
 resource report (-Xptxas -v): every kernel must compile, and no kernel may spill registers
 or use a local-memory stack frame (both turn register tiles into slow memory traffic).
 
-    python tools/ptxas_check.py                 # csrc/cuda/*.cu for sm_80 and sm_90
+    python tools/ptxas_check.py                 # csrc/cuda/*.cu + instantiations/*.cu, sm_80 + sm_90
     python tools/ptxas_check.py --arch 90 csrc/cuda/gemm_tc.cu
+    python tools/ptxas_check.py -j 4            # compile 4 files at once (default 2)
+
+It prints one row per (kernel, arch) and then a register table: one row per kernel, one
+column per arch.
 
 Exit status: 0 clean, 1 a kernel spills / has a stack frame / a file does not compile,
 2 nvcc not found. tests/test_cuda_emu.py runs it (and skips it where there is no nvcc).
@@ -96,11 +100,12 @@ def demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, out.splitlines())) if out else {n: n for n in names}
 
 
-def check(sources: list[Path], archs: list[str], nvcc: str) -> tuple[list[Kernel], list[str]]:
-    """Compiles every source; returns (kernels, errors)."""
+def check(sources: list[Path], archs: list[str], nvcc: str,
+          jobs: int = 2) -> tuple[list[Kernel], list[str]]:
+    """Compiles every source, `jobs` files at a time; returns (kernels, errors)."""
     errors: list[str] = []
     kernels: list[Kernel] = []
-    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as ex:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), jobs))) as ex:
         results = list(ex.map(lambda s: (s, *compile_report(nvcc, s, archs)), sources))
     for source, rc, report in results:
         rel = str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else str(source)
@@ -111,25 +116,52 @@ def check(sources: list[Path], archs: list[str], nvcc: str) -> tuple[list[Kernel
     return kernels, errors
 
 
+def short_name(demangled: str) -> str:
+    """fmha::gpu::flash_fwd_kernel<__half, fmha::gpu::FlashFwdConfig<128>, true>(...) ->
+    flash_fwd_kernel<__half, FlashFwdConfig<128>, true>"""
+    name = demangled.split("(")[0]
+    return re.sub(r"\bfmha::gpu::", "", name).removeprefix("void ")
+
+
+def print_register_table(kernels: list[Kernel], names: dict[str, str], archs: list[str]) -> None:
+    """Registers per kernel and arch ('*' marks a spill or stack frame)."""
+    table: dict[str, dict[str, str]] = {}
+    for k in kernels:
+        cell = f"{k.registers}{'' if k.clean else '*'}"
+        table.setdefault(short_name(names.get(k.name, k.name)), {})[k.arch] = cell
+    if not table:
+        return
+    width = max(len(n) for n in table)
+    cols = [f"sm_{a}" for a in archs]
+    print()
+    print(f"{'registers':{width}}  " + " ".join(f"{c:>6}" for c in cols))
+    for name in sorted(table):
+        print(f"{name:{width}}  " + " ".join(f"{table[name].get(c, '-'):>6}" for c in cols))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="*", type=Path, help="default: csrc/cuda/*.cu")
     ap.add_argument("--arch", action="append", help="sm number, repeatable (default 80, 90)")
     ap.add_argument("--nvcc", default=None)
+    ap.add_argument("-j", "--jobs", type=int, default=2, help="files compiled at once (default 2)")
     args = ap.parse_args(argv)
     nvcc = args.nvcc or find_nvcc()
     if not nvcc:
         print("ptxas_check: nvcc not found", file=sys.stderr)
         return 2
-    sources = [s.resolve() for s in args.sources] or sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+    cuda = ROOT / "csrc" / "cuda"
+    sources = [s.resolve() for s in args.sources] or (
+        sorted(cuda.glob("*.cu")) + sorted((cuda / "instantiations").glob("*.cu")))
     archs = args.arch or list(DEFAULT_ARCHS)
-    kernels, errors = check(sources, archs, nvcc)
+    kernels, errors = check(sources, archs, nvcc, args.jobs)
     names = demangle(sorted({k.name for k in kernels}))
     print(f"{'arch':6} {'regs':>4} {'stack':>5} {'spill st/ld':>11}  kernel")
     for k in kernels:
         flag = "" if k.clean else "   <-- FAIL"
         print(f"{k.arch:6} {k.registers:4d} {k.stack:5d} {k.spill_stores:5d}/{k.spill_loads:<5d}  "
               f"{names.get(k.name, k.name)} ({k.file}){flag}")
+    print_register_table(kernels, names, archs)
     for e in errors:
         print(e, file=sys.stderr)
     bad = [k for k in kernels if not k.clean]

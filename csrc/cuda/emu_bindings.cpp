@@ -8,6 +8,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <string>
@@ -111,7 +112,7 @@ fmha::Broadcast4 import_broadcast(const char* name, const HostArray& a, const fm
 
 // The options every flash_forward variant shares: fills them into p and runs the kernel.
 template <typename Launch>
-void finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::object& scale, int window_left,
+int finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::object& scale, int window_left,
                        int window_right, bool bottom_right, double softcap,
                        const py::object& bias_obj, const py::object& mask_obj,
                        const py::object& alibi_obj, double dropout_p, uint64_t seed,
@@ -159,75 +160,135 @@ void finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::objec
   }
   try {
     py::gil_scoped_release nogil;
-    launch();
+    return launch();
   } catch (const std::invalid_argument& e) {
     throw fmha::InvalidArgument(e.what());
   }
 }
 
 template <typename... A>
-void finish_and_launch(fmha::FwdParams& p, A&&... a) {
-  finish_and_launch_with(p, [&] { fmha::gpu::launch_flash_fwd(p, nullptr); }, a...);
+int finish_and_launch(fmha::FwdParams& p, A&&... a) {
+  return finish_and_launch_with(p, [&] { return fmha::gpu::launch_flash_fwd(p, nullptr); }, a...);
 }
 
-void flash_forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
-                   const py::object& out_obj, const py::object& lse_obj, const py::object& scale,
-                   int window_left, int window_right, bool bottom_right, double softcap,
-                   const py::object& bias_obj, const py::object& mask_obj,
-                   const py::object& alibi_obj, double dropout_p, uint64_t seed,
-                   uint64_t offset) {
-  const HostArray q = import_host("q", q_obj, 4), k = import_host("k", k_obj, 4),
-                  v = import_host("v", v_obj, 4), o = import_host("out", out_obj, 4, true),
-                  lse = import_host("lse", lse_obj, 3, true);
-  FMHA_CHECK_ARG(q.ndim == 4 && k.ndim == 4 && v.ndim == 4 && o.ndim == 4,
-                 "q, k, v, out: expected 4-D (batch, seqlen, heads, head_dim) arrays");
-  FMHA_CHECK_ARG(lse.ndim == 3, "lse: expected a 3-D (batch, heads_q, seqlen_q) array");
+// Dense: q (b, sq, hq, d), k/v (b, sk, hkv, d), out like q, lse (b, hq, sq). Varlen (cu_seqlens
+// given): q (total_q, hq, d), k/v (total_k, hkv, d), out like q, lse (hq, total_q), with
+// max_seqlen_q/k (default: computed from cu_seqlens). Returns the number of key splits used.
+int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                  const py::object& out_obj, const py::object& lse_obj, const py::object& scale,
+                  int window_left, int window_right, bool bottom_right, double softcap,
+                  const py::object& bias_obj, const py::object& mask_obj,
+                  const py::object& alibi_obj, double dropout_p, uint64_t seed, uint64_t offset,
+                  const py::object& cu_q_obj, const py::object& cu_k_obj, int max_seqlen_q,
+                  int max_seqlen_k, int num_splits) {
+  const bool varlen = !cu_q_obj.is_none() || !cu_k_obj.is_none();
+  FMHA_CHECK_ARG(cu_q_obj.is_none() == cu_k_obj.is_none(),
+                 "cu_seqlens_q, cu_seqlens_k: give both or neither");
+  FMHA_CHECK_ARG(num_splits >= 0, "num_splits: got ", num_splits, ", expected >= 0 (0 = automatic)");
+  const int nd = varlen ? 3 : 4;
+  const HostArray q = import_host("q", q_obj, nd), k = import_host("k", k_obj, nd),
+                  v = import_host("v", v_obj, nd), o = import_host("out", out_obj, nd, true),
+                  lse = import_host("lse", lse_obj, varlen ? 2 : 3, true);
+  FMHA_CHECK_ARG(q.ndim == nd && k.ndim == nd && v.ndim == nd && o.ndim == nd, "q, k, v, out: expected ",
+                 varlen ? "3-D (total, heads, head_dim) arrays (varlen)"
+                        : "4-D (batch, seqlen, heads, head_dim) arrays");
+  FMHA_CHECK_ARG(lse.ndim == (varlen ? 2 : 3), "lse: expected ",
+                 varlen ? "a 2-D (heads_q, total_q) array" : "a 3-D (batch, heads_q, seqlen_q) array");
   const fmha::DType dtype = half_dtype(q, "q");
   FMHA_CHECK_ARG(half_dtype(k, "k") == dtype && half_dtype(v, "v") == dtype &&
                      half_dtype(o, "out") == dtype,
                  "k, v, out: dtype differs from q's");
   FMHA_CHECK_ARG(lse.dtype.code == kDLFloat && lse.dtype.bits == 32 && lse.dtype.lanes == 1,
                  "lse: expected float32");
+  // Dense arrays are viewed as (batch, seqlen, heads, dim); varlen ones as (1, total, heads, dim).
+  const int x = varlen ? 0 : 1;  // index of the seqlen dimension
+  auto dim = [&](const HostArray& a, int i) { return a.shape[size_t(i - 1 + x)]; };
+  auto stride = [&](const HostArray& a, int i) { return a.strides[size_t(i - 1 + x)]; };
   fmha::FwdParams p;
-  p.batch = int(q.shape[0]);
-  p.seqlen_q = int(q.shape[1]);
-  p.heads_q = int(q.shape[2]);
-  p.head_dim = int(q.shape[3]);
-  p.seqlen_k = int(k.shape[1]);
-  p.heads_kv = int(k.shape[2]);
-  p.head_dim_v = int(v.shape[3]);
-  auto same = [](const HostArray& a, std::array<int64_t, 4> want, int n) {
-    for (int i = 0; i < n; ++i)
-      if (a.shape[size_t(i)] != want[size_t(i)]) return false;
+  p.batch = varlen ? 0 : int(q.shape[0]);
+  p.seqlen_q = int(dim(q, 1));
+  p.heads_q = int(dim(q, 2));
+  p.head_dim = int(dim(q, 3));
+  p.seqlen_k = int(dim(k, 1));
+  p.heads_kv = int(dim(k, 2));
+  p.head_dim_v = int(dim(v, 3));
+  const int64_t total_q = p.seqlen_q, total_k = p.seqlen_k;
+  auto same = [&](const HostArray& a, std::array<int64_t, 4> want) {
+    for (int i = varlen ? 1 : 0; i < 4; ++i)
+      if (dim(a, i) != want[size_t(i)]) return false;
     return true;
   };
-  FMHA_CHECK_ARG(same(k, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}, 4),
+  FMHA_CHECK_ARG(same(k, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim}),
                  "k: expected shape (batch, seqlen_k, heads_kv, head_dim) matching q");
-  FMHA_CHECK_ARG(same(v, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}, 4),
+  FMHA_CHECK_ARG(same(v, {p.batch, p.seqlen_k, p.heads_kv, p.head_dim_v}),
                  "v: expected shape (batch, seqlen_k, heads_kv, head_dim_v) matching k");
-  FMHA_CHECK_ARG(same(o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, 4),
+  FMHA_CHECK_ARG(same(o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}),
                  "out: expected shape (batch, seqlen_q, heads_q, head_dim_v)");
-  FMHA_CHECK_ARG(same(lse, {p.batch, p.heads_q, p.seqlen_q, 0}, 3),
-                 "lse: expected shape (batch, heads_q, seqlen_q)");
+  if (varlen) {
+    FMHA_CHECK_ARG(lse.shape[0] == p.heads_q && lse.shape[1] == total_q,
+                   "lse: expected shape (heads_q, total_q) = (", p.heads_q, ", ", total_q, ")");
+  } else {
+    FMHA_CHECK_ARG(lse.shape[0] == p.batch && lse.shape[1] == p.heads_q && lse.shape[2] == p.seqlen_q,
+                   "lse: expected shape (batch, heads_q, seqlen_q)");
+  }
   FMHA_CHECK_ARG(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
                  ") must be a multiple of heads_kv (", p.heads_kv, ")");
   for (const HostArray* a : {&q, &k, &v, &o})
-    FMHA_CHECK_ARG(a->strides[3] == 1 || a->shape[3] == 1,
+    FMHA_CHECK_ARG(a->strides[size_t(a->ndim - 1)] == 1 || a->shape[size_t(a->ndim - 1)] == 1,
                    "q, k, v, out: the last dimension must be contiguous");
+  HostArray cu_q, cu_k;
+  if (varlen) {
+    cu_q = import_host("cu_seqlens_q", cu_q_obj, 1);
+    cu_k = import_host("cu_seqlens_k", cu_k_obj, 1);
+    for (const HostArray* c : {&cu_q, &cu_k})
+      FMHA_CHECK_ARG(c->dtype.code == kDLInt && c->dtype.bits == 32 && c->ndim == 1 &&
+                         c->strides[0] == 1,
+                     "cu_seqlens: expected contiguous 1-D int32 arrays");
+    FMHA_CHECK_ARG(cu_q.shape[0] == cu_k.shape[0] && cu_q.shape[0] >= 2,
+                   "cu_seqlens_q, cu_seqlens_k: expected the same length batch + 1 >= 2, got ",
+                   cu_q.shape[0], " and ", cu_k.shape[0]);
+    const auto* cq = static_cast<const int32_t*>(cu_q.data);
+    const auto* ck = static_cast<const int32_t*>(cu_k.data);
+    p.batch = int(cu_q.shape[0] - 1);
+    int longest_q = 0, longest_k = 0;
+    for (int b = 0; b < p.batch; ++b) {
+      FMHA_CHECK_ARG(cq[b + 1] >= cq[b] && ck[b + 1] >= ck[b],
+                     "cu_seqlens: expected non-decreasing offsets (sequence ", b, ")");
+      longest_q = std::max(longest_q, cq[b + 1] - cq[b]);
+      longest_k = std::max(longest_k, ck[b + 1] - ck[b]);
+    }
+    FMHA_CHECK_ARG(cq[0] == 0 && ck[0] == 0 && cq[p.batch] == total_q && ck[p.batch] == total_k,
+                   "cu_seqlens: expected 0 .. total rows (", total_q, " queries, ", total_k,
+                   " keys), got ", cq[0], " .. ", cq[p.batch], " and ", ck[0], " .. ",
+                   ck[p.batch]);
+    p.seqlen_q = max_seqlen_q < 0 ? longest_q : max_seqlen_q;
+    p.seqlen_k = max_seqlen_k < 0 ? longest_k : max_seqlen_k;
+    FMHA_CHECK_ARG(p.seqlen_q >= longest_q && p.seqlen_k >= longest_k,
+                   "max_seqlen_q, max_seqlen_k: got ", p.seqlen_q, ", ", p.seqlen_k,
+                   ", below the longest sequences ", longest_q, ", ", longest_k);
+    p.cu_seqlens_q = cq;
+    p.cu_seqlens_k = ck;
+  }
+  p.num_splits = num_splits;
   p.dtype = dtype;
   p.q = q.data;
   p.k = k.data;
   p.v = v.data;
   p.o = const_cast<void*>(o.data);
   p.lse = const_cast<void*>(lse.data);
-  p.q_batch_stride = q.strides[0], p.q_row_stride = q.strides[1], p.q_head_stride = q.strides[2];
-  p.k_batch_stride = k.strides[0], p.k_row_stride = k.strides[1], p.k_head_stride = k.strides[2];
-  p.v_batch_stride = v.strides[0], p.v_row_stride = v.strides[1], p.v_head_stride = v.strides[2];
-  p.o_batch_stride = o.strides[0], p.o_row_stride = o.strides[1], p.o_head_stride = o.strides[2];
-  p.lse_batch_stride = lse.strides[0], p.lse_head_stride = lse.strides[1];
-  p.lse_row_stride = lse.strides[2];
-  finish_and_launch(p, scale, window_left, window_right, bottom_right, softcap, bias_obj,
-                    mask_obj, alibi_obj, dropout_p, seed, offset);
+  if (!varlen) {
+    p.q_batch_stride = q.strides[0], p.k_batch_stride = k.strides[0];
+    p.v_batch_stride = v.strides[0], p.o_batch_stride = o.strides[0];
+    p.lse_batch_stride = lse.strides[0];
+  }
+  p.q_row_stride = stride(q, 1), p.q_head_stride = stride(q, 2);
+  p.k_row_stride = stride(k, 1), p.k_head_stride = stride(k, 2);
+  p.v_row_stride = stride(v, 1), p.v_head_stride = stride(v, 2);
+  p.o_row_stride = stride(o, 1), p.o_head_stride = stride(o, 2);
+  p.lse_head_stride = lse.strides[size_t(lse.ndim - 2)];
+  p.lse_row_stride = lse.strides[size_t(lse.ndim - 1)];
+  return finish_and_launch(p, scale, window_left, window_right, bottom_right, softcap, bias_obj,
+                           mask_obj, alibi_obj, dropout_p, seed, offset);
 }
 
 // dq, dk, dv (and dbias) <- the CUDA FlashAttention-2 backward (cuda/flash_bwd.cuh), emulated,
@@ -271,7 +332,7 @@ void flash_backward(const py::object& dout_obj, const py::object& q_obj, const p
     p.dbias_batch = int(db.shape[0]); p.dbias_heads = int(db.shape[1]);
     p.dbias_rows = int(db.shape[2]); p.dbias_cols = int(db.shape[3]);
   }
-  finish_and_launch_with(p, [&] { fmha::gpu::launch_flash_bwd(p, nullptr); }, scale,
+  finish_and_launch_with(p, [&] { fmha::gpu::launch_flash_bwd(p, nullptr); return 0; }, scale,
                          window_left, window_right, bottom_right, softcap, bias_obj, mask_obj,
                          alibi_obj, dropout_p, seed, offset);
 }
@@ -348,13 +409,18 @@ PYBIND11_MODULE(_cuda_emu, m) {
         py::arg("bottom_right") = true, py::arg("softcap") = 0.0, py::arg("bias") = py::none(),
         py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("offset") = 0,
+        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+        py::arg("max_seqlen_q") = -1, py::arg("max_seqlen_k") = -1, py::arg("num_splits") = 0,
         "out, lse <- attention(q, k, v) by the FlashAttention-2 forward kernel (mma.sync + "
         "ldmatrix + cp.async), emulated. q (b, sq, hq, d), k/v (b, sk, hkv, d), out like q, "
         "lse (b, hq, sq) float32; float16 or bfloat16. Window (left, right): query i sees key "
         "j iff i + off - left <= j <= i + off + right (negative: unbounded), off = sk - sq if "
         "bottom_right else 0; causal is window_right = 0. softcap, bias / mask (4-D, size-1 "
         "dimensions broadcast; mask True = may attend), alibi_slopes (float64), dropout_p with "
-        "(seed, offset): as fmha.reference.attention_forward.");
+        "(seed, offset): as fmha.reference.attention_forward. Varlen: cu_seqlens_q/k (int32, "
+        "batch + 1), q (total_q, hq, d), k/v (total_k, hkv, d), lse (hq, total_q), max_seqlen_q/k "
+        "(-1: the longest sequence). num_splits: key splits (0 = by occupancy, 1 = none). "
+        "Returns the number of splits used.");
   m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::kw_only(), py::arg("dbias") = py::none(), py::arg("deterministic") = false,

@@ -1,17 +1,31 @@
-// Dispatch of the CUDA FlashAttention-2 forward (cuda/flash_fwd.cuh): runtime dtype and
-// head_dim become template arguments here, once. Compiled by nvcc and, as host C++, for the
+// Dispatch of the CUDA FlashAttention-2 forward (cuda/flash_fwd.cuh): runtime dtype, head_dim
+// and "extras" become template arguments here, once. The launchers themselves are compiled
+// in the generated files of csrc/cuda/instantiations/ (tools/generate_instantiations.py),
+// one per {half, bf16} x head-dim tile {32, 64, 96, 128, 256} x extras {off, on}; this file
+// only declares them (flash_fwd_instantiations.inc) and names just the tiles this build has
+// (FMHA_CUDA_HDIM_MASK, cuda/head_dims.h). Compiled by nvcc and, as host C++, for the
 // emulator (fmha._cuda_emu).
 //
-// Instantiations: {half, bf16} x head_dim tile {64, 128} x extras {off, on}; a head_dim
-// below a tile width runs in that tile, zero-padded (see flash_fwd.cuh). "extras" (softcap,
-// bias, ALiBi, mask, dropout) is a template flag so plain attention pays nothing for them in
-// registers.
+// "extras" (softcap, bias, ALiBi, mask, dropout) is a template flag so plain attention pays
+// nothing for them in registers. Varlen and split-KV are runtime: they cost a few scalar
+// registers once per CTA, not per score.
 //
-// Registers (ptxas 13.0, sm_80 / sm_90), no spills: d=64 plain 168/137, extras 247/246;
-// d=128 plain 220/185, extras 254/250 -- the d=128 extras kernel is at the limit.
-// Tried: varlen (cu_seqlens read in the kernel, per-sequence sq/sk and bases) -- correct in
-// the emulator but ptxas spilled 48 bytes (plain, d=128) to 152 bytes (extras, d=128) on
-// sm_80, so it was taken out; the launcher rejects cu_seqlens.
+// Registers per thread (ptxas 13.0, sm_80 / sm_90; python tools/ptxas_check.py); no spills
+// and no stack frame except where marked -- the record of each config:
+//   tile   plain (kBlockN, Q)        extras (kBlockN, Q)
+//   32     139 / 108  (64, regs)     246 / 246  (64, regs)
+//   64     166 / 135  (64, smem)     165 / 148  (32, regs)
+//   96     230 / 206  (64, regs)     225 / 222  (32, regs)
+//   128    242 / 243  (64, smem)     250 / 250  (32, regs)
+//   256    238 / 240  (16, smem)     255 / 255  (16, smem) -- KNOWN: 8-byte spill on sm_90
+//   combine kernels: 32-40.
+// The d = 256 extras kernel still spills 8 bytes on sm_90 (the dropout's Philox draws on
+// top of the 128-register O accumulator; running them one at a time, kDropoutUnroll = 1,
+// took it from 16 to 8 bytes) -- tools/ptxas_check.py fails on it until that is solved.
+// Tried: varlen as a first attempt kept the per-sequence bases and lengths live through the
+// key loop and spilled 48 (plain) to 152 (extras) bytes at d = 128 on sm_80. Now K/V bases
+// are formed once before the loop and O/lse bases after it, from the sequence's first rows
+// (two ints), which fits.
 #include <stdexcept>
 #include <string>
 
@@ -20,15 +34,67 @@
 namespace fmha {
 namespace gpu {
 
+#include "cuda/instantiations/flash_fwd_instantiations.inc"
+
 namespace {
 
 [[noreturn]] void unsupported(const std::string& what) {
   throw std::invalid_argument("launch_flash_fwd: " + what);
 }
 
-// True when every 16-byte chunk of the rows of q, k, v starts 16-byte aligned, so tiles
-// can move with cp.async; otherwise guarded element loads.
-bool rows_aligned(const FwdParams& p) {
+// SMs of the current device: the split-KV heuristic's measure of the GPU. The emulator
+// reports an A100's 108 so that the heuristic does under test what it does there.
+int sm_count() {
+#if defined(__CUDACC__)
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 108;
+  return count;
+#else
+  return 108;
+#endif
+}
+
+// One runtime tile -> its compile-time launcher, only for the tiles this build compiled:
+// an unbuilt tile's launcher is never named (its file was not compiled).
+// Returns the number of key splits used; 0 when no tile matched.
+template <typename T, bool kExtras, int... kTiles>
+int run_tile(int tile, const FwdParams& p, Stream stream) {
+  int ran = 0;
+  auto one = [&](auto tile_c) {
+    constexpr int kTile = decltype(tile_c)::value;
+    if constexpr (head_dim_tile_built(kTile)) {
+      if (!ran && tile == kTile) {
+        ran = run_flash_fwd<T, kTile, kExtras>(p, stream);
+      }
+    }
+  };
+  (one(std::integral_constant<int, kTiles>{}), ...);
+  return ran;
+}
+
+template <typename T, bool kExtras>
+int run_head_dim(const FwdParams& p, Stream stream) {
+  const int tile = head_dim_tile(p.head_dim);
+  const int splits = run_tile<T, kExtras, 32, 64, 96, 128, 256>(tile, p, stream);
+  if (splits == 0)
+    unsupported("head_dim " + std::to_string(p.head_dim) +
+                ": no head-dim tile >= it was built (FMHA_CUDA_HEAD_DIMS)");
+  return splits;
+}
+
+template <typename T>
+int run_extras(const FwdParams& p, Stream stream) {
+  const bool extras = p.softcap > 0.0 || p.bias.ptr || p.mask.ptr || p.alibi_slopes ||
+                      p.dropout_p > 0.0;
+  if (extras) return run_head_dim<T, true>(p, stream);
+  return run_head_dim<T, false>(p, stream);
+}
+
+}  // namespace
+
+bool flash_fwd_rows_aligned(const FwdParams& p) {
   auto ok = [](const void* ptr, int64_t row, int64_t head, int64_t batch) {
     return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && row % 8 == 0 && head % 8 == 0 &&
            batch % 8 == 0;
@@ -38,47 +104,54 @@ bool rows_aligned(const FwdParams& p) {
          ok(p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 }
 
-template <typename T, int kHeadDim, bool kExtras>
-void run(const FwdParams& p, Stream stream) {
-  using Cfg = FlashFwdConfig<kHeadDim>;
-  auto kernel = &flash_fwd_kernel<T, Cfg, kExtras>;
-  if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
-  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads_q, p.batch);
-  FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, p, rows_aligned(p));
+// FlashDecoding's rule: split only when the (query block, head, batch) CTAs cannot fill the
+// GPU, into the fewest splits whose last wave is nearly full. Each split must keep at least
+// one key block, and at most kMaxSplits partials are merged per row.
+int flash_fwd_num_splits(const FwdParams& p, int m_blocks, int n_blocks, int ctas_per_sm) {
+  constexpr int kMaxSplits = 128;
+  if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
+  const int64_t ctas = int64_t(m_blocks) * p.heads_q * p.batch;
+  const int64_t slots = int64_t(sm_count()) * ctas_per_sm;
+  if (ctas * 10 >= slots * 8 || n_blocks < 2) return 1;  // >= 80% full without splitting
+  const int most = std::min<int64_t>({kMaxSplits, n_blocks, (slots + ctas - 1) / ctas * 2});
+  // Wave efficiency of n splits: work / (waves x slots). Take the smallest n within 85% of
+  // the best, since every split adds partial traffic and a merge.
+  auto efficiency = [&](int n) {
+    const int64_t work = ctas * n, waves = (work + slots - 1) / slots;
+    return double(work) / double(waves * slots);
+  };
+  double best = 0;
+  for (int n = 1; n <= most; ++n) best = std::max(best, efficiency(n));
+  for (int n = 1; n <= most; ++n)
+    if (efficiency(n) >= 0.85 * best) return n;
+  return 1;
 }
 
-template <typename T, bool kExtras>
-void run_head_dim(const FwdParams& p, Stream stream) {
-  if (p.head_dim <= 64) return run<T, 64, kExtras>(p, stream);
-  return run<T, 128, kExtras>(p, stream);
-}
-
-template <typename T>
-void run_extras(const FwdParams& p, Stream stream) {
-  const bool extras = p.softcap > 0.0 || p.bias.ptr || p.mask.ptr || p.alibi_slopes ||
-                      p.dropout_p > 0.0;
-  if (extras) return run_head_dim<T, true>(p, stream);
-  return run_head_dim<T, false>(p, stream);
-}
-
-}  // namespace
-
-void launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
+int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
     unsupported(std::string("dtype ") + dtype_name(p.dtype) + ", expected float16 or bfloat16");
-  if (p.head_dim < 1 || p.head_dim > 128)
-    unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..128");
+  if (p.head_dim < 1 || p.head_dim > 256)
+    unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..256");
   if (p.head_dim_v != p.head_dim)
     unsupported("head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " +
                 std::to_string(p.head_dim));
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
     unsupported("heads_q " + std::to_string(p.heads_q) + " is not a multiple of heads_kv " +
                 std::to_string(p.heads_kv));
-  if (p.cu_seqlens_q || p.cu_seqlens_k) unsupported("varlen (cu_seqlens) is not implemented yet");
+  if (!p.cu_seqlens_q != !p.cu_seqlens_k)
+    unsupported("cu_seqlens_q and cu_seqlens_k must be given together");
   if (!(p.dropout_p >= 0.0 && p.dropout_p < 1.0))
     unsupported("dropout_p " + std::to_string(p.dropout_p) + ", expected [0, 1)");
   if (!(p.softcap >= 0.0)) unsupported("softcap " + std::to_string(p.softcap) + ", expected >= 0");
-  if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return;  // nothing to write
+  if (p.num_splits < 0)
+    unsupported("num_splits " + std::to_string(p.num_splits) + ", expected >= 0 (0 = automatic)");
+  if (p.seqlen_q < 0 || p.seqlen_k < 0)
+    unsupported("seqlen_q " + std::to_string(p.seqlen_q) + " / seqlen_k " +
+                std::to_string(p.seqlen_k) + ", expected >= 0");
+  if (head_dim_tile(p.head_dim) == 0)
+    unsupported("head_dim " + std::to_string(p.head_dim) +
+                ": no head-dim tile >= it was built (FMHA_CUDA_HEAD_DIMS)");
+  if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return 0;  // nothing to write
   // seqlen_k == 0: the kernel visits no key block and writes out 0, lse -inf.
   const Stream stream = static_cast<Stream>(stream_ptr);
   if (p.dtype == DType::kFloat16) return run_extras<half_t>(p, stream);

@@ -2,15 +2,17 @@
 // Parallelism and Work Partitioning", 2023, Algorithm 1), written only with the wrappers of
 // cuda/primitives.cuh so that it runs on sm_80+ GPUs and, in CI, under the SIMT emulator.
 //
-// Work decomposition: one CTA per (query block Qi of kBlockM = 64 rows, query head, batch);
-// 4 warps, each owning 16 rows of Qi, so the softmax statistics of a row never leave its
-// warp (no shared-memory reduction). Key/value blocks Kj, Vj of kBlockN = 64 keys stream
-// through shared memory with cp.async, two stages deep: the copy of block j+1 is in flight
-// while the tensor cores work on block j.
+// Work decomposition: one CTA per (query block Qi of kBlockM = 64 rows, query head, batch
+// [, key split]); 4 warps, each owning 16 rows of Qi, so the softmax statistics of a row
+// never leave its warp (no shared-memory reduction). Key/value blocks Kj, Vj of kBlockN keys
+// stream through shared memory with cp.async, two stages deep: the copy of block j+1 is in
+// flight while the tensor cores work on block j.
 //
 // Per key block, per warp (names from the paper):
-//   S  = Qi Kj^T                 mma.sync m16n8k16, f32 accumulate; Qi lives in registers
-//                                 as A fragments for the whole kernel (ldmatrix once)
+//   S  = Qi Kj^T                 mma.sync m16n8k16, f32 accumulate; Qi as A fragments, held
+//                                 in registers for the whole kernel (ldmatrix once) or, where
+//                                 registers are short (kQInRegs = false), re-read from shared
+//                                 memory per k-step
 //   mask S (tails, causal/window)
 //   m' = max(m, rowmax(S)); P = exp2(S*scale*log2e - m'); l = l*exp2(m - m') + rowsum(P)
 //   O  = O*exp2(m - m') + P Vj    P re-packed in registers as f16/bf16 A fragments (the
@@ -18,54 +20,128 @@
 //                                 shared-memory round trip); Vj via ldmatrix.trans
 // and once at the end O /= l, lse = (m + log2 l) * ln2.
 //
-// Head dims: the tile is kHeadDim wide (64 or 128); a smaller head_dim runs in the next
-// tile width with the extra columns zero-filled in shared memory (they add 0 to q.k and
-// are not stored). head_dim_v must equal head_dim.
+// Head dims: one FlashFwdConfig per head-dim tile (32, 64, 96, 128, 256, cuda/head_dims.h);
+// a smaller head_dim runs in the next built tile with the extra columns zero-filled in
+// shared memory (they add 0 to q.k and are not stored). head_dim_v must equal head_dim.
+//
+// Variable-length batches (cu_seqlens_q/k): sequence b owns rows [cu[b], cu[b+1]) of the
+// packed tensors; the grid is sized by the longest sequence and a CTA whose query block
+// starts past its sequence's end exits at once. Everything else (window diagonal, ALiBi,
+// bias/mask and dropout coordinates) uses positions within the sequence, as the CPU does.
+//
+// Split-KV (FlashDecoding): with num_splits > 1 the key blocks a CTA would visit are cut
+// into num_splits contiguous ranges, one CTA each; every CTA writes its normalised partial
+// O (float32) and lse, and flash_fwd_combine_kernel merges them by lse. A split that sees no
+// key writes O = 0, lse = -inf and drops out of the merge with weight 0.
 //
 // The score pipeline of design.md -- softcap, additive bias (any float dtype, broadcast by
 // zero strides), ALiBi, boolean mask, dropout (Philox4x32-10, fmha/philox.h: the same mask as
-// the CPU for any tiling) -- is compiled in only when kExtras: plain attention keeps its
-// registers and its single multiply per score.
+// the CPU for any tiling or split) -- is compiled in only when kExtras: plain attention keeps
+// its registers and its single multiply per score.
 //
-// Not yet here: varlen (the launcher rejects it; see flash_fwd.cu), split-KV, output staged
-// through shared memory for coalesced stores, skipping the mask arithmetic for blocks inside every window.
+// Not yet here: output staged through shared memory for coalesced stores, skipping the mask
+// arithmetic for blocks inside every window. Performance reasoning: cuda/NOTES.md.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "cuda/flash_fwd.h"
+#include "cuda/head_dims.h"
 #include "cuda/primitives.cuh"
 #include "fmha/philox.h"
 
 namespace fmha {
 namespace gpu {
 
-template <int kHeadDim_>
-struct FlashFwdConfig {
+// The shape of one forward kernel. Register budget per thread (255 max, no spills) is what
+// decides the tiles: a warp owns 16 rows, so per thread
+//   O accumulator  kHeadDim / 8 n-tiles x 4 floats  = kHeadDim / 2 registers
+//   S accumulator  kBlockN / 8 n-tiles x 4 floats   = kBlockN / 2
+//   Q fragments    kHeadDim / 16 k-steps x 4        = kHeadDim / 4   (only when kQInRegs)
+// plus ~60-90 for addresses, softmax statistics, the K/V fragments in flight and indices.
+template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_>
+struct FlashFwdConfigBase {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64, kBlockN = 64;
+  static constexpr int kBlockM = 64, kBlockN = kBlockN_;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kStages = 2;
+  static constexpr bool kQInRegs = kQInRegs_;
+  // CTAs one SM holds at once (registers x 128 threads and shared memory, sm_80): the
+  // split-KV heuristic's unit of "the GPU is full".
+  static constexpr int kCtasPerSm = kCtasPerSm_;
   // Rows padded by 8 elements (16 bytes): row starts stay 16-byte aligned (ldmatrix,
-  // cp.async) and the 8 rows one ldmatrix reads fall in distinct banks (144- and 272-byte
-  // strides step through all 32 banks).
+  // cp.async) and the 8 rows one ldmatrix reads fall in distinct banks (row strides of
+  // 80, 144, 208, 272 and 528 bytes all step through the 32 banks without repeating).
   static constexpr int kPad = 8;
   static constexpr int kStride = kHeadDim + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
-  // Qi once, then kStages x (Kj, Vj): 46 KiB at d = 64, 87 KiB at d = 128.
+  // Qi once, then kStages x (Kj, Vj).
   static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2;
 
-  static constexpr int kNTilesS = kBlockN / 8;    // n-tiles of S (keys)
+  static constexpr int kNTilesS = kBlockN / 8;     // n-tiles of S (keys)
   static constexpr int kKStepsQK = kHeadDim / 16;  // k-steps of Qi Kj^T (head dim)
-  static constexpr int kNTilesO = kHeadDim / 8;   // n-tiles of O (head dim)
+  static constexpr int kNTilesO = kHeadDim / 8;    // n-tiles of O (head dim)
   static constexpr int kKStepsPV = kBlockN / 16;   // k-steps of P Vj (keys)
+  // Philox draws of dropout unrolled together: all of them (ILP) unless registers are short.
+  static constexpr int kDropoutUnroll = kHeadDim >= 256 ? 1 : 2 * kNTilesS;
+  // Accumulator + fragment registers per thread (the part that grows with the tile).
+  static constexpr int kTileRegs = kHeadDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4);
 
   static_assert(kBlockM == 16 * kWarps, "each warp owns 16 query rows");
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "whole mma k-steps");
   static_assert(kNTilesS % 2 == 0 && kNTilesO % 2 == 0, "B fragments load two n-tiles per x4");
-  static_assert((kBlockM * kHeadDim / 8) % kThreads == 0, "whole 16-byte chunks per thread");
+  static_assert((kBlockM * kHeadDim / 8) % kThreads == 0 && (kBlockN * kHeadDim / 8) % kThreads == 0,
+                "whole 16-byte chunks per thread");
   static_assert((kStride * 2) % 16 == 0, "16-byte aligned shared rows");
+  static_assert(kTileRegs <= 176, "leave >= ~80 registers for addresses and softmax state");
+  // 163 KiB: the most dynamic shared memory one CTA may opt into on sm_80 (A100).
+  static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 SM");
+};
+
+// Configs per head-dim tile and kExtras (the score pipeline's per-element work -- bias/mask
+// addresses, ALiBi, Philox -- needs ~30-60 more registers than the plain path).
+template <int kHeadDim, bool kExtras>
+struct FlashFwdConfig;
+
+// Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80). Measured registers are in
+// flash_fwd.cu; every choice below is the widest tile that ptxas fits without spilling on
+// both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
+// what matters is that nothing spills).
+//
+// d = 32: 16 (O) + 32 (S) + 8 (Q) registers of tiles, 25 KiB of shared memory. Bound by
+// softmax and memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others.
+template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 3> {};
+template <> struct FlashFwdConfig<32, true> : FlashFwdConfigBase<32, 64, true, 2> {};
+// d = 64: Q re-read from shared memory (4 ldmatrix.x4 per key block and warp, +12% shared
+// traffic): with Q in registers ptxas caps the kernel at 168 registers (3 CTAs/SM) and
+// spills 16 bytes. 46 KiB: three CTAs per SM. Extras: kBlockN = 32 halves S and the
+// per-score extras state.
+template <> struct FlashFwdConfig<64, false> : FlashFwdConfigBase<64, 64, false, 3> {};
+template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3> {};
+// d = 96: 48 + 32 + 24 registers of tiles, 67 KiB: two CTAs per SM on sm_80.
+template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 64, true, 2> {};
+template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2> {};
+// d = 128: 87 KiB, one CTA per SM on sm_80 by shared memory (two on sm_90's 227 KiB).
+// Plain: Q from shared memory, as FlashAttention-2 does -- with Q in registers (+32) the
+// varlen/split bookkeeping pushed ptxas to 255 and 24-byte spills on sm_90. Extras: Q in
+// registers but kBlockN = 32 (S 16 registers).
+template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 64, false, 2> {};
+template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true, 2> {};
+// d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
+// (S 8 registers); kBlockN = 32 spilled 8-48 bytes. The rescale of O (128 multiplies per
+// thread) now comes every 16 keys: see NOTES.md for the cost. 68 KiB of shared memory.
+template <> struct FlashFwdConfig<256, false> : FlashFwdConfigBase<256, 16, false, 1> {};
+template <> struct FlashFwdConfig<256, true> : FlashFwdConfigBase<256, 16, false, 1> {};
+// What one launch of flash_fwd_kernel needs beyond the params: resolved once on the host.
+struct FwdLaunch {
+  bool vec = false;     // rows 16-byte aligned: tiles move by cp.async
+  int num_splits = 1;   // key ranges per (query block, head, batch); 1 = write out/lse directly
+  int m_blocks = 1;     // query blocks per (head, batch): blockIdx.x = split * m_blocks + m_block
+  // num_splits > 1: partial results, row r = (split, b, h, i) at [r * head_dim] / [r], with
+  // i < seqlen_q (the maximum when varlen): float32, O normalised by its own l.
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
 };
 
 namespace flash_detail {
@@ -112,10 +188,29 @@ FMHA_DEVICE float bias_at(const Broadcast4& bias, int64_t index) {
   return 0.0f;
 }
 
+// Where sequence b lives: its first row in the packed tensors (varlen; else 0) and its
+// lengths. Positions inside the sequence (0..sq-1, 0..sk-1) are what the window, ALiBi,
+// bias/mask and dropout see, exactly as csrc/cpu/tile.h's Seq.
+struct Seq {
+  int q_first, k_first, sq, sk;
+};
+FMHA_DEVICE Seq seq_of(const FwdParams& p, int b) {
+  if (p.cu_seqlens_q) {
+    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    return {q0, k0, p.cu_seqlens_q[b + 1] - q0, p.cu_seqlens_k[b + 1] - k0};
+  }
+  return {0, 0, p.seqlen_q, p.seqlen_k};
+}
+// Element offset of a sequence's row 0: packed rows when varlen (batch strides unused).
+FMHA_DEVICE int64_t seq_base(const FwdParams& p, int b, int first, int64_t batch_stride,
+                             int64_t row_stride) {
+  return p.cu_seqlens_q ? int64_t(first) * row_stride : int64_t(b) * batch_stride;
+}
+
 }  // namespace flash_detail
 
 template <typename T, typename Cfg, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, bool vec) {
+__global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, FwdLaunch launch) {
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sQ = smem;                       // [kBlockM][kStride]
   T* sK = sQ + Cfg::kTileQ;           // [kStages][kBlockN][kStride]
@@ -123,16 +218,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m_block = blockIdx.x % launch.m_blocks, split = blockIdx.x / launch.m_blocks;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.heads_q / p.heads_kv);  // GQA: K and V are shared, never copied
-  const int sq = p.seqlen_q, sk = p.seqlen_k, d = p.head_dim;
+  const flash_detail::Seq seq = flash_detail::seq_of(p, b);
+  const int sq = seq.sq, sk = seq.sk, d = p.head_dim;
   const int m0 = m_block * Cfg::kBlockM;
-
-  const T* Q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const T* K = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* V = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* O = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  float* lse = static_cast<float*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+  // Varlen: the grid is sized by the longest sequence; this block lies past its own.
+  // (Uniform over the CTA, before any barrier.)
+  if (m0 >= sq) return;
 
   // Visible keys of row i: [i + off - left, i + off + right] (negative window: unbounded).
   const int off = p.bottom_right ? sk - sq : 0;
@@ -143,6 +237,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
   if (right >= 0) {
     const int last_key = m0 + Cfg::kBlockM - 1 + off + right;  // of the block's last row
     n_end = last_key < 0 ? 0 : min(n_end, last_key / Cfg::kBlockN + 1);
+  }
+  if (launch.num_splits > 1) {
+    // Split-KV: this CTA takes the split-th of num_splits equal contiguous shares of the
+    // blocks above (a share may be empty: then it reports no key, lse -inf).
+    const int per = (max(n_end - n_begin, 0) + launch.num_splits - 1) / launch.num_splits;
+    n_begin += split * per;
+    n_end = min(n_end, n_begin + per);
   }
 
   // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16.
@@ -159,6 +260,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
     for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.0f;
 
   if (n_begin < n_end) {
+    const T* Q = static_cast<const T*>(p.q) + h * p.q_head_stride +
+                 flash_detail::seq_base(p, b, seq.q_first, p.q_batch_stride, p.q_row_stride);
+    const T* K = static_cast<const T*>(p.k) + h_kv * p.k_head_stride +
+                 flash_detail::seq_base(p, b, seq.k_first, p.k_batch_stride, p.k_row_stride);
+    const T* V = static_cast<const T*>(p.v) + h_kv * p.v_head_stride +
+                 flash_detail::seq_base(p, b, seq.k_first, p.v_batch_stride, p.v_row_stride);
     constexpr float kLog2e = 1.4426950408889634f;
     const float scale_log2 = float(p.scale) * kLog2e;  // exp(x) = exp2(x log2 e)
     // kExtras only: the rest of the score pipeline and dropout. Everything else they need
@@ -172,13 +279,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
                                                     p.k_row_stride, sk, d,
-                                                    n_block * Cfg::kBlockN, vec, tid);
+                                                    n_block * Cfg::kBlockN, launch.vec, tid);
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sV + stage * Cfg::kTileKV, V,
                                                     p.v_row_stride, sk, d,
-                                                    n_block * Cfg::kBlockN, vec, tid);
+                                                    n_block * Cfg::kBlockN, launch.vec, tid);
     };
 
-    flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, vec, tid);
+    flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, launch.vec,
+                                                  tid);
     cp_async_commit();
     load_kv(n_begin, 0);
     cp_async_commit();
@@ -186,12 +294,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
     // Every thread's part of Qi is in shared memory before any warp reads its rows.
     __syncthreads();
 
-    // Qi as A fragments, kept in registers: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15)
-    // addressed by lanes 0-7, 8-15, 16-23, 24-31 are registers a0..a3 of the mma A layout.
-    uint32_t q_frag[Cfg::kKStepsQK][4];
+    // Qi as A fragments: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15) addressed by lanes
+    // 0-7, 8-15, 16-23, 24-31 are registers a0..a3 of the mma A layout. sQ is never
+    // overwritten, so where registers are short the fragments are re-read per k-step.
+    const T* sQ_warp = sQ + (warp * 16 + lane % 16) * Cfg::kStride + (lane / 16) * 8;
+    uint32_t q_frag[Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
+    if constexpr (Cfg::kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kKStepsQK; ++kk)
-      ldmatrix<4>(q_frag[kk], sQ + (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8);
+      for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) ldmatrix<4>(q_frag[kk], sQ_warp + kk * 16);
+    }
 
     for (int n_block = n_begin; n_block < n_end; ++n_block) {
       const int stage = (n_block - n_begin) % Cfg::kStages;
@@ -215,6 +326,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
         for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) {
+        uint32_t (&a)[4] = q_frag[Cfg::kQInRegs ? kk : 0];
+        if constexpr (!Cfg::kQInRegs) ldmatrix<4>(a, sQ_warp + kk * 16);
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; j += 2) {
           uint32_t k4[4];
@@ -222,11 +335,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
           const int dim = kk * 16 + ((lane / 8) % 2) * 8;
           ldmatrix<4>(k4, tK + key * Cfg::kStride + dim);
           const uint32_t b0[2] = {k4[0], k4[1]}, b1[2] = {k4[2], k4[3]};
-          mma_m16n8k16<T>(acc_s[j], q_frag[kk], b0, acc_s[j]);
-          mma_m16n8k16<T>(acc_s[j + 1], q_frag[kk], b1, acc_s[j + 1]);
+          mma_m16n8k16<T>(acc_s[j], a, b0, acc_s[j]);
+          mma_m16n8k16<T>(acc_s[j + 1], a, b1, acc_s[j + 1]);
         }
       }
-
       // ---- scale into the log2 domain and mask: keys past seqlen_k (zero-filled, but they
       // must get probability 0, not exp(0)) and keys outside the row's window.
 #pragma unroll
@@ -297,19 +409,31 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
         const uint32_t threshold = uint32_t(fmin(p.dropout_p * 4294967296.0, 4294967295.0));
         const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
         const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
+        // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
+        // j, key 2t + e), then the multiplies: the draws loop indexes no register array, so
+        // where registers are short (kDropoutUnroll = 1) it runs one Philox at a time.
+        static_assert(2 * Cfg::kNTilesS * 2 <= 32, "keep bits fit one word");
+        uint32_t keep = 0;
+#pragma unroll Cfg::kDropoutUnroll
+        for (int x = 0; x < 2 * Cfg::kNTilesS; ++x) {
+          const int r = x / Cfg::kNTilesS, j = x % Cfg::kNTilesS;
+          const int key = n0 + j * 8 + 2 * t;
+          const Philox4 rnd = philox4x32_10(
+              uint32_t(key >> 2), uint32_t(row_lo + 8 * r), bh, uint32_t(p.offset),
+              uint32_t(p.seed), uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
+          const uint32_t w0 = (t & 1) ? rnd.x[2] : rnd.x[0];
+          const uint32_t w1 = (t & 1) ? rnd.x[3] : rnd.x[1];
+          keep |= (uint32_t(w0 >= threshold) | (uint32_t(w1 >= threshold) << 1)) << (2 * x);
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int j = 0; j < Cfg::kNTilesS; ++j) {
-            const int key = n0 + j * 8 + 2 * t;
-            const Philox4 rnd = philox4x32_10(
-                uint32_t(key >> 2), uint32_t(rows[r]), bh, uint32_t(p.offset), uint32_t(p.seed),
-                uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
-            const uint32_t w0 = (t & 1) ? rnd.x[2] : rnd.x[0];
-            const uint32_t w1 = (t & 1) ? rnd.x[3] : rnd.x[1];
-            acc_s[j][2 * r] = w0 >= threshold ? acc_s[j][2 * r] * keep_scale : 0.0f;
-            acc_s[j][2 * r + 1] = w1 >= threshold ? acc_s[j][2 * r + 1] * keep_scale : 0.0f;
-          }
+          for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              acc_s[j][2 * r + e] =
+                  (keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u ? acc_s[j][2 * r + e] * keep_scale
+                                                                   : 0.0f;
       }
 
       // ---- O += P Vj. The S accumulator of n-tiles 2k, 2k+1 is exactly the A fragment of
@@ -343,25 +467,135 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, b
 
   // ---- epilogue: l over the quad, O /= l, lse. A row with no visible key has l = 0:
   // out 0, lse -inf (never NaN).
+  const bool partial = launch.num_splits > 1;
+  // Bases recomputed here rather than kept live through the key loop (registers).
+  T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
+         flash_detail::seq_base(p, b, seq.q_first, p.o_batch_stride, p.o_row_stride);
+  float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
+               flash_detail::seq_base(p, b, seq.q_first, p.lse_batch_stride, p.lse_row_stride);
+  // Split-KV partials: (split, b, h, i) rows of head_dim floats, i < seqlen_q (the maximum).
+  const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += shfl_xor(l[r], 1);
     l[r] += shfl_xor(l[r], 2);
     const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float row_lse = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY;
     const int i = rows[r];
     if (i < sq) {
+      if (partial) {
+        float* Op = launch.o_partial + (partial_row0 + i) * d;
 #pragma unroll
-      for (int j = 0; j < Cfg::kNTilesO; ++j)
+        for (int j = 0; j < Cfg::kNTilesO; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = j * 8 + 2 * t + e;
-          if (col < d) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
-        }
-      if (t == 0)
-        lse[i * p.lse_row_stride] =
-            l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY;
+          for (int e = 0; e < 2; ++e) {
+            const int col = j * 8 + 2 * t + e;
+            if (col < d) Op[col] = acc_o[j][2 * r + e] * inv_l;
+          }
+        if (t == 0) launch.lse_partial[partial_row0 + i] = row_lse;
+      } else {
+#pragma unroll
+        for (int j = 0; j < Cfg::kNTilesO; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = j * 8 + 2 * t + e;
+            if (col < d) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
+          }
+        if (t == 0) lse[i * p.lse_row_stride] = row_lse;
+      }
     }
   }
+}
+
+// Split-KV merge: for each row, lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse)
+// O_s (each O_s already normalised by its own l). One warp per row: the lanes share the
+// splits for the two reductions, then the head dims for the weighted sum.
+constexpr int kCombineWarps = 4;
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(32 * kCombineWarps)
+    flash_fwd_combine_kernel(FwdParams p, FwdLaunch launch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int i = blockIdx.x * kCombineWarps + warp;
+  const flash_detail::Seq seq = flash_detail::seq_of(p, b);
+  if (i >= seq.sq) return;  // whole warps: no lane of a warp that shuffles has exited
+  const int n = launch.num_splits, d = p.head_dim;
+  const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+  const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const float* lse_s = launch.lse_partial + row;
+
+  float mx = -INFINITY;
+  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, lse_s[s * split_stride]);
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) mx = fmaxf(mx, shfl_xor(mx, w));
+  // Every split empty / every key masked: out 0, lse -inf (exp(-inf - -inf) would be NaN).
+  float sum = 0.0f;
+  if (mx != -INFINITY)
+    for (int s = lane; s < n; s += 32) sum += expf(lse_s[s * split_stride] - mx);
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) sum += shfl_xor(sum, w);
+  const float total = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+
+  constexpr int kCols = (kHeadDim + 31) / 32;  // head dims per lane
+  float acc[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
+  if (mx != -INFINITY)
+    for (int s = 0; s < n; ++s) {
+      const float w = expf(lse_s[s * split_stride] - total);  // 0 for an empty split
+      const float* Os = launch.o_partial + (s * split_stride + row) * d;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (lane + 32 * c < d) acc[c] += w * Os[lane + 32 * c];
+    }
+  T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
+         flash_detail::seq_base(p, b, seq.q_first, p.o_batch_stride, p.o_row_stride) +
+         int64_t(i) * p.o_row_stride;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c)
+    if (lane + 32 * c < d) O[lane + 32 * c] = from_float<T>(acc[c]);
+  if (lane == 0)
+    static_cast<float*>(p.lse)[h * p.lse_head_stride + i * p.lse_row_stride +
+                               flash_detail::seq_base(p, b, seq.q_first, p.lse_batch_stride,
+                                                      p.lse_row_stride)] = total;
+}
+
+// Host side, defined in flash_fwd.cu (plain functions, shared by every instantiation).
+// True when q, k, v rows may move by 16-byte cp.async.
+bool flash_fwd_rows_aligned(const FwdParams& p);
+// The number of key splits for a launch of (blocks_per_head x heads x batch) CTAs over
+// n_blocks key blocks: p.num_splits when set, else the occupancy heuristic.
+int flash_fwd_num_splits(const FwdParams& p, int m_blocks, int n_blocks, int ctas_per_sm);
+
+// The launcher every generated instantiation file (csrc/cuda/instantiations/) instantiates
+// once: run_flash_fwd<T, head-dim tile, extras>. Returns the number of key splits it used.
+template <typename T, int kHeadDim, bool kExtras>
+int run_flash_fwd(const FwdParams& p, Stream stream) {
+  using Cfg = FlashFwdConfig<kHeadDim, kExtras>;
+  FwdLaunch launch;
+  launch.vec = flash_fwd_rows_aligned(p);
+  launch.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  launch.num_splits = flash_fwd_num_splits(
+      p, launch.m_blocks, (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, Cfg::kCtasPerSm);
+  const int64_t partial_rows =
+      launch.num_splits > 1 ? int64_t(launch.num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
+  // Stream-ordered: freed after the combine kernel on the same stream has run.
+  Scratch scratch(size_t(partial_rows) * (p.head_dim + 1) * sizeof(float), stream);
+  if (partial_rows > 0) {
+    launch.o_partial = scratch.as<float>();
+    launch.lse_partial = launch.o_partial + partial_rows * p.head_dim;
+  }
+  auto kernel = &flash_fwd_kernel<T, Cfg, kExtras>;
+  if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
+  const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
+  FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, p, launch);
+  if (launch.num_splits > 1) {
+    auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
+    const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
+    FMHA_LAUNCH(combine, cgrid, dim3(32 * kCombineWarps), 0, stream, p, launch);
+  }
+  return launch.num_splits;
 }
 
 }  // namespace gpu

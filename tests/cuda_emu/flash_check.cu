@@ -28,61 +28,86 @@ struct Case {
   int batch, sq, sk, hq, hkv, d;
   int left, right;
   bool bottom_right;
+  int num_splits = 1;
+  // Varlen: per-sequence lengths (batch of them); sq / sk are then their maxima and the
+  // buffers are packed (total, heads, dim), exactly sized.
+  std::vector<int> seqlens_q = {}, seqlens_k = {};
 };
 
 template <typename T>
 Result flash_case(const Case& c) {
   std::mt19937 rng(unsigned(c.sq * 131 + c.sk * 17 + c.d));
   std::normal_distribution<float> normal;
-  // Exactly sized, contiguous (b, s, h, d) buffers: AddressSanitizer flags any read past an edge.
-  const size_t nq = size_t(c.batch) * c.sq * c.hq * c.d, nk = size_t(c.batch) * c.sk * c.hkv * c.d;
+  const bool varlen = !c.seqlens_q.empty();
+  // Sequence b: rows [q0[b], q0[b] + lq[b]) of a packed (total, h, d) buffer, or the b-th
+  // (sq, h, d) slab of a (batch, sq, h, d) one -- the same thing with fixed lengths.
+  std::vector<int> lq(size_t(c.batch), c.sq), lk(size_t(c.batch), c.sk), q0(size_t(c.batch) + 1, 0),
+      k0(size_t(c.batch) + 1, 0);
+  if (varlen) lq = c.seqlens_q, lk = c.seqlens_k;
+  for (int b = 0; b < c.batch; ++b) q0[size_t(b) + 1] = q0[size_t(b)] + lq[size_t(b)];
+  for (int b = 0; b < c.batch; ++b) k0[size_t(b) + 1] = k0[size_t(b)] + lk[size_t(b)];
+  const int tq = q0[size_t(c.batch)], tk = k0[size_t(c.batch)];
+  // Exactly sized, contiguous buffers: AddressSanitizer flags any read past an edge.
+  const size_t nq = size_t(tq) * c.hq * c.d, nk = size_t(tk) * c.hkv * c.d;
   std::vector<T> q(nq), k(nk), v(nk), o(nq);
   std::vector<double> fq(nq), fk(nk), fv(nk);
   for (size_t i = 0; i < nq; ++i) fq[i] = to_float(q[i] = from_float<T>(normal(rng)));
   for (size_t i = 0; i < nk; ++i) fk[i] = to_float(k[i] = from_float<T>(normal(rng)));
   for (size_t i = 0; i < nk; ++i) fv[i] = to_float(v[i] = from_float<T>(normal(rng)));
-  std::vector<float> lse(size_t(c.batch) * c.hq * c.sq);
+  std::vector<float> lse(size_t(tq) * c.hq);
 
   fmha::FwdParams p;
   p.q = q.data(), p.k = k.data(), p.v = v.data(), p.o = o.data(), p.lse = lse.data();
   p.q_row_stride = p.o_row_stride = int64_t(c.hq) * c.d;
   p.q_head_stride = p.o_head_stride = p.k_head_stride = p.v_head_stride = c.d;
-  p.q_batch_stride = p.o_batch_stride = int64_t(c.sq) * c.hq * c.d;
   p.k_row_stride = p.v_row_stride = int64_t(c.hkv) * c.d;
-  p.k_batch_stride = p.v_batch_stride = int64_t(c.sk) * c.hkv * c.d;
-  p.lse_batch_stride = int64_t(c.hq) * c.sq, p.lse_head_stride = c.sq, p.lse_row_stride = 1;
+  if (varlen) {
+    p.cu_seqlens_q = q0.data(), p.cu_seqlens_k = k0.data();
+    p.lse_head_stride = tq, p.lse_row_stride = 1;  // (heads, total_q)
+  } else {
+    p.q_batch_stride = p.o_batch_stride = int64_t(c.sq) * c.hq * c.d;
+    p.k_batch_stride = p.v_batch_stride = int64_t(c.sk) * c.hkv * c.d;
+    p.lse_batch_stride = int64_t(c.hq) * c.sq, p.lse_head_stride = c.sq, p.lse_row_stride = 1;
+  }
   p.batch = c.batch, p.heads_q = c.hq, p.heads_kv = c.hkv;
   p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.head_dim = p.head_dim_v = c.d;
   p.dtype = std::is_same<T, half_t>::value ? fmha::DType::kFloat16 : fmha::DType::kBFloat16;
   p.scale = 1.0 / std::sqrt(double(c.d));
   p.window_left = c.left, p.window_right = c.right, p.bottom_right = c.bottom_right;
+  p.num_splits = c.num_splits;
   emu::reset_stats();
-  launch_flash_fwd(p, nullptr);
+  const int splits = launch_flash_fwd(p, nullptr);
   const emu::Stats s = emu::stats();
+  if (splits != c.num_splits)
+    return fail("used " + std::to_string(splits) + " splits, asked for " + std::to_string(c.num_splits));
 
   // P is rounded to T before P V (as on the GPU): allow a few units of T's precision.
   const double eps = std::is_same<T, half_t>::value ? 1e-3 : 8e-3;
-  const int off = c.bottom_right ? c.sk - c.sq : 0;
   for (int b = 0; b < c.batch; ++b)
     for (int h = 0; h < c.hq; ++h) {
       const int hk = h / (c.hq / c.hkv);
-      for (int i = 0; i < c.sq; ++i) {
-        std::vector<double> srow(size_t(c.sk), -INFINITY);
+      const int sq = lq[size_t(b)], sk = lk[size_t(b)];
+      const int off = c.bottom_right ? sk - sq : 0;
+      for (int i = 0; i < sq; ++i) {
+        const size_t qrow = size_t(q0[size_t(b)] + i);
+        std::vector<double> srow(size_t(sk), -INFINITY);
         double mx = -INFINITY;
-        for (int j = 0; j < c.sk; ++j) {
+        for (int j = 0; j < sk; ++j) {
           if ((c.left >= 0 && j < i + off - c.left) || (c.right >= 0 && j > i + off + c.right))
             continue;
           double dot = 0;
           for (int x = 0; x < c.d; ++x)
-            dot += fq[((size_t(b) * c.sq + i) * c.hq + h) * c.d + x] *
-                   fk[((size_t(b) * c.sk + j) * c.hkv + hk) * c.d + x];
+            dot += fq[(qrow * c.hq + h) * c.d + x] *
+                   fk[((size_t(k0[size_t(b)]) + j) * c.hkv + hk) * c.d + x];
           srow[size_t(j)] = dot * p.scale;
           mx = std::max(mx, srow[size_t(j)]);
         }
         double sum = 0;
-        for (int j = 0; j < c.sk; ++j) sum += mx == -INFINITY ? 0.0 : std::exp(srow[size_t(j)] - mx);
+        for (int j = 0; j < sk; ++j) sum += mx == -INFINITY ? 0.0 : std::exp(srow[size_t(j)] - mx);
         const double ref_lse = sum > 0 ? mx + std::log(sum) : -INFINITY;
-        const float got_lse = lse[(size_t(b) * c.hq + h) * c.sq + i];
+        // lse: (heads, total_q) when varlen, else (batch, heads, seqlen_q).
+        const size_t lse_at = varlen ? size_t(h) * tq + qrow : (size_t(b) * c.hq + h) * c.sq + i;
+        const float got_lse = lse[lse_at];
         if (!(got_lse == ref_lse || std::fabs(got_lse - ref_lse) <= 1e-4 * (1 + std::fabs(ref_lse)))) {
           char buf[160];
           std::snprintf(buf, sizeof buf, "lse[%d][%d][%d] = %.7g, expected %.7g", b, h, i, got_lse,
@@ -91,13 +116,13 @@ Result flash_case(const Case& c) {
         }
         for (int x = 0; x < c.d; ++x) {
           double ref = 0, mag = 0;
-          for (int j = 0; j < c.sk; ++j) {
+          for (int j = 0; j < sk; ++j) {
             const double pj = sum > 0 ? std::exp(srow[size_t(j)] - mx) / sum : 0.0;
-            const double vj = fv[((size_t(b) * c.sk + j) * c.hkv + hk) * c.d + x];
+            const double vj = fv[((size_t(k0[size_t(b)]) + j) * c.hkv + hk) * c.d + x];
             ref += pj * vj;
             mag += pj * std::fabs(vj);
           }
-          const double got = to_float(o[((size_t(b) * c.sq + i) * c.hq + h) * c.d + x]);
+          const double got = to_float(o[(qrow * c.hq + h) * c.d + x]);
           if (!(std::fabs(got - ref) <= eps * (mag + std::fabs(ref)) + 1e-6)) {
             char buf[160];
             std::snprintf(buf, sizeof buf, "out[%d][%d][%d][%d] = %.6g, expected %.6g", b, i, h,
@@ -112,7 +137,7 @@ Result flash_case(const Case& c) {
   const bool aligned = c.d % 8 == 0;
   if (aligned && s.cp_async == 0) return fail("aligned rows but no cp.async");
   if (!aligned && s.cp_async != 0) return fail("cp.async used on unaligned rows");
-  if (aligned && c.sk > 64 && s.max_cp_async_groups_pending != 2)
+  if (aligned && c.sk > 64 && c.num_splits == 1 && s.max_cp_async_groups_pending != 2)
     return fail("no double buffering (max groups in flight " +
                 std::to_string(s.max_cp_async_groups_pending) + ")");
   char buf[160];
@@ -128,5 +153,17 @@ EMU_TEST("flash.f16.d64.causal.tail", FLASH_CITE) { return flash_case<half_t>({1
 EMU_TEST("flash.bf16.d128.full.tail", FLASH_CITE) { return flash_case<bf16_t>({1, 17, 130, 1, 1, 128, -1, -1, true}); }
 EMU_TEST("flash.f16.d64.gqa.sq_gt_sk", FLASH_CITE) { return flash_case<half_t>({2, 80, 17, 2, 1, 64, -1, 0, true}); }
 EMU_TEST("flash.f16.d59.window.topleft", FLASH_CITE) { return flash_case<half_t>({1, 33, 70, 1, 1, 59, 5, 3, false}); }
+// Varlen: packed, exactly sized buffers; an empty sequence, one past the tile, sq != sk.
+EMU_TEST("flash.f16.d64.varlen.causal", FLASH_CITE) {
+  return flash_case<half_t>({3, 70, 80, 2, 1, 64, -1, 0, true, 1, {17, 0, 70}, {80, 5, 33}});
+}
+// Split-KV: 3 splits of 3 key blocks of a 96-wide tile, then the combine kernel; a window
+// leaves some splits of each row without keys.
+EMU_TEST("flash.bf16.d96.split3.window", FLASH_CITE) {
+  return flash_case<bf16_t>({1, 20, 150, 2, 2, 96, 40, 0, true, 3});
+}
+EMU_TEST("flash.f16.d256.varlen.split2", FLASH_CITE) {
+  return flash_case<half_t>({2, 9, 40, 1, 1, 256, -1, -1, true, 2, {9, 3}, {40, 0}});
+}
 
 }  // namespace
