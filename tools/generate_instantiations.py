@@ -49,6 +49,9 @@ FAMILIES = [
     # extras: softcap / bias / ALiBi / mask / dropout compiled in (flash_fwd.cuh).
     Family("flash_fwd", "cuda/flash_fwd.cuh", "run_flash_fwd", "const FwdParams&, Stream", "int",
            variants={"": ("false",), "extras": ("true",)}),
+    # The backward's launches (D, dK/dV/dQ or the deterministic dQ kernel, dbias): flash_bwd.cuh.
+    Family("flash_bwd", "cuda/flash_bwd.cuh", "run_flash_bwd", "const BwdParams&, Stream", "void",
+           variants={"": ("false",), "extras": ("true",)}),
 ]
 
 
