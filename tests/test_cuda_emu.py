@@ -204,6 +204,16 @@ def test_flash_forward_clean_under_sanitizers(programs, variant):
     assert "ERROR: AddressSanitizer" not in proc.stderr
 
 
+@pytest.mark.parametrize("variant", ["plain", "asan", "racecheck"])
+def test_flash_backward_clean_under_sanitizers(programs, variant):
+    """The FlashAttention-2 backward kernels (csrc/cuda/flash_bwd.cuh: atomic and deterministic
+    dQ, varlen, d = 256 column splits) against a float64 reference, with no out-of-bounds
+    access (ASan) and no shared-memory race (race checker)."""
+    proc = programs.run(variant, "flash_bwd.*")
+    _assert_all_pass(proc, expect_at_least=4)
+    assert "ERROR: AddressSanitizer" not in proc.stderr
+
+
 def test_tsan_clean(programs):
     """ThreadSanitizer finds no race in the emulator runtime nor in correct kernels."""
     proc = programs.run("tsan", "kat.*", "gemm.f16.64x64x64", "gemm.bf16.17x33x29",

@@ -1,0 +1,172 @@
+// The FlashAttention-2 backward kernels (csrc/cuda/flash_bwd.cuh) against a float64
+// reference, built plainly, with AddressSanitizer and with the race checker: exactly sized
+// buffers (tails, padded head dims, varlen packing), the cp.async double buffer of Q/dO, the
+// dS^T tile shared between warps for dQ, float32 atomics and the deterministic dQ kernel.
+// The numerical sweep against fmha.reference is tests/test_cuda_backward_emu.py and
+// tests/test_cuda_emu_cases.py; these cases cover the code paths under the sanitizers.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/emu/runtime.h"
+#include "cuda/flash_bwd.h"
+#include "cuda/flash_fwd.h"
+#include "cuda/primitives.cuh"
+#include "emu_test.h"
+
+using namespace fmha::gpu;
+using emu_test::fail;
+using emu_test::pass;
+using emu_test::Result;
+
+namespace {
+
+struct BwdCase {
+  int batch, sq, sk, hq, hkv, d;
+  int left, right;
+  bool deterministic;
+  std::vector<int> seqlens_q = {}, seqlens_k = {};  // varlen (packed, exactly sized)
+};
+
+template <typename T>
+Result flash_bwd_case(const BwdCase& c) {
+  std::mt19937 rng(unsigned(c.sq * 7 + c.sk * 3 + c.d));
+  std::normal_distribution<float> normal;
+  const bool varlen = !c.seqlens_q.empty();
+  std::vector<int> lq(size_t(c.batch), c.sq), lk(size_t(c.batch), c.sk);
+  if (varlen) lq = c.seqlens_q, lk = c.seqlens_k;
+  std::vector<int> q0(size_t(c.batch) + 1, 0), k0(size_t(c.batch) + 1, 0);
+  for (int b = 0; b < c.batch; ++b) {
+    q0[size_t(b) + 1] = q0[size_t(b)] + lq[size_t(b)];
+    k0[size_t(b) + 1] = k0[size_t(b)] + lk[size_t(b)];
+  }
+  const int tq = q0[size_t(c.batch)], tk = k0[size_t(c.batch)];
+  const size_t nq = size_t(tq) * c.hq * c.d, nk = size_t(tk) * c.hkv * c.d;
+  std::vector<T> q(nq), k(nk), v(nk), o(nq), dout(nq), dq(nq), dk(nk), dv(nk);
+  auto fill = [&](std::vector<T>& x) {
+    for (T& e : x) e = from_float<T>(normal(rng));
+  };
+  fill(q), fill(k), fill(v), fill(dout);
+  std::vector<float> lse(size_t(tq) * c.hq);
+
+  fmha::BwdParams p;
+  p.q = q.data(), p.k = k.data(), p.v = v.data(), p.o = o.data(), p.lse = lse.data();
+  p.dout = dout.data(), p.dq = dq.data(), p.dk = dk.data(), p.dv = dv.data();
+  p.q_row_stride = p.o_row_stride = p.do_row_stride = p.dq_row_stride = int64_t(c.hq) * c.d;
+  p.k_row_stride = p.v_row_stride = p.dk_row_stride = p.dv_row_stride = int64_t(c.hkv) * c.d;
+  p.q_head_stride = p.o_head_stride = p.do_head_stride = p.dq_head_stride = c.d;
+  p.k_head_stride = p.v_head_stride = p.dk_head_stride = p.dv_head_stride = c.d;
+  if (varlen) {
+    p.cu_seqlens_q = q0.data(), p.cu_seqlens_k = k0.data();
+    p.lse_head_stride = tq, p.lse_row_stride = 1;
+  } else {
+    p.q_batch_stride = p.o_batch_stride = p.do_batch_stride = p.dq_batch_stride =
+        int64_t(c.sq) * c.hq * c.d;
+    p.k_batch_stride = p.v_batch_stride = p.dk_batch_stride = p.dv_batch_stride =
+        int64_t(c.sk) * c.hkv * c.d;
+    p.lse_batch_stride = int64_t(c.hq) * c.sq, p.lse_head_stride = c.sq, p.lse_row_stride = 1;
+  }
+  p.batch = c.batch, p.heads_q = c.hq, p.heads_kv = c.hkv;
+  p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.head_dim = p.head_dim_v = c.d;
+  p.dtype = std::is_same<T, half_t>::value ? fmha::DType::kFloat16 : fmha::DType::kBFloat16;
+  p.scale = 1.0 / std::sqrt(double(c.d));
+  p.window_left = c.left, p.window_right = c.right, p.bottom_right = true;
+  p.num_splits = 1;
+  p.deterministic = c.deterministic;
+  launch_flash_fwd(p, nullptr);
+  emu::reset_stats();
+  launch_flash_bwd(p, nullptr);
+  const emu::Stats s = emu::stats();
+
+  // float64 reference from the rounded inputs (and the kernel's own O: D = rowsum(dO o O)).
+  auto f = [](const std::vector<T>& x) {
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = to_float(x[i]);
+    return y;
+  };
+  const std::vector<double> fq = f(q), fk = f(k), fv = f(v), fo = f(o), fdo = f(dout);
+  std::vector<double> rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0);
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.hq; ++h) {
+      const int hk = h / (c.hq / c.hkv), sq = lq[size_t(b)], sk = lk[size_t(b)], off = sk - sq;
+      auto qi = [&](int i, int x) { return ((size_t(q0[size_t(b)]) + i) * c.hq + h) * c.d + x; };
+      auto kj = [&](int j, int x) { return ((size_t(k0[size_t(b)]) + j) * c.hkv + hk) * c.d + x; };
+      for (int i = 0; i < sq; ++i) {
+        std::vector<double> srow(size_t(sk), -INFINITY);
+        double mx = -INFINITY;
+        for (int j = 0; j < sk; ++j) {
+          if ((c.left >= 0 && j < i + off - c.left) || (c.right >= 0 && j > i + off + c.right))
+            continue;
+          double dot = 0;
+          for (int x = 0; x < c.d; ++x) dot += fq[qi(i, x)] * fk[kj(j, x)];
+          srow[size_t(j)] = dot * p.scale;
+          mx = std::max(mx, srow[size_t(j)]);
+        }
+        double sum = 0;
+        for (int j = 0; j < sk; ++j) sum += mx == -INFINITY ? 0.0 : std::exp(srow[size_t(j)] - mx);
+        double dd = 0;
+        for (int x = 0; x < c.d; ++x) dd += fdo[qi(i, x)] * fo[qi(i, x)];
+        for (int j = 0; j < sk; ++j) {
+          const double pj = sum > 0 ? std::exp(srow[size_t(j)] - mx) / sum : 0.0;
+          if (pj == 0.0) continue;
+          double dp = 0;
+          for (int x = 0; x < c.d; ++x) dp += fdo[qi(i, x)] * fv[kj(j, x)];
+          const double ds = pj * (dp - dd) * p.scale;
+          for (int x = 0; x < c.d; ++x) {
+            rdq[qi(i, x)] += ds * fk[kj(j, x)];
+            rdk[kj(j, x)] += ds * fq[qi(i, x)];
+            rdv[kj(j, x)] += pj * fdo[qi(i, x)];
+          }
+        }
+      }
+    }
+  // Inputs are N(0, 1); gradients are sums of O(sk) such terms rounded to T once, with P
+  // and dS rounded to T inside the products (as FlashAttention-2 does).
+  const double eps = std::is_same<T, half_t>::value ? 2e-2 : 6e-2;
+  auto check = [&](const char* name, const std::vector<T>& got, const std::vector<double>& ref) {
+    double scale = 1e-3;
+    for (double r : ref) scale = std::max(scale, std::fabs(r));
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double g = to_float(got[i]);
+      if (!(std::fabs(g - ref[i]) <= eps * scale)) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "%s[%zu] = %.6g, expected %.6g (scale %.3g)", name, i, g,
+                      ref[i], scale);
+        return std::string(buf);
+      }
+    }
+    return std::string();
+  };
+  for (auto [name, got, ref] : {std::make_tuple("dq", &dq, &rdq), std::make_tuple("dk", &dk, &rdk),
+                                std::make_tuple("dv", &dv, &rdv)}) {
+    const std::string err = check(name, *got, *ref);
+    if (!err.empty()) return fail(err);
+  }
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%llu launches, %llu blocks, %llu mma.sync, %llu cp.async",
+                (unsigned long long)s.launches, (unsigned long long)s.blocks,
+                (unsigned long long)s.mma / 32, (unsigned long long)s.cp_async);
+  return pass(buf);
+}
+
+#define FLASH_BWD_CITE "flash_bwd (FlashAttention-2 backward: dK/dV key-stationary, dQ) vs float64"
+// batch, sq, sk, hq, hkv, d, left, right, deterministic
+EMU_TEST("flash_bwd.f16.d64.causal.tail.atomic", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({1, 70, 70, 2, 1, 64, -1, 0, false});
+}
+EMU_TEST("flash_bwd.bf16.d128.window.deterministic", FLASH_BWD_CITE) {
+  return flash_bwd_case<bf16_t>({1, 40, 75, 1, 1, 128, 20, 3, true});
+}
+EMU_TEST("flash_bwd.f16.d59.varlen", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({3, 40, 70, 2, 2, 59, -1, -1, false, {17, 0, 40}, {70, 5, 9}});
+}
+EMU_TEST("flash_bwd.f16.d256.gqa", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({1, 20, 33, 2, 1, 256, -1, -1, false});
+}
+
+}  // namespace
