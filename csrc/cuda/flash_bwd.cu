@@ -43,7 +43,7 @@ namespace {
 
 template <typename T, bool kExtras>
 void run_head_dim(const BwdParams& p, Stream stream) {
-  switch (head_dim_tile(p.head_dim)) {
+  switch (head_dim_tile(std::max(p.head_dim, p.head_dim_v))) {
     case 32: if constexpr (head_dim_tile_built(32)) return run_flash_bwd<T, 32, kExtras>(p, stream); break;
     case 64: if constexpr (head_dim_tile_built(64)) return run_flash_bwd<T, 64, kExtras>(p, stream); break;
     case 96: if constexpr (head_dim_tile_built(96)) return run_flash_bwd<T, 96, kExtras>(p, stream); break;
@@ -60,9 +60,8 @@ void launch_flash_bwd(const BwdParams& p, void* stream_ptr) {
     unsupported(std::string("dtype ") + dtype_name(p.dtype) + ", expected float16 or bfloat16");
   if (p.head_dim < 1 || p.head_dim > 256)
     unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..256");
-  if (p.head_dim_v != p.head_dim)
-    unsupported("head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " +
-                std::to_string(p.head_dim));
+  if (p.head_dim_v < 1 || p.head_dim_v > 256)
+    unsupported("head_dim_v " + std::to_string(p.head_dim_v) + ", expected 1..256");
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
     unsupported("heads_q " + std::to_string(p.heads_q) + " is not a multiple of heads_kv " +
                 std::to_string(p.heads_kv));

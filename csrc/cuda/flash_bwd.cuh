@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   const tile::Seq s = tile::seq(p, b);
   const int n0 = n_block * Cfg::kBlockN;
   if (n0 >= s.sk) return;  // varlen: past this sequence's keys (it writes nothing there)
-  const int d = p.head_dim;
+  // Q, K, dQ, dK are head_dim wide, V, dO, dV head_dim_v: the tile holds the larger.
+  const int d = p.head_dim, dv = p.head_dim_v;
 
   const T* K = static_cast<const T*>(p.k) + s.k_base(b, p.k_batch_stride, p.k_row_stride) +
                h_kv * p.k_head_stride;
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
       sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
   tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-      sV, V, p.v_row_stride, s.sk, d, n0, vec, tid);
+      sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
   cp_async_commit();
 
   // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
         sQ + stage * Cfg::kTileQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
     tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-        sdO + stage * Cfg::kTileQ, dO, p.do_row_stride, s.sq, d, m0, vec, tid);
+        sdO + stage * Cfg::kTileQ, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
     if (tid < Cfg::kBlockM) {
       const int i = m0 + tid;
       // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows
@@ -432,10 +433,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = c_base + j * 8 + 2 * t + e;
-        if (col < d) {
-          dK[int64_t(key) * p.dk_row_stride + col] = from_float<T>(acc_dk[j][2 * r + e] * scale);
-          dV[int64_t(key) * p.dv_row_stride + col] = from_float<T>(acc_dv[j][2 * r + e]);
-        }
+        if (col < d) dK[int64_t(key) * p.dk_row_stride + col] = from_float<T>(acc_dk[j][2 * r + e] * scale);
+        if (col < dv) dV[int64_t(key) * p.dv_row_stride + col] = from_float<T>(acc_dv[j][2 * r + e]);
       }
   }
 }
@@ -462,7 +461,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   const tile::Seq s = tile::seq(p, b);
   const int m0 = m_block * Cfg::kBlockM;
   if (m0 >= s.sq) return;
-  const int d = p.head_dim;
+  const int d = p.head_dim, dv = p.head_dim_v;
 
   const T* Q = static_cast<const T*>(p.q) + s.q_base(b, p.q_batch_stride, p.q_row_stride) +
                h * p.q_head_stride;
@@ -512,7 +511,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
       sQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
   tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-      sdO, dO, p.do_row_stride, s.sq, d, m0, vec, tid);
+      sdO, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
   cp_async_commit();
 
   const float scale_log2 = float(p.scale) * tile::kLog2e;
@@ -525,7 +524,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
     tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
         sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
     tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-        sV, V, p.v_row_stride, s.sk, d, n0, vec, tid);
+        sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

@@ -76,7 +76,7 @@ int run_tile(int tile, const FwdParams& p, Stream stream) {
 
 template <typename T, bool kExtras>
 int run_head_dim(const FwdParams& p, Stream stream) {
-  const int tile = head_dim_tile(p.head_dim);
+  const int tile = head_dim_tile(std::max(p.head_dim, p.head_dim_v));
   const int splits = run_tile<T, kExtras, 32, 64, 96, 128, 256>(tile, p, stream);
   if (splits == 0)
     unsupported("head_dim " + std::to_string(p.head_dim) +
@@ -132,9 +132,8 @@ int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
     unsupported(std::string("dtype ") + dtype_name(p.dtype) + ", expected float16 or bfloat16");
   if (p.head_dim < 1 || p.head_dim > 256)
     unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..256");
-  if (p.head_dim_v != p.head_dim)
-    unsupported("head_dim_v " + std::to_string(p.head_dim_v) + " != head_dim " +
-                std::to_string(p.head_dim));
+  if (p.head_dim_v < 1 || p.head_dim_v > 256)
+    unsupported("head_dim_v " + std::to_string(p.head_dim_v) + ", expected 1..256");
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
     unsupported("heads_q " + std::to_string(p.heads_q) + " is not a multiple of heads_kv " +
                 std::to_string(p.heads_kv));
@@ -148,8 +147,8 @@ int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
   if (p.seqlen_q < 0 || p.seqlen_k < 0)
     unsupported("seqlen_q " + std::to_string(p.seqlen_q) + " / seqlen_k " +
                 std::to_string(p.seqlen_k) + ", expected >= 0");
-  if (head_dim_tile(p.head_dim) == 0)
-    unsupported("head_dim " + std::to_string(p.head_dim) +
+  if (head_dim_tile(std::max(p.head_dim, p.head_dim_v)) == 0)
+    unsupported("head_dim " + std::to_string(std::max(p.head_dim, p.head_dim_v)) +
                 ": no head-dim tile >= it was built (FMHA_CUDA_HEAD_DIMS)");
   if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return 0;  // nothing to write
   // seqlen_k == 0: the kernel visits no key block and writes out 0, lse -inf.

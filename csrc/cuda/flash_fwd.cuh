@@ -22,7 +22,8 @@
 //
 // Head dims: one FlashFwdConfig per head-dim tile (32, 64, 96, 128, 256, cuda/head_dims.h);
 // a smaller head_dim runs in the next built tile with the extra columns zero-filled in
-// shared memory (they add 0 to q.k and are not stored). head_dim_v must equal head_dim.
+// shared memory (they add 0 to q.k and are not stored). head_dim_v may differ from head_dim:
+// the tile holds the larger, K is loaded head_dim wide, V and O head_dim_v wide.
 //
 // Variable-length batches (cu_seqlens_q/k): sequence b owns rows [cu[b], cu[b+1]) of the
 // packed tensors; the grid is sized by the longest sequence and a CTA whose query block
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   const int h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.heads_q / p.heads_kv);  // GQA: K and V are shared, never copied
   const flash_detail::Seq seq = flash_detail::seq_of(p, b);
-  const int sq = seq.sq, sk = seq.sk, d = p.head_dim;
+  const int sq = seq.sq, sk = seq.sk, d = p.head_dim, dv = p.head_dim_v;
   const int m0 = m_block * Cfg::kBlockM;
   // Varlen: the grid is sized by the longest sequence; this block lies past its own.
   // (Uniform over the CTA, before any barrier.)
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
                                                     p.k_row_stride, sk, d,
                                                     n_block * Cfg::kBlockN, launch.vec, tid);
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sV + stage * Cfg::kTileKV, V,
-                                                    p.v_row_stride, sk, d,
+                                                    p.v_row_stride, sk, dv,
                                                     n_block * Cfg::kBlockN, launch.vec, tid);
     };
 
@@ -473,7 +474,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
          flash_detail::seq_base(p, b, seq.q_first, p.o_batch_stride, p.o_row_stride);
   float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
                flash_detail::seq_base(p, b, seq.q_first, p.lse_batch_stride, p.lse_row_stride);
-  // Split-KV partials: (split, b, h, i) rows of head_dim floats, i < seqlen_q (the maximum).
+  // Split-KV partials: (split, b, h, i) rows of head_dim_v floats, i < seqlen_q (the maximum).
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -484,13 +485,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     const int i = rows[r];
     if (i < sq) {
       if (partial) {
-        float* Op = launch.o_partial + (partial_row0 + i) * d;
+        float* Op = launch.o_partial + (partial_row0 + i) * dv;
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = j * 8 + 2 * t + e;
-            if (col < d) Op[col] = acc_o[j][2 * r + e] * inv_l;
+            if (col < dv) Op[col] = acc_o[j][2 * r + e] * inv_l;
           }
         if (t == 0) launch.lse_partial[partial_row0 + i] = row_lse;
       } else {
@@ -499,7 +500,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = j * 8 + 2 * t + e;
-            if (col < d) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
+            if (col < dv) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
           }
         if (t == 0) lse[i * p.lse_row_stride] = row_lse;
       }
@@ -520,7 +521,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int i = blockIdx.x * kCombineWarps + warp;
   const flash_detail::Seq seq = flash_detail::seq_of(p, b);
   if (i >= seq.sq) return;  // whole warps: no lane of a warp that shuffles has exited
-  const int n = launch.num_splits, d = p.head_dim;
+  const int n = launch.num_splits, d = p.head_dim_v;  // O's columns
   const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const float* lse_s = launch.lse_partial + row;
@@ -581,10 +582,10 @@ int run_flash_fwd(const FwdParams& p, Stream stream) {
   const int64_t partial_rows =
       launch.num_splits > 1 ? int64_t(launch.num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
   // Stream-ordered: freed after the combine kernel on the same stream has run.
-  Scratch scratch(size_t(partial_rows) * (p.head_dim + 1) * sizeof(float), stream);
+  Scratch scratch(size_t(partial_rows) * (p.head_dim_v + 1) * sizeof(float), stream);
   if (partial_rows > 0) {
     launch.o_partial = scratch.as<float>();
-    launch.lse_partial = launch.o_partial + partial_rows * p.head_dim;
+    launch.lse_partial = launch.o_partial + partial_rows * p.head_dim_v;
   }
   auto kernel = &flash_fwd_kernel<T, Cfg, kExtras>;
   if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
