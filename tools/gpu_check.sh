@@ -110,10 +110,14 @@ torch.version.cuda, "| cuda available:", torch.cuda.is_available())' 2>&1
   echo "nvcc: $( (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>&1 | tail -n2 | tr '\n' ' ')"
   echo "cmake: $(cmake --version 2>&1 | head -n1)"
   echo "cpu: $(nproc) cores"
-  echo "--- nvidia-smi"
-  timeout 20 nvidia-smi 2>&1
-  echo "--- nvidia-smi -q -d CLOCK,POWER"
-  timeout 20 nvidia-smi -q -d CLOCK,POWER 2>&1 | head -n 60
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "--- nvidia-smi"
+    timeout 20 nvidia-smi 2>&1
+    echo "--- nvidia-smi -q -d CLOCK,POWER"
+    timeout 20 nvidia-smi -q -d CLOCK,POWER 2>&1 | head -n 60
+  else
+    echo "nvidia-smi: not found"
+  fi
 }
 echo "== gpu_check: [environment]"
 s=$(date +%s)
