@@ -101,6 +101,40 @@ def test_sass_for_every_arch_ptx_for_the_highest(tmp_path, archs, cmake_archs):
     assert f"archs={cmake_archs}\n" in out
 
 
+@needs_cmake
+def test_configure_passes_the_mask_to_the_emulator_targets(tmp_path):
+    """A real configure (CPU-only, so no nvcc needed): the emulator's kernels are compiled
+    with the mask of FMHA_EMU_HEAD_DIMS and only the matching instantiation files."""
+    pybind11 = pytest.importorskip("pybind11")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("ninja not found")
+    # A copy of the build files with three stand-in instantiation files (configure only
+    # globs them; nothing is compiled).
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "cmake", src / "cmake")
+    shutil.copytree(ROOT / "csrc", src / "csrc", ignore=shutil.ignore_patterns("instantiations"))
+    shutil.copy(ROOT / "CMakeLists.txt", src / "CMakeLists.txt")
+    inst = src / "csrc" / "cuda" / "instantiations"
+    inst.mkdir()
+    for name in ("flash_fwd_hdim64_fp16", "flash_bwd_hdim96_bf16", "flash_fwd_hdim256_bf16_split"):
+        (inst / f"{name}.cu").write_text("// stand-in\n")
+    env = dict(os.environ, FMHA_DISABLE_CUDA="1", FMHA_EMU_HEAD_DIMS="64,256",
+               FMHA_BUILD_EMULATOR="1", PATH=os.path.dirname(sys.executable) + os.pathsep +
+               os.environ.get("PATH", ""))
+    p = subprocess.run([CMAKE, "-S", str(src), "-B", str(tmp_path / "b"), "-G", "Ninja",
+                        f"-DPython_EXECUTABLE={sys.executable}",
+                        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "CUDA disabled" in p.stdout
+    assert "fmha._cuda_emu (head-dim tiles 64;256)" in p.stdout
+    ninja = (tmp_path / "b" / "build.ninja").read_text()
+    masks = set(re.findall(r"-DFMHA_CUDA_HDIM_MASK=(\S+)", ninja))
+    assert masks == {"0x12"}, masks
+    emulated = set(re.findall(r"csrc_cuda_instantiations_(\w+?)_cu\.emu\.cpp\.o:", ninja))
+    assert emulated == {"flash_fwd_hdim64_fp16", "flash_fwd_hdim256_bf16_split"}, emulated
+
+
 def _fmha_bench():
     exe = shutil.which("fmha-bench", path=os.path.dirname(sys.executable))
     if exe is None:
