@@ -25,6 +25,20 @@ file(GLOB FMHA_EMU_CUDA_SOURCES RELATIVE "${CMAKE_CURRENT_SOURCE_DIR}" CONFIGURE
      "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations/*.cu")
 list(FILTER FMHA_EMU_CUDA_SOURCES EXCLUDE REGEX "csrc/cuda/device\\.cu$")
 
+# The head-dim tiles the emulator module builds: FMHA_EMU_HEAD_DIMS (cache or environment
+# variable), by default the same as the CUDA build's FMHA_CUDA_HEAD_DIMS. Every tile is one
+# more set of host-compiled instantiations, so CI may build fewer here than it ships.
+if(NOT COMMAND fmha_head_dim_mask)
+  include("${CMAKE_CURRENT_LIST_DIR}/cuda_config.cmake")
+endif()
+fmha_list_option(FMHA_EMU_HEAD_DIMS ""
+                 "Head-dim tiles of fmha._cuda_emu (default: FMHA_CUDA_HEAD_DIMS)")
+if(NOT FMHA_EMU_HEAD_DIMS)
+  set(FMHA_EMU_HEAD_DIMS "${FMHA_CUDA_HEAD_DIMS}")
+endif()
+fmha_head_dim_mask(FMHA_EMU_HEAD_DIMS "${FMHA_EMU_HEAD_DIMS}" FMHA_EMU_HDIM_MASK)
+fmha_filter_head_dims(FMHA_EMU_CUDA_SOURCES "${FMHA_EMU_HEAD_DIMS}")
+
 set(_fmha_emu_wrappers)
 foreach(_cu IN LISTS FMHA_EMU_CUDA_SOURCES)
   string(REGEX REPLACE "[/.]" "_" _name "${_cu}")
@@ -44,10 +58,14 @@ target_include_directories(fmha_emu_kernels PRIVATE csrc third_party)
 # Kernel code type-puns freely (shared-memory tiles reinterpreted as wider words): no strict
 # aliasing, as nvcc; `#pragma unroll` is nvcc's.
 target_compile_options(fmha_emu_kernels PRIVATE -O2 -fno-strict-aliasing -Wno-unknown-pragmas)
+target_compile_definitions(fmha_emu_kernels PRIVATE FMHA_CUDA_HDIM_MASK=${FMHA_EMU_HDIM_MASK})
 
 pybind11_add_module(fmha_emu_module MODULE csrc/cuda/emu_bindings.cpp)
 set_target_properties(fmha_emu_module PROPERTIES OUTPUT_NAME _cuda_emu)
 target_include_directories(fmha_emu_module PRIVATE csrc third_party)
+# emu_bindings.cpp may ask head_dims.h which tiles exist: the same answer as the kernels.
+target_compile_definitions(fmha_emu_module PRIVATE FMHA_CUDA_HDIM_MASK=${FMHA_EMU_HDIM_MASK})
 target_link_libraries(fmha_emu_module PRIVATE fmha_emu_kernels fmha_emu_runtime)
 install(TARGETS fmha_emu_module LIBRARY DESTINATION fmha)
-message(STATUS "fmha: building the CUDA emulator module fmha._cuda_emu")
+message(STATUS "fmha: building the CUDA emulator module fmha._cuda_emu (head-dim tiles "
+               "${FMHA_EMU_HEAD_DIMS})")

@@ -1,11 +1,16 @@
-// fmha-bench: times the CPU kernels directly (no Python) and reports GFLOP/s and the fraction
-// of the machine's FMA peak, which it measures first with the same ISA and thread count.
+// fmha-bench: times the kernels directly (no Python). CPU mode reports GFLOP/s and the
+// fraction of the machine's FMA peak, which it measures first with the same ISA and thread
+// count; --cuda times the CUDA kernels on device buffers (fmha_bench_cuda.cu) in TFLOP/s.
 //
-//   fmha-bench                         the standard suite, forward and forward+backward,
+//   fmha-bench                         the standard CPU suite, forward and forward+backward,
 //                                      float32 and bfloat16
 //   fmha-bench --case 1,8,2048,64 --causal --dtype bf16 --pass fwd --threads 2
+//   fmha-bench --cuda                  the CUDA suite (batch 4, 16 heads, seqlen 4096/8192,
+//                                      head_dim 64/128, causal or not), f16 and bf16,
+//                                      fwd, bwd and fwd+bwd
+//   fmha-bench --cuda --case 4,16,8192,128 --causal --dtype bf16 --pass fwd --reps 50
 //
-// FLOPs: forward 4·b·h·sq·sk·d (halved for causal); forward+backward 3.5× that.
+// FLOPs: forward 4·b·h·sq·sk·d (halved for causal); backward 2.5× that; fwd+bwd 3.5×.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,21 +22,28 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_case.h"
 #include "fmha/api.h"
 #include "fmha/numeric.h"
 #include "fmha/threads.h"
 
 namespace {
 
-struct Case {
-  int b, hq, hkv, sq, sk, d;
-  bool causal;
-};
+using fmha_bench::Case;
 
 const Case kSuite[] = {
     {1, 8, 8, 2048, 2048, 64, false},  {1, 8, 8, 2048, 2048, 64, true},
     {1, 8, 8, 4096, 4096, 128, false}, {4, 16, 16, 512, 512, 64, false},
     {1, 8, 8, 16384, 16384, 64, true}, {8, 32, 8, 1, 4096, 128, false},
+};
+
+// The GPU grid of the issue: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128,
+// causal and not (python -m fmha.bench_cuda runs the same grid against torch SDPA).
+const Case kCudaSuite[] = {
+    {4, 16, 16, 4096, 4096, 64, false},  {4, 16, 16, 4096, 4096, 64, true},
+    {4, 16, 16, 4096, 4096, 128, false}, {4, 16, 16, 4096, 4096, 128, true},
+    {4, 16, 16, 8192, 8192, 64, false},  {4, 16, 16, 8192, 8192, 64, true},
+    {4, 16, 16, 8192, 8192, 128, false}, {4, 16, 16, 8192, 8192, 128, true},
 };
 
 // Owns the bytes of one (batch, seqlen, heads, dim) tensor in the benchmark's dtype.
@@ -79,29 +91,12 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
          dk = random_tensor(nk, dt, gen), dv = random_tensor(nk, dt, gen);
   std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
   fmha::BwdParams p;
-  p.dtype = dt;
-  p.batch = c.b; p.heads_q = c.hq; p.heads_kv = c.hkv;
-  p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.head_dim = p.head_dim_v = c.d;
+  fmha_bench::set_shape(p, c, dt);
   p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
   p.dout = g.data(); p.dq = dq.data(); p.dk = dk.data(); p.dv = dv.data();
-  // Contiguous (batch, seqlen, heads, dim).
-  auto set = [&](int64_t& bs, int64_t& rs, int64_t& hs, int s, int h) {
-    hs = c.d; rs = int64_t(h) * c.d; bs = int64_t(s) * rs;
-  };
-  set(p.q_batch_stride, p.q_row_stride, p.q_head_stride, c.sq, c.hq);
-  set(p.o_batch_stride, p.o_row_stride, p.o_head_stride, c.sq, c.hq);
-  set(p.do_batch_stride, p.do_row_stride, p.do_head_stride, c.sq, c.hq);
-  set(p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, c.sq, c.hq);
-  set(p.k_batch_stride, p.k_row_stride, p.k_head_stride, c.sk, c.hkv);
-  set(p.v_batch_stride, p.v_row_stride, p.v_head_stride, c.sk, c.hkv);
-  set(p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, c.sk, c.hkv);
-  set(p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, c.sk, c.hkv);
-  p.lse_batch_stride = int64_t(c.hq) * c.sq; p.lse_head_stride = c.sq; p.lse_row_stride = 1;
-  p.scale = 1.0 / std::sqrt(double(c.d));
-  p.window_right = c.causal ? 0 : -1;
   p.num_threads = threads;
 
-  double flops = 4.0 * c.b * c.hq * double(c.sq) * c.sk * c.d * (c.causal ? 0.5 : 1.0);
+  double flops = fmha_bench::forward_flops(c);
   double secs;
   if (bwd) {
     flops *= 3.5;
@@ -121,7 +116,10 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: fmha-bench [--case b,hq,sq,d[,hkv,sk]] [--causal] [--dtype f32|bf16|all]\n"
-               "                  [--pass fwd|fwd+bwd|all] [--threads N]\n");
+               "                  [--pass fwd|fwd+bwd|all] [--threads N]\n"
+               "       fmha-bench --cuda [--case b,hq,sq,d[,hkv,sk]] [--causal]\n"
+               "                  [--dtype f16|bf16|all] [--pass fwd|bwd|fwd+bwd|all]\n"
+               "                  [--device N] [--reps N]\n");
   std::exit(2);
 }
 
@@ -131,7 +129,8 @@ int main(int argc, char** argv) {
   std::vector<Case> cases(std::begin(kSuite), std::end(kSuite));
   std::string dtype = "all", pass = "all";
   int threads = fmha::hardware_threads();
-  bool causal = false, custom = false;
+  int device = 0, reps = 20;
+  bool causal = false, custom = false, cuda = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
@@ -150,9 +149,27 @@ int main(int argc, char** argv) {
       pass = next();
     } else if (a == "--threads") {
       threads = std::atoi(next().c_str());
+    } else if (a == "--cuda") {
+      cuda = true;
+    } else if (a == "--device") {
+      device = std::atoi(next().c_str());
+    } else if (a == "--reps") {
+      reps = std::atoi(next().c_str());
+      if (reps < 1) usage();
     } else {
       usage();
     }
+  }
+  if (cuda) {
+    if (!custom) cases.assign(std::begin(kCudaSuite), std::end(kCudaSuite));
+    else cases[0].causal = causal;
+#ifdef FMHA_BENCH_CUDA
+    return fmha_bench::run_cuda(cases, dtype, pass, device, reps);
+#else
+    std::fprintf(stderr, "fmha-bench --cuda: this build has no CUDA (nvcc was not found, or "
+                         "FMHA_DISABLE_CUDA=1 / FMHA_ENABLE_CUDA=OFF)\n");
+    return 1;
+#endif
   }
   if (custom) cases[0].causal = causal;
   try {

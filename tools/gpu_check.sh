@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU, build fmha for that GPU's architecture only,
+# run the CUDA tests, then the CUDA benchmarks, and keep every log and result.
+#
+#   tools/gpu_check.sh [OUT_DIR]        default OUT_DIR: benchmarks/gpu/<gpu name>/
+#
+# Needs, preinstalled (no network is used): nvcc, a CUDA build of torch, pybind11,
+# scikit-build-core, numpy, pytest, cmake and ninja. PYTHON=/path/to/python picks the
+# interpreter (default: python3).
+#
+# Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 470 s, so the
+# whole script stays under 8 minutes): environment, build, tests, benchmark (fmha vs torch
+# SDPA's flash backend), fmha-bench --cuda. A failing phase is recorded and the next one
+# runs; the exit status is non-zero when any phase failed. Without a GPU the script still
+# builds (for FMHA_CUDA_ARCHS, default 80) and stops with a message at the first phase that
+# needs the GPU.
+#
+# OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), bench.log, bench.json,
+# bench.csv, bench.md, fmha-bench-cuda.txt and summary.txt (phase, status, seconds).
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_BUDGET_S:-470}"
+T0=$(date +%s)
+
+# ---- which GPU (nvidia-smi first: it needs no torch; torch as the fallback) ----
+gpu_name="" arch="" why_no_gpu=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  if line=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>&1 | head -n1) &&
+     [[ "$line" == *,* ]]; then
+    gpu_name="${line%,*}"
+    cap="${line##*,}"
+    arch="${cap//[. ]/}"
+  else
+    why_no_gpu="nvidia-smi: $line"
+  fi
+else
+  why_no_gpu="nvidia-smi not found"
+fi
+if [[ -z "$arch" ]]; then
+  if line=$("$PY" -c 'import torch
+if not torch.cuda.is_available(): raise SystemExit("torch.cuda.is_available() is False")
+p = torch.cuda.get_device_properties(0); print(f"{p.name},{p.major}{p.minor}")' 2>&1) &&
+     [[ "$line" == *,* ]]; then
+    gpu_name="${line%,*}"
+    arch="${line##*,}"
+  else
+    why_no_gpu="$why_no_gpu; torch: ${line##*$'\n'}"
+  fi
+fi
+if [[ -n "$arch" ]]; then
+  build_archs="$arch"
+else
+  build_archs="${FMHA_CUDA_ARCHS:-80}"
+fi
+slug="$(echo "${gpu_name:-no-gpu}" | tr -cs 'A-Za-z0-9._-' '-' | sed 's/^-*//; s/-*$//')"
+OUT="${1:-$ROOT/benchmarks/gpu/$slug}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+: > "$OUT/summary.txt"
+failed=0
+
+# run_phase NAME LIMIT_S LOG CMD...: runs CMD under a time limit (capped by what is left of
+# the budget), output to the terminal and LOG; records the outcome in summary.txt.
+run_phase() {
+  local name="$1" limit="$2" log="$3"; shift 3
+  local left=$(( BUDGET - ($(date +%s) - T0) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 10 )); then
+    echo "gpu_check: [$name] not run: the ${BUDGET}s budget is spent" | tee -a "$OUT/summary.txt"
+    failed=1
+    return 1
+  fi
+  echo "== gpu_check: [$name] (limit ${limit}s): $*"
+  local s=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]} secs=$(( $(date +%s) - s )) status=ok
+  if (( rc == 124 || rc == 137 )); then status="TIMED OUT after ${limit}s"
+  elif (( rc != 0 )); then status="FAILED (exit $rc)"; fi
+  printf '%-16s %-28s %4ds  %s\n' "$name" "$status" "$secs" "$log" | tee -a "$OUT/summary.txt"
+  [[ $status == ok ]] || failed=1
+  [[ $status == ok ]]
+}
+
+skip_phase() {
+  printf '%-16s %-28s %4s   %s\n' "$1" "not run" "-" "$2" | tee -a "$OUT/summary.txt"
+  failed=1
+}
+
+finish() {
+  echo "gpu_check: total $(( $(date +%s) - T0 ))s; results in $OUT" | tee -a "$OUT/summary.txt"
+  if (( failed )); then echo "gpu_check: FAILED (see summary.txt)"; exit 1; fi
+  echo "gpu_check: all phases passed"
+  exit 0
+}
+
+# ---- environment (each query time-limited: a wedged driver must not hang the script) ----
+environment() {
+  echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+  echo "host: $(hostname)"
+  echo "git: $(git rev-parse HEAD 2>/dev/null || echo 'not a git checkout')"
+  git status --short 2>/dev/null | sed 's/^/git status: /'
+  echo "gpu: ${gpu_name:-none} (arch ${arch:-none})${why_no_gpu:+; $why_no_gpu}"
+  echo "build archs: $build_archs"
+  echo "python: $("$PY" --version 2>&1) ($(command -v "$PY"))"
+  timeout 60 "$PY" -c 'import torch; print("torch:", torch.__version__, "| torch CUDA:",
+torch.version.cuda, "| cuda available:", torch.cuda.is_available())' 2>&1
+  echo "nvcc: $( (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>&1 | tail -n2 | tr '\n' ' ')"
+  echo "cmake: $(cmake --version 2>&1 | head -n1)"
+  echo "cpu: $(nproc) cores"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "--- nvidia-smi"
+    timeout 20 nvidia-smi 2>&1
+    echo "--- nvidia-smi -q -d CLOCK,POWER"
+    timeout 20 nvidia-smi -q -d CLOCK,POWER 2>&1 | head -n 60
+  else
+    echo "nvidia-smi: not found"
+  fi
+}
+echo "== gpu_check: [environment]"
+s=$(date +%s)
+environment 2>&1 | tee "$OUT/environment.txt"
+printf '%-16s %-28s %4ds  %s\n' environment ok "$(( $(date +%s) - s ))" "$OUT/environment.txt" |
+  tee -a "$OUT/summary.txt"
+
+# ---- build for this GPU's arch only, without the emulator module ----
+built=1
+run_phase build 300 "$OUT/build.log" env FMHA_CUDA_ARCHS="$build_archs" FMHA_BUILD_EMULATOR=0 \
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip install --no-build-isolation --no-deps \
+  --no-index -v . -Cbuild-dir="build/gpu-check-sm${build_archs//;/-}" || built=0
+if (( built )); then
+  run_phase import 30 "$OUT/import.log" "$PY" -c 'import fmha
+print("fmha", fmha.__version__, "| backends:", fmha.backends(), "| cuda_status:", fmha.cuda_status())' ||
+    built=0
+fi
+
+# ---- everything below needs the GPU ----
+if [[ -z "$arch" ]]; then
+  echo "gpu_check: no NVIDIA GPU found (${why_no_gpu#; }). The build phase ran and is logged" \
+       "in $OUT; the tests and benchmarks need a GPU: stopping here." | tee -a "$OUT/summary.txt"
+  failed=1
+  finish
+fi
+if (( ! built )); then
+  skip_phase tests "the build or import failed"
+  skip_phase bench "the build or import failed"
+  skip_phase fmha-bench "the build or import failed"
+  finish
+fi
+
+# ---- tests: the GPU suite, plus the build/benchmark checks (fmha-bench --cuda on the GPU) ----
+tests=()
+for t in ${GPU_CHECK_TESTS:-tests/test_cuda_gpu.py tests/test_build.py}; do
+  if [[ -f $t ]]; then tests+=("$t"); else echo "gpu_check: $t not found" | tee -a "$OUT/summary.txt"; failed=1; fi
+done
+if (( ${#tests[@]} )); then
+  run_phase tests 150 "$OUT/tests.log" "$PY" -m pytest -q -rs --junitxml="$OUT/tests.xml" \
+    "${tests[@]}"
+else
+  skip_phase tests "no test file found"
+fi
+
+# ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
+run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench_cuda --out "$OUT/bench.json"
+scripts="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
+if [[ -x "$scripts/fmha-bench" ]]; then
+  run_phase fmha-bench 60 "$OUT/fmha-bench-cuda.txt" "$scripts/fmha-bench" --cuda --reps 10
+else
+  skip_phase fmha-bench "fmha-bench not found in $scripts"
+fi
+finish
