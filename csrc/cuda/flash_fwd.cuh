@@ -61,11 +61,16 @@ namespace gpu {
 //   S accumulator  kBlockN / 8 n-tiles x 4 floats   = kBlockN / 2
 //   Q fragments    kHeadDim / 16 k-steps x 4        = kHeadDim / 4   (only when kQInRegs)
 // plus ~60-90 for addresses, softmax statistics, the K/V fragments in flight and indices.
-template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_>
+// kColSplit = 2: two warps share each 16 rows, one half of O's columns each (8 warps): both
+// compute the rows' S and softmax, each accumulates P V for its own half.
+template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_, int kColSplit_ = 1>
 struct FlashFwdConfigBase {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64, kBlockN = kBlockN_;
-  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kColSplit = kColSplit_;
+  static constexpr int kRowWarps = 4;  // warps along the rows: 16 rows each
+  static constexpr int kWarps = kRowWarps * kColSplit, kThreads = 32 * kWarps;
+  static constexpr int kOutDim = kHeadDim / kColSplit;  // O columns per warp
   static constexpr int kStages = 2;
   static constexpr bool kQInRegs = kQInRegs_;
   // CTAs one SM holds at once (registers x 128 threads and shared memory, sm_80): the
@@ -82,14 +87,15 @@ struct FlashFwdConfigBase {
 
   static constexpr int kNTilesS = kBlockN / 8;     // n-tiles of S (keys)
   static constexpr int kKStepsQK = kHeadDim / 16;  // k-steps of Qi Kj^T (head dim)
-  static constexpr int kNTilesO = kHeadDim / 8;    // n-tiles of O (head dim)
+  static constexpr int kNTilesO = kOutDim / 8;     // n-tiles of O (this warp's columns)
   static constexpr int kKStepsPV = kBlockN / 16;   // k-steps of P Vj (keys)
   // Philox draws of dropout unrolled together: all of them (ILP) unless registers are short.
   static constexpr int kDropoutUnroll = kHeadDim >= 256 ? 1 : 2 * kNTilesS;
   // Accumulator + fragment registers per thread (the part that grows with the tile).
-  static constexpr int kTileRegs = kHeadDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4);
+  static constexpr int kTileRegs = kOutDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4);
 
-  static_assert(kBlockM == 16 * kWarps, "each warp owns 16 query rows");
+  static_assert(kBlockM == 16 * kRowWarps, "each warp owns 16 query rows");
+  static_assert(kHeadDim % kColSplit == 0 && kOutDim % 16 == 0, "whole column halves");
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "whole mma k-steps");
   static_assert(kNTilesS % 2 == 0 && kNTilesO % 2 == 0, "B fragments load two n-tiles per x4");
   static_assert((kBlockM * kHeadDim / 8) % kThreads == 0 && (kBlockN * kHeadDim / 8) % kThreads == 0,
@@ -132,8 +138,11 @@ template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true,
 // d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
 // (S 8 registers); kBlockN = 32 spilled 8-48 bytes. The rescale of O (128 multiplies per
 // thread) now comes every 16 keys: see NOTES.md for the cost. 68 KiB of shared memory.
+// Extras: even kBlockN = 16 spilled 8 bytes on sm_90 (the Philox draws of dropout on top of
+// O); there two warps share each 16 rows (kColSplit = 2, 8 warps, 64 O registers each),
+// recomputing S for their rows, and kBlockN = 32.
 template <> struct FlashFwdConfig<256, false> : FlashFwdConfigBase<256, 16, false, 1> {};
-template <> struct FlashFwdConfig<256, true> : FlashFwdConfigBase<256, 16, false, 1> {};
+template <> struct FlashFwdConfig<256, true> : FlashFwdConfigBase<256, 32, false, 1, 2> {};
 // What one launch of flash_fwd_kernel needs beyond the params: resolved once on the host.
 struct FwdLaunch {
   bool vec = false;     // rows 16-byte aligned: tiles move by cp.async
@@ -247,8 +256,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     n_end = min(n_end, n_begin + per);
   }
 
-  // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16.
-  const int row_lo = m0 + warp * 16 + g;
+  // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16;
+  // its O columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
+  const int row_warp = warp % Cfg::kRowWarps;
+  const int c_base = (warp / Cfg::kRowWarps) * Cfg::kOutDim;
+  const int row_lo = m0 + row_warp * 16 + g;
   const int rows[2] = {row_lo, row_lo + 8};
 
   // Running statistics in the log2 domain: m = max of S*scale*log2(e), l = sum of exp2.
@@ -298,7 +310,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     // Qi as A fragments: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15) addressed by lanes
     // 0-7, 8-15, 16-23, 24-31 are registers a0..a3 of the mma A layout. sQ is never
     // overwritten, so where registers are short the fragments are re-read per k-step.
-    const T* sQ_warp = sQ + (warp * 16 + lane % 16) * Cfg::kStride + (lane / 16) * 8;
+    const T* sQ_warp = sQ + (row_warp * 16 + lane % 16) * Cfg::kStride + (lane / 16) * 8;
     uint32_t q_frag[Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
     if constexpr (Cfg::kQInRegs) {
 #pragma unroll
@@ -452,7 +464,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
         for (int j = 0; j < Cfg::kNTilesO; j += 2) {
           uint32_t v4[4];
           const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-          const int dim = j * 8 + (lane / 16) * 8;
+          const int dim = c_base + j * 8 + (lane / 16) * 8;
           ldmatrix<4, true>(v4, tV + key * Cfg::kStride + dim);
           const uint32_t b0[2] = {v4[0], v4[1]}, b1[2] = {v4[2], v4[3]};
           mma_m16n8k16<T>(acc_o[j], p_frag, b0, acc_o[j]);
@@ -490,19 +502,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
         for (int j = 0; j < Cfg::kNTilesO; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = j * 8 + 2 * t + e;
+            const int col = c_base + j * 8 + 2 * t + e;
             if (col < dv) Op[col] = acc_o[j][2 * r + e] * inv_l;
           }
-        if (t == 0) launch.lse_partial[partial_row0 + i] = row_lse;
+        if (t == 0 && c_base == 0) launch.lse_partial[partial_row0 + i] = row_lse;
       } else {
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = j * 8 + 2 * t + e;
+            const int col = c_base + j * 8 + 2 * t + e;
             if (col < dv) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
           }
-        if (t == 0) lse[i * p.lse_row_stride] = row_lse;
+        if (t == 0 && c_base == 0) lse[i * p.lse_row_stride] = row_lse;
       }
     }
   }
