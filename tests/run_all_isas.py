@@ -2,8 +2,10 @@
 (FMHA_CPU_ISA=avx2, scalar, ...), so each SIMD translation unit is tested, not only the one
 dispatch picks. Exits non-zero if any level fails. Used by the README's test command.
 
-The CUDA-emulator suites are left out here: they run the CUDA kernels, not the CPU ones, so
-the CPU level cannot change them (they run once, in the main pass)."""
+Lower levels run the suites that exercise the CPU kernels directly (KERNEL_SUITES: every
+feature, dtype, shape class and gradient of the kernels); the integration suites above them
+(nn, sdpa, transformers, the example, errors, the reference itself), the CUDA-emulator suites
+and the build checks do not depend on the CPU level and run once, in the main pass."""
 
 import os
 import subprocess
@@ -12,7 +14,7 @@ import sys
 from fmha import _C
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
-CUDA_EMULATOR_SUITES = ["test_cuda_emu.py", "test_cuda_forward_emu.py", "test_cuda_emu_cases.py"]
+KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py", "test_memory.py"]
 
 
 def main() -> int:
@@ -22,8 +24,8 @@ def main() -> int:
     failed = []
     for isa in reversed(lower):
         print(f"== test suite at FMHA_CPU_ISA={isa} (best on this CPU: {best})", flush=True)
-        skip = [f"--ignore={os.path.join(tests, name)}" for name in CUDA_EMULATOR_SUITES]
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", tests] + skip + sys.argv[1:],
+        suites = [os.path.join(tests, name) for name in KERNEL_SUITES]
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q"] + suites + sys.argv[1:],
                            env=dict(os.environ, FMHA_CPU_ISA=isa))
         if r.returncode != 0:
             failed.append(isa)
