@@ -290,13 +290,21 @@ def nvcc():
 
 
 def test_ptxas_no_spills_or_stack(nvcc):
-    """Every kernel compiles for sm_80 and sm_90 without spills or a stack frame; the KAT
-    kernels are included so that every inline-PTX wrapper is assembled by ptxas."""
-    sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu")) + [EMU_TESTS / "kat_primitives.cu"]
+    """Every shipped kernel -- csrc/cuda/*.cu and every generated instantiation of the
+    FlashAttention-2 forward and backward -- compiles for sm_80 and sm_90 without spills or a
+    stack frame; the KAT kernels are included so that every inline-PTX wrapper is assembled
+    by ptxas."""
+    cuda = ROOT / "csrc" / "cuda"
+    instantiations = sorted((cuda / "instantiations").glob("*.cu"))
+    assert len(instantiations) >= 40, "the forward and backward instantiation files"
+    sources = sorted(cuda.glob("*.cu")) + instantiations + [EMU_TESTS / "kat_primitives.cu"]
     kernels, errors = ptxas_check.check(sources, ["80", "90"], nvcc)
     assert not errors, "\n".join(errors)
     names = " ".join(k.name for k in kernels)
-    assert "gemm_tc_kernel" in names and "mma_kat_kernel" in names
+    for kernel in ("gemm_tc_kernel", "mma_kat_kernel", "flash_fwd_kernel", "flash_fwd_combine",
+                   "flash_bwd_kernel", "flash_bwd_dq_kernel", "flash_bwd_dot_do_o",
+                   "flash_bwd_convert_dq", "flash_bwd_reduce_dbias"):
+        assert kernel in names, kernel
     for arch in ("sm_80", "sm_90"):
         assert sum(k.arch == arch for k in kernels) >= 10
     bad = [k for k in kernels if not k.clean]

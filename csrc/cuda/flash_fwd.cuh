@@ -258,8 +258,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
 
   // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16;
   // its O columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
-  const int row_warp = warp % Cfg::kRowWarps;
-  const int c_base = (warp / Cfg::kRowWarps) * Cfg::kOutDim;
+  // (Constants without the column split: no registers or arithmetic for it.)
+  const int row_warp = Cfg::kColSplit > 1 ? warp % Cfg::kRowWarps : warp;
+  const int c_base = Cfg::kColSplit > 1 ? (warp / Cfg::kRowWarps) * Cfg::kOutDim : 0;
   const int row_lo = m0 + row_warp * 16 + g;
   const int rows[2] = {row_lo, row_lo + 8};
 
