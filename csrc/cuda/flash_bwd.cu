@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cuda/flash_bwd.cuh"
+#include "cuda/launch_checks.h"
 #include "cuda/head_dims.h"
 
 namespace fmha {
@@ -56,18 +57,7 @@ void run_head_dim(const BwdParams& p, Stream stream) {
 }  // namespace
 
 void launch_flash_bwd(const BwdParams& p, void* stream_ptr) {
-  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
-    unsupported(std::string("dtype ") + dtype_name(p.dtype) + ", expected float16 or bfloat16");
-  if (p.head_dim < 1 || p.head_dim > 256)
-    unsupported("head_dim " + std::to_string(p.head_dim) + ", expected 1..256");
-  if (p.head_dim_v < 1 || p.head_dim_v > 256)
-    unsupported("head_dim_v " + std::to_string(p.head_dim_v) + ", expected 1..256");
-  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
-    unsupported("heads_q " + std::to_string(p.heads_q) + " is not a multiple of heads_kv " +
-                std::to_string(p.heads_kv));
-  if (!(p.dropout_p >= 0.0 && p.dropout_p < 1.0))
-    unsupported("dropout_p " + std::to_string(p.dropout_p) + ", expected [0, 1)");
-  if (!(p.softcap >= 0.0)) unsupported("softcap " + std::to_string(p.softcap) + ", expected >= 0");
+  check_launch_params(p, "launch_flash_bwd");
   if (p.dbias && !p.bias.ptr) unsupported("dbias without bias");
   if (p.batch <= 0 || p.heads_q <= 0) return;
   const Stream stream = static_cast<Stream>(stream_ptr);

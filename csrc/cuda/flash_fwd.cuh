@@ -50,6 +50,7 @@
 #include "cuda/flash_fwd.h"
 #include "cuda/head_dims.h"
 #include "cuda/primitives.cuh"
+#include "cuda/tile_io.cuh"
 #include "fmha/philox.h"
 
 namespace fmha {
@@ -156,46 +157,12 @@ struct FwdLaunch {
 
 namespace flash_detail {
 
-// Copies rows [row0, row0 + kRows) x columns [0, kHeadDim) of a (rows x cols) matrix with
-// row stride ld into shared memory (row stride kStride), zero outside the matrix: the zero
-// rows of a tail block keep NaN/garbage out of P Vj (0 * NaN is NaN), the zero columns pad
-// head_dim up to the tile width.
+// tile::load (cuda/tile_io.cuh) with this config's tile width, shared row stride and threads.
 template <typename T, typename Cfg, int kRows>
 FMHA_DEVICE void load_tile(T* smem, const T* g, int64_t ld, int rows, int cols, int row0,
                            bool vec, int tid) {
-  constexpr int kChunksPerRow = Cfg::kHeadDim / 8;  // 16-byte chunks of 8 elements
-  constexpr int kChunks = kRows * kChunksPerRow;
-  if (vec) {
-#pragma unroll
-    for (int i = 0; i < kChunks / Cfg::kThreads; ++i) {
-      const int chunk = tid + i * Cfg::kThreads;
-      const int r = chunk / kChunksPerRow, c = (chunk % kChunksPerRow) * 8;
-      const int gr = row0 + r;
-      const int valid = (gr < rows && c < cols) ? min(cols - c, 8) : 0;
-      // A chunk with nothing to read still needs a valid source address: the matrix base.
-      const T* src = valid > 0 ? g + gr * ld + c : g;
-      cp_async_16(smem + r * Cfg::kStride + c, src, valid * 2);
-    }
-  } else {
-    const T zero = from_bits<T>(0);
-#pragma unroll 4
-    for (int i = tid; i < kRows * Cfg::kHeadDim; i += Cfg::kThreads) {
-      const int r = i / Cfg::kHeadDim, c = i % Cfg::kHeadDim;
-      const int gr = row0 + r;
-      smem[r * Cfg::kStride + c] = (gr < rows && c < cols) ? g[gr * ld + c] : zero;
-    }
-  }
-}
-
-// One element of a broadcast bias, as float, whatever its dtype.
-FMHA_DEVICE float bias_at(const Broadcast4& bias, int64_t index) {
-  switch (bias.dtype) {
-    case DType::kFloat64: return float(static_cast<const double*>(bias.ptr)[index]);
-    case DType::kFloat32: return static_cast<const float*>(bias.ptr)[index];
-    case DType::kBFloat16: return to_float(static_cast<const bf16_t*>(bias.ptr)[index]);
-    case DType::kFloat16: return to_float(static_cast<const half_t*>(bias.ptr)[index]);
-  }
-  return 0.0f;
+  tile::load<T, kRows, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(smem, g, ld, rows, cols, row0,
+                                                                   vec, tid);
 }
 
 // Where sequence b lives: its first row in the packed tensors (varlen; else 0) and its
@@ -370,7 +337,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
             if (p.softcap > 0.0)  // Gemma 2 / Grok logit cap
               x = float(p.softcap) * tanhf(x / float(p.softcap));
             if (visible && p.bias.ptr)
-              x += flash_detail::bias_at(p.bias, b * p.bias.batch_stride + h * p.bias.head_stride +
+              x += tile::bias_at(p.bias, b * p.bias.batch_stride + h * p.bias.head_stride +
                                                      i * p.bias.row_stride + key * p.bias.col_stride);
             x -= slope * fabsf(float(i + off - key));  // ALiBi: distance to the diagonal
             if (visible && p.mask.ptr)
