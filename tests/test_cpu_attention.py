@@ -398,6 +398,35 @@ def test_bias_shapes(rng, lib, dtype, shape_name):
     check_against_reference(q, k, v, do, bias=bias, bias_grad=True)
 
 
+@pytest.mark.parametrize("shape_name", ["h_1_1", "b_h_sq_1"])
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+def test_dbias_constant_along_keys_is_zero(rng, lib, dtype, shape_name):
+    """A bias constant along the keys shifts a row's scores, which softmax ignores: dbias is
+    written as exact zeros (fmha/params.h, dbias_is_zero), and q, k, v gradients still match."""
+    b, sq, sk, hq, hkv = 2, 21, 27, 4, 2
+    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, hq, hkv, 32)
+    bias = extra_array(rng, BIAS_SHAPES[shape_name](b, hq, sq, sk), lib, dtype, scale=2.0)
+    res, _ = check_against_reference(q, k, v, do, bias=bias, bias_grad=True, causal=True)
+    assert (np.asarray(to_f64(res["dbias"])) == 0).all()
+
+
+def test_dbias_constant_along_keys_is_zero_in_the_reference(rng):
+    """The identity behind dbias_is_zero holds with every feature on: the float64 reference's
+    dbias for a (b, h, sq, 1) bias is zero to rounding under a mask, causal, softcap, ALiBi
+    and dropout, and fmha's is exactly zero."""
+    b, sq, sk, hq, hkv = 2, 19, 30, 4, 2
+    q, k, v, do = inputs(rng, "numpy", "float64", b, sq, sk, hq, hkv, 16)
+    bias = extra_array(rng, (b, hq, sq, 1), "numpy", "float64", scale=2.0)
+    mask = rng.uniform(size=(b, 1, sq, sk)) > 0.3
+    kw = dict(bias=bias, mask=mask, causal=True, softcap=5.0, dropout_p=0.2,
+              alibi_slopes=np.array([2.0 ** -(i + 1) for i in range(hq)]))
+    ref_dbias = reference.attention_backward(do, q, k, v, seed=3, **kw)[3]
+    assert np.abs(ref_dbias).max() < 1e-12
+    out, lse = fmha.attention(q, k, v, return_lse=True, seed=3, **kw)
+    grads = fmha.attention_backward(do, q, k, v, out, lse, bias_grad=True, seed=3, **kw)
+    assert (grads[3] == 0).all()
+
+
 @pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
 def test_bias_without_grad(rng, lib, dtype):
     """A bias that does not require grad still shifts the scores (and q/k/v grads)."""

@@ -136,30 +136,13 @@ def test_bias_and_dbias(shape, d):
 @pytest.mark.parametrize("shape", [(1, 1, 33, 1), (1, 2, 1, 1)])
 @pytest.mark.parametrize("d", [64, 96])
 def test_dbias_broadcast_over_keys(shape, d):
-    # A bias constant along the keys has dbias = sum_j dS_ij = D_i - D_i = 0 exactly, so its
-    # error is pure rounding, and one source of it is by design (FlashAttention-2, and the
-    # CPU backward): D = rowsum(dO o O) uses O as stored, in float16. That term is computed
-    # here exactly -- sum over the reduced rows of (D from the stored O - D from the exact
-    # O) -- and allowed on top of the 3x rule; the kernel's own error must fit the rest.
+    # A bias constant along the keys has dbias = sum_j dS_ij = D_i - D_i = 0 exactly: the
+    # kernels write those zeros (fmha/params.h), over the NaN that emu_grads starts from,
+    # and q, k, v still get the bias's effect (the reference check in run_case).
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(*shape, generator=gen, dtype=torch.float32)
-    b, sq, sk, h = 2, 33, 70, 2
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(b, sq, h, d, generator=gen).half()
-    k = torch.randn(b, sk, h, d, generator=gen).half()
-    v = torch.randn(b, sk, h, d, generator=gen).half()
-    dout = torch.randn(b, sq, h, d, generator=gen).half()
-    got = emu_grads(q, k, v, dout, bias=bias, bias_grad=True)
-    ref = reference_results(q, k, v, dout, bias=bias, bias_grad=True)
-    naive = naive_results(q, k, v, dout, bias=bias.half(), bias_grad=True)
-    # (b, sq, h) -> (b, h, sq, 1), then summed over the bias's broadcast dims as dbias is.
-    d_err = ((got["out"].double().numpy() - ref["out"]) * dout.double().numpy()).sum(-1)
-    d_err = d_err.transpose(0, 2, 1)[..., None]
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and d_err.shape[i] != 1)
-    d_term = np.abs(d_err.sum(axis=axes, keepdims=True)).max()
-    err = np.abs(got["dbias"].double().numpy() - ref["dbias"]).max()
-    naive_err = np.abs(naive["dbias"].double().numpy() - ref["dbias"]).max()
-    assert err <= 3 * naive_err + d_term + 1e-5, (err, naive_err, d_term)
+    got = run_case(batch=2, sq=33, sk=70, hq=2, d=d, bias=bias, bias_grad=True)
+    assert torch.all(got["dbias"] == 0)
 
 
 def test_mask_with_dead_rows():

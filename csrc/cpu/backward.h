@@ -27,6 +27,8 @@
 // like FlashAttention-2's dq_accum).
 #pragma once
 
+#include <algorithm>
+
 #include "cpu/bf16_pairs.h"
 #include "cpu/forward.h"  // rows_as_acc
 #include "cpu/softmax.h"
@@ -531,7 +533,10 @@ void backward_typed(const BwdParams& p) {
                  [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); });
     parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); });
   }
-  if (p.dbias) {
+  if (dbias_is_zero(p)) {
+    std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
+                A(0));
+  } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);
     parallel_for(n, p.num_threads, [&](int64_t t) { dbias_task<T, A>(p, t, D.data()); });

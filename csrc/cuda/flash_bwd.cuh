@@ -22,7 +22,8 @@
 //                          (recomputing S and dP: two more GEMMs, no atomics), else
 //                          flash_bwd_convert_dq scales the float32 accumulator into dq.
 //  4. with a broadcast dbias: flash_bwd_reduce_dbias sums the full-size dS over the broadcast
-//                          dimensions, in a fixed order.
+//                          dimensions, in a fixed order (a bias constant along the keys gets
+//                          zeros instead: fmha/params.h, dbias_is_zero).
 //
 // The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does): each
 // of its 4 warps owns 16 keys, so its rows of dK and dV are mma accumulators of its own, and
@@ -680,8 +681,11 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
   Scratch dq_buf(p.deterministic ? 0 : size_t(p.heads_q) * rows * p.head_dim * sizeof(float),
                  stream, /*zero=*/true);
   w.dq_accum = dq_buf.as<float>();
-  // dbias: dS of every visible (b, h, i, j), zero elsewhere, then reduced to dbias's shape.
-  const bool with_dbias = kExtras && p.dbias != nullptr;
+  // dbias: dS of every visible (b, h, i, j), zero elsewhere, then reduced to dbias's shape;
+  // a bias constant along the keys has exactly zero gradient (fmha/params.h).
+  if (dbias_is_zero(p))
+    zero_fill(p.dbias, size_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * sizeof(float), stream);
+  const bool with_dbias = kExtras && p.dbias != nullptr && !dbias_is_zero(p);
   Scratch ds_buf(with_dbias ? size_t(p.batch) * p.heads_q * p.seqlen_q * p.seqlen_k * sizeof(float) : 0,
                  stream, /*zero=*/true);
   if (with_dbias) {

@@ -137,6 +137,20 @@ class Scratch {
   size_t bytes_;
 };
 
+// Zero `bytes` of an output in stream order (cudaMemsetAsync; a plain memset under the
+// emulator, whose launches are synchronous).
+inline void zero_fill(void* ptr, size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+#if defined(__CUDACC__)
+  const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fmha zero fill: ") + cudaGetErrorString(err));
+#else
+  (void)stream;
+  std::memset(ptr, 0, bytes);
+#endif
+}
+
 // ---------------------------------------------------------------------------- conversions
 // PTX ISA 9.0 §9.7.9.21 "cvt": .rn rounds to nearest even; a NaN becomes 0x7FFF.
 

@@ -101,4 +101,11 @@ struct BwdParams : FwdParams {
   bool deterministic = false;
 };
 
+// A bias constant along the keys (dbias_cols == 1) adds the same amount to every visible
+// score of a row, which softmax cancels: its gradient is exactly zero (sum_j dS_ij =
+// sum_j P_ij dP_ij - D_i = 0, with masks, dropout, softcap and ALiBi too). Both backends
+// write those zeros instead of summing dS, whose sum would be only the rounding error of D
+// = rowsum(dO o O) taken from the stored low-precision O (see csrc/cuda/NOTES.md).
+inline bool dbias_is_zero(const BwdParams& p) { return p.dbias != nullptr && p.dbias_cols == 1; }
+
 }  // namespace fmha
