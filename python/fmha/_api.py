@@ -244,7 +244,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
 
     Takes the forward's out and lse (``return_lse=True``) and the same keyword arguments
     (with the same ``seed`` when dropout was on). Returns (dq, dk, dv), plus dbias shaped
-    like bias when ``bias_grad``. deterministic: as in :func:`attention`.
+    like bias when ``bias_grad`` (exact zeros for a bias constant along the keys, whose
+    shift softmax cancels). deterministic: as in :func:`attention`.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
