@@ -141,6 +141,38 @@ FMHA_DEVICE void query_range(const FwdParams& p, const tile::Seq& s, int n0, int
   m_end = hi / kBlockM + 1;
 }
 
+
+// S and dP of one block, in either kernel's orientation: acc_s = As Bs^T, acc_dp = Adp Bdp^T.
+// The A tiles give the warp's 16 rows, the B tiles kNTilesS * 8 rows, all stored row-major
+// over the head dim -- B's rows are its mma columns, so both load with plain ldmatrix. The
+// main kernel passes (Kj, Vj) and (Qi, dOi) for S^T, dP^T; the dQ kernel the reverse for S, dP.
+template <typename T, typename Cfg>
+FMHA_DEVICE void s_and_dp(float (&acc_s)[Cfg::kNTilesS][4], float (&acc_dp)[Cfg::kNTilesS][4],
+                          const T* a_s, const T* a_dp, const T* b_s, const T* b_dp, int warp,
+                          int lane) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
+    uint32_t fa_s[4], fa_dp[4];
+    const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
+    ldmatrix<4>(fa_s, a_s + a_off);
+    ldmatrix<4>(fa_dp, a_dp + a_off);
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; j += 2) {
+      const int row = j * 8 + (lane % 8) + (lane / 16) * 8;
+      const int dim = kk * 16 + ((lane / 8) % 2) * 8;
+      uint32_t b4[4];
+      ldmatrix<4>(b4, b_s + row * Cfg::kStride + dim);
+      mma_pair<T>(acc_s[j], acc_s[j + 1], fa_s, b4);
+      ldmatrix<4>(b4, b_dp + row * Cfg::kStride + dim);
+      mma_pair<T>(acc_dp[j], acc_dp[j + 1], fa_dp, b4);
+    }
+  }
+}
+
 }  // namespace bwd_detail
 
 // ---------------------------------------------------------------------------- 1. D
@@ -277,31 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
     // plain ldmatrix, two n-tiles (8 queries each) x two k-halves per x4.
     float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
-#pragma unroll
-    for (int j = 0; j < Cfg::kNTilesS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
-      uint32_t a_k[4], a_v[4];
-      const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
-      ldmatrix<4>(a_k, sK + a_off);
-      ldmatrix<4>(a_v, sV + a_off);
-#pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; j += 2) {
-        const int q = j * 8 + (lane % 8) + (lane / 16) * 8;
-        const int dim = kk * 16 + ((lane / 8) % 2) * 8;
-        uint32_t b4[4];
-        ldmatrix<4>(b4, tQ + q * Cfg::kStride + dim);
-        const uint32_t bq0[2] = {b4[0], b4[1]}, bq1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_s[j], a_k, bq0, acc_s[j]);
-        mma_m16n8k16<T>(acc_s[j + 1], a_k, bq1, acc_s[j + 1]);
-        ldmatrix<4>(b4, tdO + q * Cfg::kStride + dim);
-        const uint32_t bo0[2] = {b4[0], b4[1]}, bo1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_dp[j], a_v, bo0, acc_dp[j]);
-        mma_m16n8k16<T>(acc_dp[j + 1], a_v, bo1, acc_dp[j + 1]);
-      }
-    }
+    bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sK, sV, tQ, tdO, warp, lane);
 
     // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
     // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
@@ -337,14 +345,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // B[k][n] = dOi[k][n] (Qi): row-major queries x dims, ldmatrix.trans.
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKStepsM; ++kk) {
-      const uint32_t p_frag[4] = {pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
-                                  pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
-                                  pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
-                                  pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
-      const uint32_t ds_frag[4] = {pack2<T>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]),
-                                   pack2<T>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]),
-                                   pack2<T>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]),
-                                   pack2<T>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3])};
+      uint32_t p_frag[4], ds_frag[4];
+      a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
+      a_frag_from_acc<T>(ds_frag, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
       if constexpr (kAtomicDq) {
         // dS^T for the dQ product below, in the same packed form.
         T* row_lo = sdS + (warp * 16 + g) * Cfg::kDsStride + kk * 16 + 2 * t;
@@ -360,13 +363,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         const int dim = c_base + j * 8 + (lane / 16) * 8;
         uint32_t b4[4];
         ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
-        const uint32_t bo0[2] = {b4[0], b4[1]}, bo1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_dv[j], p_frag, bo0, acc_dv[j]);
-        mma_m16n8k16<T>(acc_dv[j + 1], p_frag, bo1, acc_dv[j + 1]);
+        mma_pair<T>(acc_dv[j], acc_dv[j + 1], p_frag, b4);
         ldmatrix<4, true>(b4, tQ + q * Cfg::kStride + dim);
-        const uint32_t bq0[2] = {b4[0], b4[1]}, bq1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_dk[j], ds_frag, bq0, acc_dk[j]);
-        mma_m16n8k16<T>(acc_dk[j + 1], ds_frag, bq1, acc_dk[j + 1]);
+        mma_pair<T>(acc_dk[j], acc_dk[j + 1], ds_frag, b4);
       }
     }
 
@@ -398,9 +397,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             const int dim = c_base + (c0 + j) * 8 + (lane / 16) * 8;
             uint32_t b4[4];
             ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
-            const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
-            mma_m16n8k16<T>(acc_q[j], a, b0, acc_q[j]);
-            mma_m16n8k16<T>(acc_q[j + 1], a, b1, acc_q[j + 1]);
+            mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
           }
         }
 #pragma unroll
@@ -530,32 +527,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
     cp_async_wait<0>();
     __syncthreads();
 
+    // S = Qi Kj^T, dP = dOi Vj^T (queries x keys).
     float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
-#pragma unroll
-    for (int j = 0; j < Cfg::kNTilesS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
-      uint32_t a_q[4], a_do[4];
-      const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
-      ldmatrix<4>(a_q, sQ + a_off);
-      ldmatrix<4>(a_do, sdO + a_off);
-#pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; j += 2) {
-        const int key = j * 8 + (lane % 8) + (lane / 16) * 8;
-        const int dim = kk * 16 + ((lane / 8) % 2) * 8;
-        uint32_t b4[4];
-        ldmatrix<4>(b4, sK + key * Cfg::kStride + dim);
-        const uint32_t bk0[2] = {b4[0], b4[1]}, bk1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_s[j], a_q, bk0, acc_s[j]);
-        mma_m16n8k16<T>(acc_s[j + 1], a_q, bk1, acc_s[j + 1]);
-        ldmatrix<4>(b4, sV + key * Cfg::kStride + dim);
-        const uint32_t bv0[2] = {b4[0], b4[1]}, bv1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_dp[j], a_do, bv0, acc_dp[j]);
-        mma_m16n8k16<T>(acc_dp[j + 1], a_do, bv1, acc_dp[j + 1]);
-      }
-    }
+    bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp, lane);
 
     // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t + e % 2.
 #pragma unroll
@@ -579,19 +553,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
     // dQi += dS Kj.
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
-      const uint32_t ds_frag[4] = {pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
-                                   pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
-                                   pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
-                                   pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+      uint32_t ds_frag[4];
+      a_frag_from_acc<T>(ds_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
 #pragma unroll
       for (int j = 0; j < Cfg::kNTilesD; j += 2) {
         const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
         const int dim = c_base + j * 8 + (lane / 16) * 8;
         uint32_t b4[4];
         ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
-        const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
-        mma_m16n8k16<T>(acc_dq[j], ds_frag, b0, acc_dq[j]);
-        mma_m16n8k16<T>(acc_dq[j + 1], ds_frag, b1, acc_dq[j + 1]);
+        mma_pair<T>(acc_dq[j], acc_dq[j + 1], ds_frag, b4);
       }
     }
     __syncthreads();  // every warp is done with Kj, Vj before the next block overwrites them

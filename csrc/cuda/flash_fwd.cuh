@@ -315,9 +315,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
           const int key = j * 8 + (lane % 8) + (lane / 16) * 8;
           const int dim = kk * 16 + ((lane / 8) % 2) * 8;
           ldmatrix<4>(k4, tK + key * Cfg::kStride + dim);
-          const uint32_t b0[2] = {k4[0], k4[1]}, b1[2] = {k4[2], k4[3]};
-          mma_m16n8k16<T>(acc_s[j], a, b0, acc_s[j]);
-          mma_m16n8k16<T>(acc_s[j + 1], a, b1, acc_s[j + 1]);
+          mma_pair<T>(acc_s[j], acc_s[j + 1], a, k4);
         }
       }
       // ---- scale into the log2 domain and mask: keys past seqlen_k (zero-filled, but they
@@ -421,11 +419,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
       // P for k-step k (rows g / g+8, keys 2t.. / 2t+8..): convert in registers.
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
-        const uint32_t p_frag[4] = {
-            pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]),
-            pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]),
-            pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]),
-            pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3])};
+        uint32_t p_frag[4];
+        a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
         // Vj is row-major keys x dims = the K x N B operand: ldmatrix.trans, two n-tiles
         // (dims) x two k-halves (keys) per x4, as in cuda/gemm_tc.cuh.
 #pragma unroll
@@ -434,9 +429,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
           const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
           const int dim = c_base + j * 8 + (lane / 16) * 8;
           ldmatrix<4, true>(v4, tV + key * Cfg::kStride + dim);
-          const uint32_t b0[2] = {v4[0], v4[1]}, b1[2] = {v4[2], v4[3]};
-          mma_m16n8k16<T>(acc_o[j], p_frag, b0, acc_o[j]);
-          mma_m16n8k16<T>(acc_o[j + 1], p_frag, b1, acc_o[j + 1]);
+          mma_pair<T>(acc_o[j], acc_o[j + 1], p_frag, v4);
         }
       }
       // Every warp is done reading this stage before the next iteration's prefetch (of

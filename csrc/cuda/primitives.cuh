@@ -408,6 +408,27 @@ FMHA_DEVICE void mma_m16n8k16<bf16_t>(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
+// The accumulators of two adjacent n-tiles (columns 0..7 in lo, 8..15 in hi) are, converted
+// to 16-bit pairs, exactly the A fragment of a 16 x 16 k-step (c[0..1] -> a[0] / a[2], c[2..3]
+// -> a[1] / a[3]): how FlashAttention-2 feeds P (and dS) to the next GEMM without shared memory.
+template <typename T>
+FMHA_DEVICE void a_frag_from_acc(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
+// Two n-tiles of one k-step: d0 += A B0, d1 += A B1, with B0 = b4[0..1] and B1 = b4[2..3] as
+// one ldmatrix x4 delivers them.
+template <typename T>
+FMHA_DEVICE void mma_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
+                          const uint32_t (&b4)[4]) {
+  const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
+  mma_m16n8k16<T>(d0, a, b0, d0);
+  mma_m16n8k16<T>(d1, a, b1, d1);
+}
+
 // Loads kNum 8x8 matrices of 16-bit elements from shared memory, one per register:
 // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16 (PTX ISA 9.0 §9.7.14.5.15).
 // Lanes 8i..8i+7 pass the (16-byte aligned) addresses of rows 0..7 of matrix i; lane L
