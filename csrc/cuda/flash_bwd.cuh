@@ -421,20 +421,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           h_kv * p.dk_head_stride;
   T* dV = static_cast<T*>(p.dv) + s.k_base(b, p.dv_batch_stride, p.dv_row_stride) +
           h_kv * p.dv_head_stride;
-  const float scale = float(p.scale);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key_lo + 8 * r;
-    if (key >= s.sk) continue;
-#pragma unroll
-    for (int j = 0; j < Cfg::kNTilesD; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = c_base + j * 8 + 2 * t + e;
-        if (col < d) dK[int64_t(key) * p.dk_row_stride + col] = from_float<T>(acc_dk[j][2 * r + e] * scale);
-        if (col < dv) dV[int64_t(key) * p.dv_row_stride + col] = from_float<T>(acc_dv[j][2 * r + e]);
-      }
-  }
+  tile::store_acc<T>(dK, p.dk_row_stride, acc_dk, key_lo, s.sk, c_base, d, t, float(p.scale));
+  tile::store_acc<T>(dV, p.dv_row_stride, acc_dv, key_lo, s.sk, c_base, dv, t, 1.0f);
 }
 
 // ---------------------------------------------------------------------------- 3. dQ
@@ -570,19 +558,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
 
   T* dQ = static_cast<T*>(p.dq) + s.q_base(b, p.dq_batch_stride, p.dq_row_stride) +
           h * p.dq_head_stride;
-  const float scale = float(p.scale);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = row_lo + 8 * r;
-    if (i >= s.sq) continue;
-#pragma unroll
-    for (int j = 0; j < Cfg::kNTilesD; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = c_base + j * 8 + 2 * t + e;
-        if (col < d) dQ[int64_t(i) * p.dq_row_stride + col] = from_float<T>(acc_dq[j][2 * r + e] * scale);
-      }
-  }
+  tile::store_acc<T>(dQ, p.dq_row_stride, acc_dq, row_lo, s.sq, c_base, d, t, float(p.scale));
 }
 
 // dq = scale * dq_accum, in the input dtype: 64 rows of one (head, batch) per CTA.

@@ -14,6 +14,26 @@ namespace fmha {
 namespace gpu {
 namespace tile {
 
+// Writes a warp's 16 x (kNTiles * 8) mma accumulator tile times `scale` as T: c[2r + e] of
+// n-tile j is row row_lo + 8r, column c_base + 8j + 2t + e (t = lane % 4). Rows >= rows and
+// columns >= cols (padding of the tile) are not written.
+template <typename T, int kNTiles>
+FMHA_DEVICE void store_acc(T* g, int64_t ld, const float (&acc)[kNTiles][4], int row_lo,
+                           int rows, int c_base, int cols, int t, float scale) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + 8 * r;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = c_base + j * 8 + 2 * t + e;
+        if (col < cols) g[int64_t(row) * ld + col] = from_float<T>(acc[j][2 * r + e] * scale);
+      }
+  }
+}
+
 // Copies rows [row0, row0 + kRows) x columns [0, kCols) of a (rows x cols) matrix with row
 // stride ld into shared memory (row stride kStride), zero outside the matrix. The zero rows of
 // a tail block keep NaN/garbage out of the products (0 * NaN is NaN); the zero columns pad
