@@ -265,7 +265,7 @@ struct BwdHead {
   // dS through the softcap: d softcap·tanh(s/softcap) / ds = 1 - tanh².
   void finish_grads(int64_t n, BwdBuffers<A>& t, bool raw) const {
     if (raw && p.softcap > 0)
-      for (int64_t e = 0; e < n; ++e) t.dP[e] *= A(1) - t.Tcap[e] * t.Tcap[e];
+      for (int64_t e = 0; e < n; ++e) t.dP[e] *= score::softcap_grad(t.Tcap[e]);
   }
 };
 

@@ -1,5 +1,5 @@
-// Tile machinery shared by the CPU forward and backward: where a sequence lives, which keys a
-// query row may see, loading tiles into the accumulation type, and the score pipeline
+// Tile machinery shared by the CPU forward and backward: loading tiles into the accumulation
+// type, and the score pipeline of csrc/fmha/score.h
 //   S = scale * Q Kᵀ  ->  softcap  ->  + bias + ALiBi  ->  mask (-inf)
 // applied to one (rows x cols) tile. Included once per ISA (FMHA_CPU_ISA_NS) so every loop
 // here is compiled, and vectorised, with that ISA's flags.
@@ -17,7 +17,7 @@
 #include "cpu/vexp.h"
 #include "fmha/numeric.h"
 #include "fmha/params.h"
-#include "fmha/philox.h"
+#include "fmha/score.h"
 
 #ifndef FMHA_CPU_ISA_NS
 #error "include through csrc/cpu/instantiate_<isa>.cpp"
@@ -31,49 +31,20 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 constexpr int kBr = 64;
 constexpr int kBc = 64;
 
-// One sequence of the batch: its first packed row (varlen) and its lengths.
-struct Seq {
-  int64_t q_first = 0, k_first = 0;  // first row in the packed tensors (varlen), else 0
-  int sq = 0, sk = 0;
-  int off = 0;  // alignment of the causal/window diagonal: sk - sq (bottom-right) or 0
-};
-
-inline Seq seq_of(const FwdParams& p, int b) {
-  Seq s;
-  if (p.cu_seqlens_q) {
-    s.q_first = p.cu_seqlens_q[b];
-    s.k_first = p.cu_seqlens_k[b];
-    s.sq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.sk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-  } else {
-    s.sq = p.seqlen_q;
-    s.sk = p.seqlen_k;
-  }
-  s.off = p.bottom_right ? s.sk - s.sq : 0;
-  return s;
-}
+// The sequence, window bounds, softcap, ALiBi and dropout draws of the score semantics
+// (csrc/fmha/score.h), shared with the CUDA kernels.
+using score::Seq;
+using score::seq_of;
+using score::key_lo;
+using score::key_hi;
+using score::query_lo;
+using score::query_hi;
 
 // Element offset of row `i` of sequence b in a (batch, seqlen, heads, dim) tensor.
 inline int64_t row_offset(const FwdParams& p, int b, int64_t batch_stride, int64_t row_stride,
                           int64_t first_row_of_seq, int i) {
   return p.cu_seqlens_q ? (first_row_of_seq + i) * row_stride
                         : b * batch_stride + int64_t(i) * row_stride;
-}
-
-// Keys visible to query row i: [key_lo(i), key_hi(i)] (empty when lo > hi). Both bounds
-// grow with i, which is what lets a tile of rows visit one contiguous range of key tiles.
-inline int key_lo(const FwdParams& p, const Seq& s, int i) {
-  return p.window_left < 0 ? 0 : std::max(0, i + s.off - p.window_left);
-}
-inline int key_hi(const FwdParams& p, const Seq& s, int i) {
-  return p.window_right < 0 ? s.sk - 1 : std::min(s.sk - 1, i + s.off + p.window_right);
-}
-// Query rows that see at least one key of [j0, j1]: [query_lo, query_hi].
-inline int query_lo(const FwdParams& p, const Seq& s, int j0) {
-  return p.window_right < 0 ? 0 : std::max(0, j0 - s.off - p.window_right);
-}
-inline int query_hi(const FwdParams& p, const Seq& s, int j1) {
-  return p.window_left < 0 ? s.sq - 1 : std::min(s.sq - 1, j1 - s.off + p.window_left);
 }
 
 // A per-thread bump allocator for tile buffers: no allocation inside the loops, memory
@@ -180,14 +151,14 @@ inline void add_bias(const Broadcast4& bias, int b, int h, int i0, int nr, int j
 template <typename A>
 inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0, int nr, int j0,
                           int nc, A* S, int64_t rs, int64_t cs, A* Tcap) {
-  if (p.softcap > 0) {  // s = cap * tanh(s / cap)  (Gemma 2 / Grok logit capping)
-    const A cap = A(p.softcap), inv = A(1) / cap;
+  if (p.softcap > 0) {
+    const A cap = A(p.softcap);
     for (int c = 0; c < nc; ++c)
       for (int r = 0; r < nr; ++r) {
         A& x = S[r * rs + c * cs];
-        const A t = std::tanh(x * inv);
+        A t;
+        x = score::softcap(x, cap, t);
         if (Tcap) Tcap[r * rs + c * cs] = t;
-        x = cap * t;
       }
   }
   if (p.bias.ptr) {
@@ -198,11 +169,10 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
       case DType::kFloat16: add_bias<f16_t>(p.bias, b, h, i0, nr, j0, nc, S, rs, cs); break;
     }
   }
-  if (p.alibi_slopes) {  // ALiBi (Press et al. 2022): -slope * distance to the diagonal
-    const A slope = A(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride]);
+  if (p.alibi_slopes) {
+    const A slope = A(score::alibi_slope(p, b, h));
     for (int c = 0; c < nc; ++c)
-      for (int r = 0; r < nr; ++r)
-        S[r * rs + c * cs] -= slope * A(std::abs(i0 + r + s.off - (j0 + c)));
+      for (int r = 0; r < nr; ++r) S[r * rs + c * cs] += score::alibi(slope, s, i0 + r, j0 + c);
   }
   // Visibility: the window (causal is its right edge at 0) and the boolean mask. Both edges
   // grow with the row, so the tile is inside every row's window iff it is inside the last
@@ -218,8 +188,9 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
     }
   }
   if (!p.mask.ptr) return;
-  const uint8_t* m0 = static_cast<const uint8_t*>(p.mask.ptr) + b * p.mask.batch_stride +
-                      h * p.mask.head_stride + int64_t(j0) * p.mask.col_stride;
+  // score::mask_allows, with the tile's base address formed once.
+  const uint8_t* m0 =
+      static_cast<const uint8_t*>(p.mask.ptr) + score::offset_of(p.mask, b, h, 0, j0);
   if (p.mask.row_stride == 0) {
     // A key-padding mask (the same for every row): one look at the tile's keys, and masked
     // keys blank whole columns; a tile of all-visible keys costs a memchr.
@@ -237,18 +208,16 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
 }
 
 // Dropout on one tile row: multiplies P[c * stride] (key j0 + c of row i) by 1/(1-p) where
-// kept and by 0 where dropped. The draw is a pure function of (seed, offset, b, h, i, j).
+// kept and by 0 where dropped (score::dropout_keep), one Philox draw per four keys.
 template <typename A>
 inline void dropout_row(const FwdParams& p, int b, int h, int i, int j0, int nc, A* P,
                         int64_t stride = 1) {
-  const DropoutKey key(p.seed, p.offset);
   const uint32_t threshold = dropout_threshold(p.dropout_p);
   const A keep_scale = A(1.0 / (1.0 - p.dropout_p));
-  const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
   int c = 0;
   while (c < nc) {
     const int j = j0 + c;
-    const Philox4 r = philox4x32_10(uint32_t(j >> 2), uint32_t(i), bh, key.c3, key.k0, key.k1);
+    const Philox4 r = score::dropout_draw(p, b, h, i, j);
     for (int w = j & 3; w < 4 && c < nc; ++w, ++c)
       P[c * stride] = r.x[w] >= threshold ? P[c * stride] * keep_scale : A(0);
   }

@@ -38,6 +38,7 @@
 
 #include "cuda/flash_bwd.h"
 #include "cuda/primitives.cuh"
+#include "cuda/score.cuh"
 #include "cuda/tile_io.cuh"
 
 namespace fmha {
@@ -127,12 +128,9 @@ FMHA_DEVICE int64_t work_row(const FwdParams& p, int h, int b, int i) {
 
 // The query blocks [m_begin, m_end) that can see some key of [n0, n0 + kBlockN).
 template <int kBlockM, int kBlockN>
-FMHA_DEVICE void query_range(const FwdParams& p, const tile::Seq& s, int n0, int& m_begin,
+FMHA_DEVICE void query_range(const FwdParams& p, const score::Seq& s, int n0, int& m_begin,
                              int& m_end) {
-  // Query i sees key j iff j - off - right <= i <= j - off + left.
-  int lo = 0, hi = s.sq - 1;
-  if (p.window_right >= 0) lo = max(lo, n0 - s.off - p.window_right);
-  if (p.window_left >= 0) hi = min(hi, n0 + kBlockN - 1 - s.off + p.window_left);
+  const int lo = score::query_lo(p, s, n0), hi = score::query_hi(p, s, n0 + kBlockN - 1);
   if (lo > hi) {
     m_begin = m_end = 0;
     return;
@@ -183,7 +181,7 @@ template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
-  const tile::Seq s = tile::seq(p, b);
+  const score::Seq s = score::seq_of(p, b);
   const T* O = static_cast<const T*>(p.o) + s.q_base(b, p.o_batch_stride, p.o_row_stride) +
                h * p.o_head_stride;
   const T* dO = static_cast<const T*>(p.dout) +
@@ -220,7 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   const int n_block = blockIdx.x / Cfg::kSplits, h_kv = blockIdx.y, b = blockIdx.z;
   const int c_base = (blockIdx.x % Cfg::kSplits) * Cfg::kOutDim;  // this CTA's columns
   const int group = p.heads_q / p.heads_kv;
-  const tile::Seq s = tile::seq(p, b);
+  const score::Seq s = score::seq_of(p, b);
   const int n0 = n_block * Cfg::kBlockN;
   if (n0 >= s.sk) return;  // varlen: past this sequence's keys (it writes nothing there)
   // Q, K, dQ, dK are head_dim wide, V, dO, dV head_dim_v: the tile holds the larger.
@@ -271,10 +269,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       float lse_l2 = INFINITY, dd = 0.0f;
       if (i < s.sq) {
         const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                           (s.varlen ? int64_t(s.q_first) * p.lse_row_stride
-                                     : int64_t(b) * p.lse_batch_stride);
+                           s.q_base(b, p.lse_batch_stride, p.lse_row_stride);
         const float l = lse[int64_t(i) * p.lse_row_stride];
-        lse_l2 = l == -INFINITY ? INFINITY : l * tile::kLog2e;
+        lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
         dd = w.d[bwd_detail::work_row(p, h, b, i)];
       }
       sLse[stage * Cfg::kBlockM + tid] = lse_l2;
@@ -285,8 +282,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
-  const float scale_log2 = float(p.scale) * tile::kLog2e;
-  const uint32_t threshold = kExtras ? tile::dropout_threshold(p.dropout_p) : 0u;
+  const float scale_log2 = float(p.scale) * score::kLog2e;
+  const uint32_t threshold = kExtras ? dropout_threshold(p.dropout_p) : 0u;
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
 
   for (int step = 0; step < steps; ++step) {
@@ -313,22 +310,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 
     // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
     // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
-    const float slope = kExtras ? tile::alibi_slope(p, b, h) : 0.0f;
+    // (Each element has its own dropout draw: the two keys of a thread are 8 apart, in
+    // different draws of four.)
+    const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
 #pragma unroll
     for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
-        bool visible = tile::in_window(p, s, i, key);
+        bool visible = score::visible(p, s, i, key);
         float x, dcap = 1.0f;
         if constexpr (kExtras)
-          x = tile::score_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
         else
           x = acc_s[j][e] * scale_log2;
         const float prob = visible ? exp2_approx(x - tLse[il]) : 0.0f;
         float dp = acc_dp[j][e], pd = prob;
         if (kExtras && p.dropout_p > 0.0) {
-          const bool keep = visible && tile::dropout_keep(p, b, h, i, key, threshold);
+          const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
           dp = keep ? dp * keep_scale : 0.0f;
           pd = keep ? prob * keep_scale : 0.0f;
         }
@@ -444,7 +443,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   const int m_block = blockIdx.x / Cfg::kSplits, h = blockIdx.y, b = blockIdx.z;
   const int c_base = (blockIdx.x % Cfg::kSplits) * Cfg::kOutDim;  // this CTA's dQ columns
   const int h_kv = h / (p.heads_q / p.heads_kv);
-  const tile::Seq s = tile::seq(p, b);
+  const score::Seq s = score::seq_of(p, b);
   const int m0 = m_block * Cfg::kBlockM;
   if (m0 >= s.sq) return;
   const int d = p.head_dim, dv = p.head_dim_v;
@@ -458,13 +457,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   const T* V = static_cast<const T*>(p.v) + s.k_base(b, p.v_batch_stride, p.v_row_stride) +
                h_kv * p.v_head_stride;
 
-  // Key blocks that intersect some row's window.
-  int n_begin = 0, n_end = (s.sk + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  if (p.window_left >= 0) n_begin = max(0, m0 + s.off - p.window_left) / Cfg::kBlockN;
-  if (p.window_right >= 0) {
-    const int last_key = m0 + Cfg::kBlockM - 1 + s.off + p.window_right;
-    n_end = last_key < 0 ? 0 : min(n_end, last_key / Cfg::kBlockN + 1);
-  }
+  int n_begin, n_end;
+  score::key_blocks<Cfg::kBlockN>(p, s, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
 
   // This thread's query rows row_lo and row_lo + 8, with their lse (log2 domain, +inf for
   // rows without a visible key or past the sequence: P = 0 there) and D.
@@ -472,11 +466,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   float lse_lo = INFINITY, lse_hi = INFINITY, d_lo = 0.0f, d_hi = 0.0f;
   {
     const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                       (s.varlen ? int64_t(s.q_first) * p.lse_row_stride
-                                 : int64_t(b) * p.lse_batch_stride);
+                       s.q_base(b, p.lse_batch_stride, p.lse_row_stride);
     auto lse_l2 = [&](int i) {
       const float l = lse[int64_t(i) * p.lse_row_stride];
-      return l == -INFINITY ? INFINITY : l * tile::kLog2e;
+      return l == -INFINITY ? INFINITY : l * score::kLog2e;
     };
     if (row_lo < s.sq) {
       lse_lo = lse_l2(row_lo);
@@ -500,10 +493,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
       sdO, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
   cp_async_commit();
 
-  const float scale_log2 = float(p.scale) * tile::kLog2e;
-  const uint32_t threshold = kExtras ? tile::dropout_threshold(p.dropout_p) : 0u;
+  const float scale_log2 = float(p.scale) * score::kLog2e;
+  const uint32_t threshold = kExtras ? dropout_threshold(p.dropout_p) : 0u;
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
-  const float slope = kExtras ? tile::alibi_slope(p, b, h) : 0.0f;
+  const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int n0 = n_block * Cfg::kBlockN;
@@ -519,22 +512,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
     float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
     bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp, lane);
 
-    // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t + e % 2.
+    // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t +
+    // e % 2. Each element takes its own dropout draw: sharing one per key pair, as the
+    // forward does, made ptxas spill (24 bytes at d = 128 on sm_90).
 #pragma unroll
     for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
-        bool visible = tile::in_window(p, s, i, key);
+        bool visible = score::visible(p, s, i, key);
         float x, dcap = 1.0f;
         if constexpr (kExtras)
-          x = tile::score_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
         else
           x = acc_s[j][e] * scale_log2;
         const float prob = visible ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
         float dp = acc_dp[j][e];
         if (kExtras && p.dropout_p > 0.0)
-          dp = visible && tile::dropout_keep(p, b, h, i, key, threshold) ? dp * keep_scale : 0.0f;
+          dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
+                                                                          : 0.0f;
         acc_s[j][e] = prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
       }
 
@@ -565,7 +561,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_convert_dq(BwdParams p, BwdWork w) {
   const int h = blockIdx.y, b = blockIdx.z, d = p.head_dim;
-  const tile::Seq s = tile::seq(p, b);
+  const score::Seq s = score::seq_of(p, b);
   const int m0 = blockIdx.x * 64;
   if (m0 >= s.sq) return;
   const int rows = min(64, s.sq - m0);

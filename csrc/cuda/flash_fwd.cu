@@ -26,6 +26,7 @@
 // key loop and spilled 48 (plain) to 152 (extras) bytes at d = 128 on sm_80. Now K/V bases
 // are formed once before the loop and O/lse bases after it, from the sequence's first rows
 // (two ints), which fits.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 

@@ -35,10 +35,10 @@
 // O (float32) and lse, and flash_fwd_combine_kernel merges them by lse. A split that sees no
 // key writes O = 0, lse = -inf and drops out of the merge with weight 0.
 //
-// The score pipeline of design.md -- softcap, additive bias (any float dtype, broadcast by
-// zero strides), ALiBi, boolean mask, dropout (Philox4x32-10, fmha/philox.h: the same mask as
-// the CPU for any tiling or split) -- is compiled in only when kExtras: plain attention keeps
-// its registers and its single multiply per score.
+// The score pipeline (cuda/score.cuh, semantics in fmha/score.h) -- softcap, additive bias
+// (any float dtype, broadcast by zero strides), ALiBi, boolean mask, dropout (the same mask
+// as the CPU for any tiling or split) -- is compiled in only when kExtras: plain attention
+// keeps its registers and its single multiply per score.
 //
 // Not yet here: output staged through shared memory for coalesced stores, skipping the mask
 // arithmetic for blocks inside every window. Performance reasoning: cuda/NOTES.md.
@@ -50,8 +50,8 @@
 #include "cuda/flash_fwd.h"
 #include "cuda/head_dims.h"
 #include "cuda/primitives.cuh"
+#include "cuda/score.cuh"
 #include "cuda/tile_io.cuh"
-#include "fmha/philox.h"
 
 namespace fmha {
 namespace gpu {
@@ -165,25 +165,6 @@ FMHA_DEVICE void load_tile(T* smem, const T* g, int64_t ld, int rows, int cols, 
                                                                    vec, tid);
 }
 
-// Where sequence b lives: its first row in the packed tensors (varlen; else 0) and its
-// lengths. Positions inside the sequence (0..sq-1, 0..sk-1) are what the window, ALiBi,
-// bias/mask and dropout see, exactly as csrc/cpu/tile.h's Seq.
-struct Seq {
-  int q_first, k_first, sq, sk;
-};
-FMHA_DEVICE Seq seq_of(const FwdParams& p, int b) {
-  if (p.cu_seqlens_q) {
-    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-    return {q0, k0, p.cu_seqlens_q[b + 1] - q0, p.cu_seqlens_k[b + 1] - k0};
-  }
-  return {0, 0, p.seqlen_q, p.seqlen_k};
-}
-// Element offset of a sequence's row 0: packed rows when varlen (batch strides unused).
-FMHA_DEVICE int64_t seq_base(const FwdParams& p, int b, int first, int64_t batch_stride,
-                             int64_t row_stride) {
-  return p.cu_seqlens_q ? int64_t(first) * row_stride : int64_t(b) * batch_stride;
-}
-
 }  // namespace flash_detail
 
 template <typename T, typename Cfg, bool kExtras>
@@ -198,23 +179,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   const int m_block = blockIdx.x % launch.m_blocks, split = blockIdx.x / launch.m_blocks;
   const int h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.heads_q / p.heads_kv);  // GQA: K and V are shared, never copied
-  const flash_detail::Seq seq = flash_detail::seq_of(p, b);
+  const score::Seq seq = score::seq_of(p, b);
   const int sq = seq.sq, sk = seq.sk, d = p.head_dim, dv = p.head_dim_v;
   const int m0 = m_block * Cfg::kBlockM;
   // Varlen: the grid is sized by the longest sequence; this block lies past its own.
   // (Uniform over the CTA, before any barrier.)
   if (m0 >= sq) return;
 
-  // Visible keys of row i: [i + off - left, i + off + right] (negative window: unbounded).
-  const int off = p.bottom_right ? sk - sq : 0;
-  const int left = p.window_left, right = p.window_right;
-  // Key blocks that intersect some row's window: blocks wholly outside are never loaded.
-  int n_begin = 0, n_end = (sk + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  if (left >= 0) n_begin = max(0, m0 + off - left) / Cfg::kBlockN;
-  if (right >= 0) {
-    const int last_key = m0 + Cfg::kBlockM - 1 + off + right;  // of the block's last row
-    n_end = last_key < 0 ? 0 : min(n_end, last_key / Cfg::kBlockN + 1);
-  }
+  int n_begin, n_end;
+  score::key_blocks<Cfg::kBlockN>(p, seq, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
   if (launch.num_splits > 1) {
     // Split-KV: this CTA takes the split-th of num_splits equal contiguous shares of the
     // blocks above (a share may be empty: then it reports no key, lse -inf).
@@ -242,20 +215,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
 
   if (n_begin < n_end) {
     const T* Q = static_cast<const T*>(p.q) + h * p.q_head_stride +
-                 flash_detail::seq_base(p, b, seq.q_first, p.q_batch_stride, p.q_row_stride);
+                 seq.q_base(b, p.q_batch_stride, p.q_row_stride);
     const T* K = static_cast<const T*>(p.k) + h_kv * p.k_head_stride +
-                 flash_detail::seq_base(p, b, seq.k_first, p.k_batch_stride, p.k_row_stride);
+                 seq.k_base(b, p.k_batch_stride, p.k_row_stride);
     const T* V = static_cast<const T*>(p.v) + h_kv * p.v_head_stride +
-                 flash_detail::seq_base(p, b, seq.k_first, p.v_batch_stride, p.v_row_stride);
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float scale_log2 = float(p.scale) * kLog2e;  // exp(x) = exp2(x log2 e)
+                 seq.k_base(b, p.v_batch_stride, p.v_row_stride);
+    const float scale_log2 = float(p.scale) * score::kLog2e;
     // kExtras only: the rest of the score pipeline and dropout. Everything else they need
     // is read from the params (kernel parameters live in the constant bank: free to
     // re-read, and caching them here cost registers -- 16-byte spills at d = 128 on sm_80).
-    const float slope =
-        kExtras && p.alibi_slopes
-            ? float(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride])
-            : 0.0f;
+    const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
 
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
@@ -318,33 +287,24 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
           mma_pair<T>(acc_s[j], acc_s[j + 1], a, k4);
         }
       }
-      // ---- scale into the log2 domain and mask: keys past seqlen_k (zero-filled, but they
-      // must get probability 0, not exp(0)) and keys outside the row's window.
+      // ---- into the log2 domain and mask: keys past seqlen_k (zero-filled, but they must
+      // get probability 0, not exp(0)) and keys outside the row's window. Plain attention
+      // only scales; rows past seqlen_q are never stored, so only the extras (which read
+      // bias / mask memory) exclude them.
 #pragma unroll
       for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
-          bool visible = key < sk && (left < 0 || key >= i + off - left) &&
-                         (right < 0 || key <= i + off + right);
-          float x = acc_s[j][e];
+          float x;
+          bool visible;
           if constexpr (kExtras) {
-            // Rows past seqlen_q have no bias / mask entries in memory: never read them.
-            visible = visible && i < sq;
-            x *= float(p.scale);
-            if (p.softcap > 0.0)  // Gemma 2 / Grok logit cap
-              x = float(p.softcap) * tanhf(x / float(p.softcap));
-            if (visible && p.bias.ptr)
-              x += tile::bias_at(p.bias, b * p.bias.batch_stride + h * p.bias.head_stride +
-                                                     i * p.bias.row_stride + key * p.bias.col_stride);
-            x -= slope * fabsf(float(i + off - key));  // ALiBi: distance to the diagonal
-            if (visible && p.mask.ptr)
-              visible = static_cast<const uint8_t*>(p.mask.ptr)[
-                  b * p.mask.batch_stride + h * p.mask.head_stride + i * p.mask.row_stride +
-                  key * p.mask.col_stride] != 0;
-            x *= kLog2e;
+            float dcap;
+            visible = score::visible(p, seq, i, key);
+            x = score::logit_log2(p, seq, acc_s[j][e], b, h, i, key, slope, visible, dcap);
           } else {
-            x *= scale_log2;
+            visible = score::key_visible(p, seq, i, key);
+            x = acc_s[j][e] * scale_log2;
           }
           acc_s[j][e] = visible ? x : -INFINITY;
         }
@@ -381,13 +341,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
       }
 
       // ---- dropout, after l (the normaliser counts dropped entries too). A thread's keys
-      // 2t, 2t+1 of an n-tile share one Philox draw of four (keys 4c..4c+3): words 0, 1 for
-      // even t, 2, 3 for odd t (selects, not a runtime index into the draw).
+      // 2t, 2t+1 of an n-tile share one Philox draw (score::dropout_keep_pair).
       if (kExtras && p.dropout_p > 0.0) {
-        // Keys and threshold as DropoutKey and dropout_threshold (fmha/philox.h) make them.
-        const uint32_t threshold = uint32_t(fmin(p.dropout_p * 4294967296.0, 4294967295.0));
+        const uint32_t threshold = dropout_threshold(p.dropout_p);
         const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
-        const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
         // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
         // j, key 2t + e), then the multiplies: the draws loop indexes no register array, so
         // where registers are short (kDropoutUnroll = 1) it runs one Philox at a time.
@@ -397,12 +354,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
         for (int x = 0; x < 2 * Cfg::kNTilesS; ++x) {
           const int r = x / Cfg::kNTilesS, j = x % Cfg::kNTilesS;
           const int key = n0 + j * 8 + 2 * t;
-          const Philox4 rnd = philox4x32_10(
-              uint32_t(key >> 2), uint32_t(row_lo + 8 * r), bh, uint32_t(p.offset),
-              uint32_t(p.seed), uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
-          const uint32_t w0 = (t & 1) ? rnd.x[2] : rnd.x[0];
-          const uint32_t w1 = (t & 1) ? rnd.x[3] : rnd.x[1];
-          keep |= (uint32_t(w0 >= threshold) | (uint32_t(w1 >= threshold) << 1)) << (2 * x);
+          keep |= score::dropout_keep_pair(p, threshold, b, h, row_lo + 8 * r, key) << (2 * x);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -444,9 +396,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   const bool partial = launch.num_splits > 1;
   // Bases recomputed here rather than kept live through the key loop (registers).
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
-         flash_detail::seq_base(p, b, seq.q_first, p.o_batch_stride, p.o_row_stride);
+         seq.q_base(b, p.o_batch_stride, p.o_row_stride);
   float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
-               flash_detail::seq_base(p, b, seq.q_first, p.lse_batch_stride, p.lse_row_stride);
+               seq.q_base(b, p.lse_batch_stride, p.lse_row_stride);
   // Split-KV partials: (split, b, h, i) rows of head_dim_v floats, i < seqlen_q (the maximum).
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
@@ -454,7 +406,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     l[r] += shfl_xor(l[r], 1);
     l[r] += shfl_xor(l[r], 2);
     const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const float row_lse = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : -INFINITY;
+    const float row_lse = l[r] > 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
     const int i = rows[r];
     if (i < sq) {
       if (partial) {
@@ -492,7 +444,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
   const int i = blockIdx.x * kCombineWarps + warp;
-  const flash_detail::Seq seq = flash_detail::seq_of(p, b);
+  const score::Seq seq = score::seq_of(p, b);
   if (i >= seq.sq) return;  // whole warps: no lane of a warp that shuffles has exited
   const int n = launch.num_splits, d = p.head_dim_v;  // O's columns
   const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
@@ -524,15 +476,13 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
         if (lane + 32 * c < d) acc[c] += w * Os[lane + 32 * c];
     }
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
-         flash_detail::seq_base(p, b, seq.q_first, p.o_batch_stride, p.o_row_stride) +
-         int64_t(i) * p.o_row_stride;
+         seq.q_base(b, p.o_batch_stride, p.o_row_stride) + int64_t(i) * p.o_row_stride;
 #pragma unroll
   for (int c = 0; c < kCols; ++c)
     if (lane + 32 * c < d) O[lane + 32 * c] = from_float<T>(acc[c]);
   if (lane == 0)
     static_cast<float*>(p.lse)[h * p.lse_head_stride + i * p.lse_row_stride +
-                               flash_detail::seq_base(p, b, seq.q_first, p.lse_batch_stride,
-                                                      p.lse_row_stride)] = total;
+                               seq.q_base(b, p.lse_batch_stride, p.lse_row_stride)] = total;
 }
 
 // Host side, defined in flash_fwd.cu (plain functions, shared by every instantiation).

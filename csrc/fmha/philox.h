@@ -1,17 +1,15 @@
 // Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
 // SC 2011), the counter-based generator behind dropout on every backend.
 //
-// The dropout mask is a pure function of its coordinates, so the CPU, the GPU and any tiling
-// agree: for element (b, h, i, j) of query head h,
-//   key     = (lo32(seed), hi32(seed) + hi32(offset))
-//   counter = (j >> 2, i, b * heads_q + h, lo32(offset))
-//   r       = philox(counter, key)[j & 3];   kept iff r >= dropout_threshold(p)
-// python/fmha/_philox.py implements the same and is checked against Random123's vectors.
+// Which draw decides which dropout element (the counter and key layout) is part of the score
+// semantics: csrc/fmha/score.h. python/fmha/_philox.py implements the same generator and is
+// checked against Random123's vectors.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
+// Functions compiled for the host and, by nvcc, for the device (the CPU kernels, the CUDA
+// kernels and their emulator share them).
 #if defined(__CUDACC__)
 #define FMHA_HD __host__ __device__ __forceinline__
 #else
@@ -45,16 +43,10 @@ FMHA_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3
 
 // Elements whose 32-bit draw is below this are dropped: P(drop) = threshold / 2^32 = p
 // up to 2^-32.
-inline uint32_t dropout_threshold(double p) {
-  return uint32_t(std::min(p * 4294967296.0, 4294967295.0));
+FMHA_HD uint32_t dropout_threshold(double p) {
+  const double x = p * 4294967296.0;
+  return x < 4294967295.0 ? uint32_t(x) : 4294967295u;
 }
-
-struct DropoutKey {
-  uint32_t k0, k1, c3;
-  DropoutKey(uint64_t seed, uint64_t offset)
-      : k0(uint32_t(seed)), k1(uint32_t(seed >> 32) + uint32_t(offset >> 32)),
-        c3(uint32_t(offset)) {}
-};
 
 }  // namespace FMHA_ISA_TAG
 }  // namespace fmha

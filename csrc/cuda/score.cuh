@@ -1,0 +1,62 @@
+// The score pipeline of the CUDA kernels -- the forward and both backward kernels -- for one
+// element of S: from its q.k accumulator to the log2-domain logit the softmax takes, with
+// the semantics of csrc/fmha/score.h (whose functions it calls) and the bias read in any
+// float dtype. Written with the wrappers of cuda/primitives.cuh, so it runs on the GPU and
+// under the emulator.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/primitives.cuh"
+#include "fmha/params.h"
+#include "fmha/score.h"
+
+namespace fmha {
+inline namespace FMHA_ISA_TAG {
+namespace score {
+
+// One element of a broadcast bias, as float, whatever its dtype.
+FMHA_DEVICE float bias_at(const Broadcast4& bias, int64_t index) {
+  switch (bias.dtype) {
+    case DType::kFloat64: return float(static_cast<const double*>(bias.ptr)[index]);
+    case DType::kFloat32: return static_cast<const float*>(bias.ptr)[index];
+    case DType::kBFloat16: return gpu::to_float(static_cast<const gpu::bf16_t*>(bias.ptr)[index]);
+    case DType::kFloat16: return gpu::to_float(static_cast<const gpu::half_t*>(bias.ptr)[index]);
+  }
+  return 0.0f;
+}
+
+// The logit of (query i, key j) in the log2 domain from acc = q_i . k_j: scale, softcap,
+// bias, ALiBi (slope = alibi_slope(p, b, h), 0 without ALiBi), times log2 e. `visible`
+// (the window test) is narrowed by the boolean mask; bias and mask are read only where it
+// holds, so rows and keys past the sequence never touch memory. dcap receives d softcap /
+// ds (1 without softcap) for the backward's chain rule.
+FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b, int h, int i,
+                             int j, float slope, bool& visible, float& dcap) {
+  float x = acc * float(p.scale);
+  dcap = 1.0f;
+  if (p.softcap > 0.0) {
+    float t;
+    x = softcap(x, float(p.softcap), t);
+    dcap = softcap_grad(t);
+  }
+  if (visible && p.bias.ptr) x += bias_at(p.bias, offset_of(p.bias, b, h, i, j));
+  x += alibi(slope, s, i, j);
+  if (visible && p.mask.ptr) visible = mask_allows(p.mask, b, h, i, j);
+  return x * kLog2e;
+}
+
+// The key blocks [n_begin, n_end) of kBlockN keys that some row of [row_first, row_last]
+// may see: blocks wholly outside every row's window are never loaded.
+template <int kBlockN>
+FMHA_DEVICE void key_blocks(const FwdParams& p, const Seq& s, int row_first, int row_last,
+                            int& n_begin, int& n_end) {
+  n_begin = key_lo(p, s, row_first) / kBlockN;
+  const int hi = key_hi(p, s, row_last);
+  n_end = hi < 0 ? 0 : hi / kBlockN + 1;
+}
+
+}  // namespace score
+}  // namespace FMHA_ISA_TAG
+}  // namespace fmha

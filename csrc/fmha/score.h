@@ -1,0 +1,165 @@
+// The per-score semantics of docs/semantics.md, one definition for every backend: the CPU
+// tile code (csrc/cpu/tile.h) and the CUDA kernels (csrc/cuda/score.cuh) call these
+// functions, host and device alike, so "which key may query i see", "what ALiBi adds" or
+// "which dropout draw decides element (i, j)" is written once.
+//
+// For query row i and key j of one (batch, query head):
+//   s = scale * q_i . k_j
+//   s = softcap * tanh(s / softcap)            when softcap > 0
+//   s = s + bias_ij - slope * |i + off - j|     additive bias, ALiBi
+//   s = -inf unless visible(i, j) and mask_ij    window / causal, boolean mask
+//   p = softmax_j(s), then dropout on p (kept values scaled by 1 / (1 - dropout_p))
+// The kernels work in the log2 domain (exp(x) = exp2(x * log2 e)): kLog2e below.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "fmha/params.h"
+#include "fmha/philox.h"  // FMHA_HD, Philox4x32-10 and the per-ISA namespace tag
+
+namespace fmha {
+inline namespace FMHA_ISA_TAG {
+namespace score {
+
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = exp2(x * kLog2e)
+constexpr float kLn2 = 0.6931471805599453f;    // log(x) = log2(x) * kLn2
+
+// One sequence of the batch: its lengths, where its rows start in the packed tensors
+// (varlen) and the diagonal offset of causal / window / ALiBi. Positions inside the
+// sequence (0..sq-1, 0..sk-1) are what the window, ALiBi, bias/mask and dropout see.
+struct Seq {
+  int sq = 0, sk = 0;
+  int off = 0;                   // sk - sq (bottom-right alignment) or 0 (top-left)
+  int q_first = 0, k_first = 0;  // varlen: first packed row of q / k; else 0
+  bool varlen = false;
+  // Element offset of row 0 of sequence b in a q-side / k-side tensor with these strides:
+  // packed rows when varlen (batch strides unused), else b * batch_stride.
+  FMHA_HD int64_t q_base(int b, int64_t batch_stride, int64_t row_stride) const {
+    return varlen ? int64_t(q_first) * row_stride : int64_t(b) * batch_stride;
+  }
+  FMHA_HD int64_t k_base(int b, int64_t batch_stride, int64_t row_stride) const {
+    return varlen ? int64_t(k_first) * row_stride : int64_t(b) * batch_stride;
+  }
+};
+
+FMHA_HD Seq seq_of(const FwdParams& p, int b) {
+  Seq s;
+  s.varlen = p.cu_seqlens_q != nullptr;
+  if (s.varlen) {
+    s.q_first = p.cu_seqlens_q[b];
+    s.k_first = p.cu_seqlens_k[b];
+    s.sq = p.cu_seqlens_q[b + 1] - s.q_first;
+    s.sk = p.cu_seqlens_k[b + 1] - s.k_first;
+  } else {
+    s.sq = p.seqlen_q;
+    s.sk = p.seqlen_k;
+  }
+  s.off = p.bottom_right ? s.sk - s.sq : 0;
+  return s;
+}
+
+// ---- visibility: query i sees key j iff i + off - window_left <= j <= i + off +
+// window_right (a negative window side is unbounded; causal is window_right = 0), within
+// the sequence. Two equivalent forms: a per-element test, and the row's key range.
+
+// Key j is inside row i's window and the sequence's keys (the caller checks i < sq when
+// rows past the sequence can reach it).
+FMHA_HD bool key_visible(const FwdParams& p, const Seq& s, int i, int j) {
+  return j < s.sk && (p.window_left < 0 || j >= i + s.off - p.window_left) &&
+         (p.window_right < 0 || j <= i + s.off + p.window_right);
+}
+FMHA_HD bool visible(const FwdParams& p, const Seq& s, int i, int j) {
+  return i < s.sq && key_visible(p, s, i, j);
+}
+
+// Keys visible to row i: [key_lo(i), key_hi(i)] (empty when lo > hi). Both bounds grow
+// with i, so a block of rows visits one contiguous range of key blocks.
+FMHA_HD int key_lo(const FwdParams& p, const Seq& s, int i) {
+  const int lo = i + s.off - p.window_left;
+  return p.window_left < 0 || lo < 0 ? 0 : lo;
+}
+FMHA_HD int key_hi(const FwdParams& p, const Seq& s, int i) {
+  const int hi = i + s.off + p.window_right;
+  return p.window_right < 0 || hi > s.sk - 1 ? s.sk - 1 : hi;
+}
+// Rows that see at least one key of [j0, j1]: [query_lo(j0), query_hi(j1)].
+FMHA_HD int query_lo(const FwdParams& p, const Seq& s, int j0) {
+  const int lo = j0 - s.off - p.window_right;
+  return p.window_right < 0 || lo < 0 ? 0 : lo;
+}
+FMHA_HD int query_hi(const FwdParams& p, const Seq& s, int j1) {
+  const int hi = j1 - s.off + p.window_left;
+  return p.window_left < 0 || hi > s.sq - 1 ? s.sq - 1 : hi;
+}
+
+// ---- softcap (Gemma 2 / Grok logit capping): s = cap * tanh(s / cap). `t` receives
+// tanh(s / cap), from which the backward forms d softcap / ds = 1 - t^2.
+FMHA_HD float tanh_of(float x) { return tanhf(x); }
+FMHA_HD double tanh_of(double x) { return tanh(x); }
+
+template <typename A>
+FMHA_HD A softcap(A x, A cap, A& t) {
+  t = tanh_of(x / cap);
+  return cap * t;
+}
+template <typename A>
+FMHA_HD A softcap_grad(A t) { return A(1) - t * t; }
+
+// ---- ALiBi (Press et al. 2022): the bias -slope * |i + off - j|, distance to the diagonal.
+FMHA_HD double alibi_slope(const FwdParams& p, int b, int h) {
+  return p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride]
+                        : 0.0;
+}
+template <typename A>
+FMHA_HD A alibi(A slope, const Seq& s, int i, int j) {
+  const A distance = A(i + s.off - j);
+  return -slope * (distance < A(0) ? -distance : distance);
+}
+
+// ---- bias and mask: element offset of (b, h, i, j) in a broadcast operand (zero strides
+// on its broadcast dimensions). A mask element allows attention iff it is nonzero.
+FMHA_HD int64_t offset_of(const Broadcast4& x, int b, int h, int i, int j) {
+  return b * x.batch_stride + h * x.head_stride + int64_t(i) * x.row_stride +
+         int64_t(j) * x.col_stride;
+}
+FMHA_HD bool mask_allows(const Broadcast4& mask, int b, int h, int i, int j) {
+  return static_cast<const uint8_t*>(mask.ptr)[offset_of(mask, b, h, i, j)] != 0;
+}
+
+// ---- dropout: element (b, h, i, j) of query head h is kept iff word j % 4 of the
+// Philox4x32-10 draw at counter (j / 4, i, b * heads_q + h, lo32(offset)), key
+// (lo32(seed), hi32(seed) + hi32(offset)), is >= dropout_threshold(p). The mask is a pure
+// function of its coordinates: the same on every backend, tiling and thread count
+// (python/fmha/_philox.py implements the same and checks it against Random123's vectors).
+//
+// The draw that decides keys 4 * (j / 4) .. 4 * (j / 4) + 3 of row i. Key and counter are
+// formed from the params at each draw: on the GPU the params sit in the constant bank, and
+// holding them in registers instead cost the kernels registers.
+FMHA_HD Philox4 dropout_draw(const FwdParams& p, int b, int h, int i, int j) {
+  const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
+  return philox4x32_10(uint32_t(j >> 2), uint32_t(i), bh, uint32_t(p.offset), uint32_t(p.seed),
+                       uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
+}
+// Word w (0..3) of a draw, by selects: a runtime index into the draw would put it in
+// local memory on the GPU.
+FMHA_HD uint32_t draw_word(const Philox4& r, int w) {
+  return (w & 2) ? ((w & 1) ? r.x[3] : r.x[2]) : ((w & 1) ? r.x[1] : r.x[0]);
+}
+// threshold = dropout_threshold(p.dropout_p): a draw below it drops the element.
+FMHA_HD bool dropout_keep(const FwdParams& p, uint32_t threshold, int b, int h, int i, int j) {
+  return draw_word(dropout_draw(p, b, h, i, j), j & 3) >= threshold;
+}
+// Keys j and j + 1 (j even) of row i share one draw, words 0, 1 or 2, 3: bit 0 keeps j,
+// bit 1 keeps j + 1.
+FMHA_HD uint32_t dropout_keep_pair(const FwdParams& p, uint32_t threshold, int b, int h, int i,
+                                   int j) {
+  const Philox4 r = dropout_draw(p, b, h, i, j);
+  const bool upper = (j & 2) != 0;
+  return uint32_t((upper ? r.x[2] : r.x[0]) >= threshold) |
+         (uint32_t((upper ? r.x[3] : r.x[1]) >= threshold) << 1);
+}
+
+}  // namespace score
+}  // namespace FMHA_ISA_TAG
+}  // namespace fmha
