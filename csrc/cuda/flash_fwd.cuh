@@ -113,7 +113,7 @@ template <int kHeadDim, bool kExtras>
 struct FlashFwdConfig;
 
 // Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80). Measured registers are in
-// flash_fwd.cu; every choice below is the widest tile that ptxas fits without spilling on
+// benchmarks/gpu/ptxas_registers_*.md; every choice below is the widest tile that ptxas fits without spilling on
 // both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
 // what matters is that nothing spills).
 //
@@ -137,8 +137,8 @@ template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2
 template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 64, false, 2> {};
 template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true, 2> {};
 // d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
-// (S 8 registers); kBlockN = 32 spilled 8-48 bytes. The rescale of O (128 multiplies per
-// thread) now comes every 16 keys: see NOTES.md for the cost. 68 KiB of shared memory.
+// (S 8 registers); kBlockN = 32 spilled 8-48 bytes. So the rescale of O (128 multiplies
+// per thread) comes every 16 keys: see NOTES.md for the cost. 68 KiB of shared memory.
 // Extras: even kBlockN = 16 spilled 8 bytes on sm_90 (the Philox draws of dropout on top of
 // O); there two warps share each 16 rows (kColSplit = 2, 8 warps, 64 O registers each),
 // recomputing S for their rows, and kBlockN = 32.

@@ -2,8 +2,9 @@
 //
 // Everything is raw pointers, element strides and sizes: the core knows nothing of Python,
 // torch or DLPack. One struct describes a forward call; the backward extends it with the
-// gradient tensors. Semantics (one definition, every backend) are in shared/design.md and
-// in python/fmha/reference.py, which is the executable form of that definition.
+// gradient tensors. Semantics (one definition, every backend) are in docs/semantics.md, in
+// csrc/fmha/score.h (the per-score functions every kernel calls) and in
+// python/fmha/reference.py, the executable form of that definition.
 #pragma once
 
 #include <cstdint>
