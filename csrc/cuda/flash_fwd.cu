@@ -10,22 +10,10 @@
 // nothing for them in registers. Varlen and split-KV are runtime: they cost a few scalar
 // registers once per CTA, not per score.
 //
-// Registers per thread (ptxas 13.0, sm_80 / sm_90; python tools/ptxas_check.py); no spills
-// and no stack frame except where marked -- the record of each config:
-//   tile   plain (kBlockN, Q)        extras (kBlockN, Q)
-//   32     139 / 108  (64, regs)     246 / 246  (64, regs)
-//   64     166 / 135  (64, smem)     165 / 148  (32, regs)
-//   96     230 / 206  (64, regs)     225 / 222  (32, regs)
-//   128    242 / 243  (64, smem)     250 / 250  (32, regs)
-//   256    238 / 240  (16, smem)     255 / 255  (16, smem) -- KNOWN: 8-byte spill on sm_90
-//   combine kernels: 32-40.
-// The d = 256 extras kernel still spills 8 bytes on sm_90 (the dropout's Philox draws on
-// top of the 128-register O accumulator; running them one at a time, kDropoutUnroll = 1,
-// took it from 16 to 8 bytes) -- tools/ptxas_check.py fails on it until that is solved.
-// Tried: varlen as a first attempt kept the per-sequence bases and lengths live through the
-// key loop and spilled 48 (plain) to 152 (extras) bytes at d = 128 on sm_80. Now K/V bases
-// are formed once before the loop and O/lse bases after it, from the sequence's first rows
-// (two ints), which fits.
+// Every config must compile without a register spill or a stack frame on sm_80 and sm_90:
+// `python tools/ptxas_check.py` (run by tests/test_cuda_emu.py) fails otherwise. Measured
+// register counts live in dated files under benchmarks/gpu/ (ptxas_registers_*.md); the
+// reasoning behind each config is in cuda/flash_fwd.cuh and cuda/NOTES.md.
 #include <algorithm>
 #include <stdexcept>
 #include <string>

@@ -7,13 +7,14 @@
 namespace fmha {
 namespace gpu {
 
-// out and lse of p: float16 or bfloat16; head_dim == head_dim_v <= 256 (run in the smallest
-// built head-dim tile >= head_dim); causal / sliding window in either alignment, GQA, any
-// seqlen_q / seqlen_k, varlen (cu_seqlens_q/k on the device; seqlen_q/k the maxima), softcap,
-// bias, ALiBi, boolean mask, dropout; split-KV by p.num_splits (0 = by occupancy).
-// `stream`: a cudaStream_t on the GPU, ignored under emulation. Returns the number of key
-// splits used (1 = none). Throws std::invalid_argument for what the kernel does not support
-// (other dtypes, head_dim > 256 or beyond the built tiles, head_dim_v != head_dim).
+// out and lse of p: float16 or bfloat16; head_dim and head_dim_v each 1..256, equal or not
+// (run in the smallest built head-dim tile >= the larger of the two); causal / sliding window
+// in either alignment, GQA, any seqlen_q / seqlen_k, varlen (cu_seqlens_q/k on the device;
+// seqlen_q/k the maxima), softcap, bias, ALiBi, boolean mask, dropout; split-KV by
+// p.num_splits (0 = by occupancy). `stream`: a cudaStream_t on the GPU, ignored under
+// emulation. Returns the number of key splits used (1 = none). Throws std::invalid_argument
+// for what the kernel does not support (other dtypes, head dims > 256 or beyond the built
+// tiles).
 int launch_flash_fwd(const FwdParams& p, void* stream = nullptr);
 
 }  // namespace gpu

@@ -256,16 +256,6 @@ FMHA_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
 #endif
 }
 
-// The two 16-bit values of a .b32 register as floats (exact).
-template <typename T>
-FMHA_DEVICE float unpack_lo(uint32_t r) {
-  return to_float(from_bits<T>(uint16_t(r & 0xFFFFu)));
-}
-template <typename T>
-FMHA_DEVICE float unpack_hi(uint32_t r) {
-  return to_float(from_bits<T>(uint16_t(r >> 16)));
-}
-
 // ---------------------------------------------------------------------------- math
 
 // 2^x: ex2.approx.ftz.f32 (PTX ISA 9.0 §9.7.3.21): subnormal inputs and results flush to
@@ -502,16 +492,6 @@ FMHA_DEVICE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::cp_async_wait(kPending);
-#endif
-}
-
-// cp.async.wait_all: commits, then waits for every copy of the thread.
-FMHA_DEVICE void cp_async_wait_all() {
-#if defined(FMHA_GPU_DEVICE_PATH)
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#elif defined(FMHA_GPU_EMU_PATH)
-  ::emu::cp_async_commit();
-  ::emu::cp_async_wait(0);
 #endif
 }
 

@@ -68,7 +68,7 @@ inline uint16_t float_to_f16(float f) {
 }
 #endif
 
-// Accumulation type: float64 for float64 inputs, float32 otherwise (design.md).
+// Accumulation type: float64 for float64 inputs, float32 otherwise (docs/semantics.md).
 template <typename T> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
 template <typename T> using acc_t = typename AccOf<T>::type;
