@@ -13,7 +13,8 @@ seed gives the same mask on CPU and GPU (it is a function of (seed, offset, b, h
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from collections import namedtuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -132,29 +133,14 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
-class _FwdInputs(NamedTuple):
-    """The inputs of fmha::fwd by name, in the op's order (tests/test_torch_ops.py checks it
-    against the registered schema). Built from setup_context's ``inputs``, so a changed
-    argument count fails here instead of shifting every field by one."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    bias: Optional[Tensor]
-    mask: Optional[Tensor]
-    alibi_slopes: Optional[Tensor]
-    cu_seqlens_q: Optional[Tensor]
-    cu_seqlens_k: Optional[Tensor]
-    max_seqlen_q: int
-    max_seqlen_k: int
-    rng: Optional[Tensor]
-    scale: float
-    softcap: float
-    window_left: int
-    window_right: int
-    bottom_right: bool
-    dropout_p: float
-    deterministic: bool = False
+#: The inputs of fmha::fwd by name, in the op's order (their types are in fwd's signature;
+#: tests/test_torch_ops.py checks the names against the registered schema). Built from
+#: setup_context's ``inputs``, so a changed argument count fails there instead of shifting
+#: every field by one.
+_FwdInputs = namedtuple(
+    "_FwdInputs", "q k v bias mask alibi_slopes cu_seqlens_q cu_seqlens_k max_seqlen_q "
+    "max_seqlen_k rng scale softcap window_left window_right bottom_right dropout_p "
+    "deterministic", defaults=(False,))
 
 
 #: The tensor inputs the backward needs; they travel through ctx.save_for_backward.
