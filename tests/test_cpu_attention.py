@@ -24,8 +24,9 @@ from fmha._philox import dropout_keep_mask
 from conftest import (LOW_PRECISION, assert_close, check_against_reference, fmha_results,
                       from_f64, make_array, make_inputs, naive_results, reference_results,
                       to_f64)
-from cases import (ALL_LIB_DTYPES, BIAS_SHAPES, CAUSAL_LENGTHS, COMBOS, CROSS, DV,
-                   MAIN_LIB_DTYPES, MASKED_TILES, MASK_SHAPES, NONCONTIG, VARLEN_CASES,
+from cases import (ALL_LIB_DTYPES, BIAS_SHAPES, CAUSAL_LENGTHS, COMBOS, CROSS,
+                   DROPOUT_SEED_IDS, DROPOUT_SEEDS, DV, MAIN_LIB_DTYPES, MASKED_TILES,
+                   MASK_SHAPES, NONCONTIG, VARLEN_CASES,
                    VARLEN_FEATURES, WINDOWS, WIN_LENGTHS, bool_array, check_alibi,
                    check_bias_shapes, check_bias_without_grad, check_causal,
                    check_causal_bottom_right_sq_gt_sk_empty_rows, check_combination_numpy,
@@ -38,6 +39,10 @@ from cases import (ALL_LIB_DTYPES, BIAS_SHAPES, CAUSAL_LENGTHS, COMBOS, CROSS, D
                    check_varlen_torch_autograd, check_window, check_window_with_causal,
                    extra_array, inputs, lib_dtype_ids, naive_varlen, need_torch,
                    score_pattern_inputs, varlen_inputs, varlen_kw)
+
+
+#: The cpu backend (conftest's fixture: fmha._C behind the API, what a plain call gets anyway).
+pytestmark = pytest.mark.usefixtures("backend")
 
 
 # ============================================================================ dtypes
@@ -337,8 +342,7 @@ def test_dropout_numpy_matches_reference(rng, dtype, p):
     check_dropout_numpy_matches_reference(rng, dtype, p)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**32 + 5, 2**63 + 12345, 2**64 - 1],
-                         ids=["0", "1", "2^32+5", "2^63+12345", "2^64-1"])
+@pytest.mark.parametrize("seed", DROPOUT_SEEDS, ids=DROPOUT_SEED_IDS)
 def test_dropout_numpy_seeds(rng, seed):
     """Seeds with high 32-bit words (the Philox key's second word) follow the contract."""
     check_dropout_numpy_seed(rng, "float64", seed)
