@@ -1,10 +1,16 @@
 """Shared helpers for the fmha correctness tests.
 
-* ``rng``: a NumPy generator seeded from the test's node id (reproducible per test).
+* ``rng``: a NumPy generator seeded from the test's node id (reproducible per test; the
+  same case draws the same inputs on every backend).
+* ``backend``: the kernel module behind fmha's Python API for a test: ``cpu`` (fmha._C),
+  ``emu`` (fmha._cuda_emu: the CUDA kernels under the SIMT emulator, on host arrays) or
+  ``gpu`` (fmha._C's CUDA kernels on a real GPU, host arrays copied in and out). A module
+  marked ``pytest.mark.backends("emu", "gpu")`` runs each of its tests once per backend;
+  a backend that is not there skips with the reason.
 * ``make_inputs`` / ``make_array``: random inputs in (batch, seqlen, heads, dim) layout,
   drawn in float64 and rounded to the requested dtype, as NumPy arrays or torch tensors.
 * ``to_f64``: anything (NumPy / torch, any dtype) -> float64 NumPy array.
-* ``assert_close``: the tolerance rule of design.md's Tests section:
+* ``assert_close``: the tolerance rule of the tests (docs/testing.md):
 
   - float64: max|x - ref| <= 1e-10 * max(max|ref|, 1)
   - float32: max|x - ref| <= 2e-5  * max(max|ref|, 1)
@@ -60,8 +66,22 @@ ALL_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 @pytest.fixture
 def rng(request):
-    """A generator whose seed is a hash of the test id: reproducible, different per case."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    """A generator whose seed is a hash of the test id: reproducible, different per case.
+    The backend's part of the id is left out, so every backend gets the same inputs."""
+    return np.random.default_rng(zlib.crc32(_nodeid_without_backend(request.node).encode()))
+
+
+def _nodeid_without_backend(node) -> str:
+    callspec = getattr(node, "callspec", None)
+    if callspec is None or "backend" not in callspec.params:
+        return node.nodeid
+    parts = callspec.id.split("-")
+    name = callspec.params["backend"]
+    index = 0 if parts[0] == name else len(parts) - 1
+    assert parts[index] == name, (node.nodeid, name)
+    rest = "-".join(parts[:index] + parts[index + 1:])
+    base = node.nodeid[:-len(f"[{callspec.id}]")]
+    return f"{base}[{rest}]" if rest else base
 
 
 @pytest.fixture
@@ -70,6 +90,115 @@ def restore_threads():
     import fmha
     yield
     fmha.set_num_threads(None)
+
+
+# ----------------------------------------------------------------------------- backends
+
+BACKENDS = ("cpu", "emu", "gpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "backends(*names): run each test of the module once per kernel backend "
+        "(cpu, emu, gpu), through the `backend` fixture")
+
+
+def pytest_generate_tests(metafunc):
+    marker = metafunc.definition.get_closest_marker("backends")
+    if marker is not None and "backend" in metafunc.fixturenames:
+        assert set(marker.args) <= set(BACKENDS), marker.args
+        metafunc.parametrize("backend", marker.args, indirect=True)
+
+
+@pytest.fixture
+def backend(request):
+    """Runs the test with fmha's entry points calling the named backend's kernel module
+    (default "cpu"); yields the name."""
+    from fmha._core import _kernel_module
+    name = getattr(request, "param", "cpu")
+    with _kernel_module(_backend_module(name)):
+        yield name
+
+
+def _backend_module(name):
+    import fmha
+    if name == "cpu":
+        return fmha._C
+    if name == "emu":
+        try:
+            from fmha import _cuda_emu
+        except ImportError:
+            pytest.skip("fmha._cuda_emu is not built (FMHA_BUILD_EMULATOR=OFF)")
+        return _cuda_emu
+    why = _why_no_gpu()
+    if why:
+        pytest.skip(why)
+    return _OnGpu
+
+
+def _why_no_gpu() -> str:
+    """'' when fmha's CUDA kernels can run on a GPU here, else why not."""
+    from fmha import _C
+    try:
+        import torch
+    except ImportError:
+        return "no usable GPU for fmha's CUDA kernels (torch, which moves the arrays, is absent)"
+    if torch.cuda.is_available() and _C.cuda_built() and _C.cuda_device_count() > 0:
+        return ""
+    return (f"no usable GPU for fmha's CUDA kernels (torch.cuda.is_available() = "
+            f"{torch.cuda.is_available()}; fmha: {_C.cuda_status()})")
+
+
+def _to_gpu(x):
+    import torch
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    return x.to("cuda")
+
+
+class _OnGpu:
+    """fmha._C.forward / backward for host arrays, run on the GPU: copies the arrays to the
+    GPU, runs fmha._C on the copies (so the real CUDA kernels, on the current stream) and
+    copies the results back. The ``gpu`` backend: the very cases the emulator checks, on
+    the hardware."""
+
+    _EXTRAS = ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+
+    @staticmethod
+    def _copy_back(host, dev):
+        if host is None:
+            return
+        if isinstance(host, np.ndarray):
+            np.copyto(host, dev.cpu().numpy())
+        else:
+            host.copy_(dev.cpu())
+
+    @classmethod
+    def forward(cls, q, k, v, out, lse, **kw):
+        import torch
+        from fmha import _C
+        arrays = {n: _to_gpu(kw.pop(n, None)) for n in cls._EXTRAS}
+        d_out, d_lse = _to_gpu(out), _to_gpu(lse)
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+        _C.forward(_to_gpu(q), _to_gpu(k), _to_gpu(v), d_out, d_lse, **arrays, **kw)
+        torch.cuda.synchronize()
+        cls._copy_back(out, d_out)
+        cls._copy_back(lse, d_lse)
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, dq, dk, dv, dbias=None, **kw):
+        import torch
+        from fmha import _C
+        arrays = {n: _to_gpu(kw.pop(n, None)) for n in cls._EXTRAS}
+        grads = [_to_gpu(g) for g in (dq, dk, dv, dbias)]
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+        _C.backward(_to_gpu(dout), _to_gpu(q), _to_gpu(k), _to_gpu(v), _to_gpu(out),
+                    _to_gpu(lse), *grads[:3], dbias=grads[3], **arrays, **kw)
+        torch.cuda.synchronize()
+        for host, dev in zip((dq, dk, dv, dbias), grads):
+            cls._copy_back(host, dev)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -196,10 +325,10 @@ def assert_close(name, actual, ref, dtype, naive=None, grad=False, result_dtype=
 # ----------------------------------------------------------------------------- naive torch
 
 def visibility(seqlen_q, seqlen_k, causal=False, window=(-1, -1), alignment="bottom_right"):
-    """(sq, sk) bool: the causal/window rule of design.md."""
+    """(sq, sk) bool: the causal/window rule of docs/semantics.md."""
     left, right = window
     if causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0  # causal: no key after the diagonal, whatever window[1] said
     off = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
     i = np.arange(seqlen_q)[:, None] + off
     j = np.arange(seqlen_k)[None, :]

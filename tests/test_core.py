@@ -13,10 +13,10 @@ import pytest
 import fmha
 from fmha import _C, _philox, reference
 
-from test_reference import _kat_rows
+from cases import kat_rows, keep_mask_read_back
 
 
-@pytest.mark.parametrize("counter,key,expected", _kat_rows())
+@pytest.mark.parametrize("counter,key,expected", kat_rows())
 def test_kernel_philox_known_answers(counter, key, expected):
     assert list(_C.philox4x32_10(list(counter), list(key))) == list(expected)
 
@@ -26,19 +26,9 @@ def test_kernel_dropout_threshold_matches_python(p):
     assert _C.dropout_threshold(p) == _philox.dropout_threshold(p)
 
 
-def _kernel_keep_mask(seed, batch, heads, sq, sk, p):
-    """The kernel's own mask, read back through the output: with v = identity over the keys,
-    out[b, i, h, j] = P[b, h, i, j] * Z[b, h, i, j], and with q = 0 every P is 1/sk."""
-    q = np.zeros((batch, sq, heads, 4))
-    k = np.zeros((batch, sk, heads, 4))
-    v = np.broadcast_to(np.eye(sk)[None, :, None, :], (batch, sk, heads, sk)).copy()
-    out = fmha.attention(q, k, v, dropout_p=p, seed=seed)
-    return out.transpose(0, 2, 1, 3) > 0
-
-
 def test_kernel_dropout_mask_is_the_contract_and_keeps_1_minus_p():
     seed, p = 1234567890123, 0.3
-    z = _kernel_keep_mask(seed, 2, 4, 128, 1024, p)  # 1M samples
+    z = keep_mask_read_back(seed, 2, 4, 128, 1024, p)  # 1M samples
     assert np.array_equal(z, _philox.dropout_keep_mask(seed, 0, 2, 4, 128, 1024, p))
     assert abs(z.mean() - (1 - p)) < 0.01 * (1 - p)
 
@@ -49,15 +39,15 @@ def test_kernel_dropout_mask_independent_of_threads_and_isa():
     for n in (1, 2):
         fmha.set_num_threads(n)
         try:
-            masks.append(_kernel_keep_mask(seed, 1, 2, 70, 130, p))
+            masks.append(keep_mask_read_back(seed, 1, 2, 70, 130, p))
         finally:
             fmha.set_num_threads(None)
     assert np.array_equal(masks[0], masks[1])
     code = textwrap.dedent("""
         import numpy as np, fmha, sys
         sys.path.insert(0, sys.argv[1])
-        from test_core import _kernel_keep_mask
-        np.save(sys.argv[2], _kernel_keep_mask(99, 1, 2, 70, 130, 0.5))
+        from cases import keep_mask_read_back
+        np.save(sys.argv[2], keep_mask_read_back(99, 1, 2, 70, 130, 0.5))
     """)
     for isa in _supported_isas():
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fmha_mask_{isa}_{os.getpid()}.npy")

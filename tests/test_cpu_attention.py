@@ -1,10 +1,13 @@
 """Correctness of fmha's CPU kernels against the float64 NumPy reference (fmha.reference).
 
 Every case checks the forward (out, lse) and the backward (dq, dk, dv[, dbias]) with the
-tolerance rule of design.md (see conftest.py: float64 1e-10, float32 2e-5 relative to
+tolerance rule of docs/testing.md (see conftest.py: float64 1e-10, float32 2e-5 relative to
 max|ref|; float16/bfloat16 within 2x (3x for gradients) of a naive low-precision torch
 computation's error). NumPy arrays go through fmha.attention + fmha.attention_backward,
 torch tensors through autograd.
+
+The cases the CUDA kernels share (tests/test_cuda_emu_cases.py) live in tests/cases.py;
+this file runs them on the CPU kernels, in every dtype and at bigger shapes.
 """
 
 from __future__ import annotations
@@ -21,144 +24,74 @@ from fmha._philox import dropout_keep_mask
 from conftest import (LOW_PRECISION, assert_close, check_against_reference, fmha_results,
                       from_f64, make_array, make_inputs, naive_results, reference_results,
                       to_f64)
-
-# (lib, dtype) combinations. numpy has no bfloat16.
-ALL_LIB_DTYPES = [("numpy", "float64"), ("numpy", "float32"), ("numpy", "float16"),
-                  ("torch", "float64"), ("torch", "float32"), ("torch", "bfloat16"),
-                  ("torch", "float16")]
-MAIN_LIB_DTYPES = [("numpy", "float64"), ("torch", "float32"), ("torch", "bfloat16"),
-                   ("torch", "float16")]
-FULL_PREC = [("numpy", "float64"), ("torch", "float32")]
-
-
-def _ids(pairs):
-    return [f"{lib}-{dt}" for lib, dt in pairs]
-
-
-def need_torch(lib, dtype):
-    """torch is needed for torch inputs and for every low-precision naive baseline."""
-    if lib == "torch" or dtype in LOW_PRECISION:
-        return pytest.importorskip("torch")
-    return None
+from cases import (ALL_LIB_DTYPES, BIAS_SHAPES, CAUSAL_LENGTHS, COMBOS, CROSS,
+                   DROPOUT_SEED_IDS, DROPOUT_SEEDS, DV, MAIN_LIB_DTYPES, MASKED_TILES,
+                   MASK_SHAPES, NONCONTIG, VARLEN_CASES,
+                   VARLEN_FEATURES, WINDOWS, WIN_LENGTHS, bool_array, check_alibi,
+                   check_bias_shapes, check_bias_without_grad, check_causal,
+                   check_causal_bottom_right_sq_gt_sk_empty_rows, check_combination_numpy,
+                   check_combination_torch, check_cross_lengths, check_cross_odd_noncontiguous,
+                   check_dropout_numpy_matches_reference, check_dropout_numpy_seed,
+                   check_everything_masked, check_explicit_scale, check_fully_masked_tiles,
+                   check_mask_shapes, check_mask_with_fully_masked_rows, check_neg_inf_bias_rows,
+                   check_noncontiguous_numpy, check_noncontiguous_torch, check_softcap,
+                   check_torch_and_numpy_paths_identical, check_torch_dropout,
+                   check_varlen_torch_autograd, check_window, check_window_with_causal,
+                   extra_array, inputs, lib_dtype_ids, naive_varlen, need_torch,
+                   score_pattern_inputs, varlen_inputs, varlen_kw)
 
 
-def inputs(rng, lib, dtype, b, sq, sk, hq, hkv, d, dv=None):
-    need_torch(lib, dtype)
-    return make_inputs(rng, b, sq, sk, hq, hkv, d, dv, dtype=dtype, lib=lib)
-
-
-def extra_array(rng, shape, lib, dtype="float32", scale=1.0):
-    return make_array(rng, shape, dtype, lib, scale)
-
-
-def bool_array(x: np.ndarray, lib):
-    if lib == "torch":
-        import torch
-        return torch.from_numpy(np.ascontiguousarray(x))
-    return np.ascontiguousarray(x)
+#: The cpu backend (conftest's fixture: fmha._C behind the API, what a plain call gets anyway).
+pytestmark = pytest.mark.usefixtures("backend")
 
 
 # ============================================================================ dtypes
 
-@pytest.mark.parametrize("lib,dtype", ALL_LIB_DTYPES, ids=_ids(ALL_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", ALL_LIB_DTYPES, ids=lib_dtype_ids(ALL_LIB_DTYPES))
 def test_dtypes(rng, lib, dtype):
     q, k, v, do = inputs(rng, lib, dtype, 2, 37, 45, 4, 2, 64)
     check_against_reference(q, k, v, do)
 
 
 @pytest.mark.parametrize("scale", [0.37, -0.8, 2.0])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_explicit_scale(rng, lib, dtype, scale):
-    q, k, v, do = inputs(rng, lib, dtype, 1, 19, 23, 2, 2, 32)
-    check_against_reference(q, k, v, do, scale=scale)
+    check_explicit_scale(rng, lib, dtype, scale)
 
 
 # ============================================================================ online softmax
 
-def _score_pattern_inputs(rng, lib, dtype, pattern, b=1, sq=70, sk=300, h=2, d=32):
-    """Scores that force the online softmax to rescale: growing / shrinking along the keys
-    (a new row maximum in every tile, or only in the first), or simply large (|s| ~ 100)."""
-    q64 = rng.standard_normal((b, sq, h, d))
-    k64 = rng.standard_normal((b, sk, h, d))
-    v64 = rng.standard_normal((b, sk, h, d))
-    do64 = rng.standard_normal((b, sq, h, d))
-    if pattern in ("increasing", "decreasing"):
-        ramp = np.linspace(0.0, 12.0, sk)
-        if pattern == "decreasing":
-            ramp = ramp[::-1]
-        q64[..., 0] = np.abs(q64[..., 0]) + 1.0     # score_j ~ ramp_j * q_0 / sqrt(d) * 6
-        k64[..., 0] = ramp[None, :, None] * 3.0
-    elif pattern == "large":
-        q64 *= 4.0
-        k64 *= 4.0                                   # |s| up to ~100
-    need_torch(lib, dtype)
-    return tuple(from_f64(x, dtype, lib) for x in (q64, k64, v64, do64))
-
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("pattern", ["increasing", "decreasing", "large"])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_online_softmax_rescaling(rng, lib, dtype, pattern, causal):
-    q, k, v, do = _score_pattern_inputs(rng, lib, dtype, pattern)
+    q, k, v, do = score_pattern_inputs(rng, lib, dtype, pattern)
     check_against_reference(q, k, v, do, causal=causal)
 
 
-MASKED_TILES = {
-    # a narrow band in the middle of a long key axis: whole tiles before and after it masked
-    "band_window_bottom_right": dict(window=(10, 10)),
-    "band_window_top_left": dict(window=(10, 10), alignment="top_left"),
-    # key padding that masks whole leading / trailing tiles
-    "leading_keys_masked": dict(mask="leading"),
-    "trailing_keys_masked": dict(mask="trailing"),
-    # -inf bias on the first 200 keys of some rows (first tiles give row max -inf)
-    "neg_inf_bias_prefix": dict(bias="prefix"),
-}
-
-
 @pytest.mark.parametrize("case", list(MASKED_TILES))
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_fully_masked_tiles(rng, lib, dtype, case):
-    b, sq, sk, h = 2, 70, 300, 2
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, h, 1, 32)
-    cfg = dict(MASKED_TILES[case])
-    kw = {kk: vv for kk, vv in cfg.items() if kk not in ("mask", "bias")}
-    bias = None
-    if cfg.get("mask") == "leading":
-        m = np.ones((b, 1, 1, sk), bool)
-        m[0, ..., :230] = False
-        m[1, ..., :129] = False
-        kw["mask"] = bool_array(m, lib)
-    elif cfg.get("mask") == "trailing":
-        m = np.ones((b, 1, 1, sk), bool)
-        m[0, ..., 3:] = False
-        m[1, ..., 65:] = False
-        kw["mask"] = bool_array(m, lib)
-    elif cfg.get("bias") == "prefix":
-        bias64 = rng.standard_normal((b, h, sq, sk))
-        bias64[0, :, ::3, :200] = -np.inf
-        bias64[1, 1, 5:40, :299] = -np.inf
-        bias = from_f64(bias64, dtype, lib)
-    check_against_reference(q, k, v, do, bias=bias, bias_grad=bias is not None, **kw)
+    check_fully_masked_tiles(rng, lib, dtype, case, b=2, sq=70, sk=300, h=2, leading=(230, 129),
+                             prefix=200, band=(1, slice(5, 40), 299))
 
 
 # ============================================================================ causal
 
-CAUSAL_LENGTHS = [(33, 33), (17, 50), (50, 17), (1, 40), (40, 1)]
-
 
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("sq,sk", CAUSAL_LENGTHS, ids=[f"sq{a}-sk{b}" for a, b in CAUSAL_LENGTHS])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_causal(rng, lib, dtype, sq, sk, alignment):
-    q, k, v, do = inputs(rng, lib, dtype, 2, sq, sk, 2, 1, 32)
-    check_against_reference(q, k, v, do, causal=True, alignment=alignment)
+    check_causal(rng, lib, dtype, sq, sk, alignment)
 
 
 # ============================================================================ GQA / MQA
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1), (6, 3)],
                          ids=["MHA-8-8", "GQA-8-2", "MQA-8-1", "GQA-6-3"])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_gqa_mqa(rng, lib, dtype, hq, hkv):
     q, k, v, do = inputs(rng, lib, dtype, 2, 29, 31, hq, hkv, 32)
     check_against_reference(q, k, v, do)
@@ -168,37 +101,24 @@ def test_gqa_mqa(rng, lib, dtype, hq, hkv):
 
 # ============================================================================ cross lengths
 
-CROSS = [(1, 113), (113, 1), (17, 113), (113, 17), (64, 65), (65, 64)]
-
 
 @pytest.mark.parametrize("sq,sk", CROSS, ids=[f"sq{a}-sk{b}" for a, b in CROSS])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_cross_lengths(rng, lib, dtype, sq, sk):
-    q, k, v, do = inputs(rng, lib, dtype, 2, sq, sk, 2, 2, 40)
-    check_against_reference(q, k, v, do)
+    check_cross_lengths(rng, lib, dtype, sq, sk)
 
 
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_causal_bottom_right_sq_gt_sk_empty_rows(rng, lib, dtype):
     """sq > sk, causal bottom-right: the first sq - sk rows see no key -> out 0, lse -inf,
     gradients 0, no NaN (reference check covers the -inf pattern and the values)."""
-    sq, sk = 40, 13
-    q, k, v, do = inputs(rng, lib, dtype, 2, sq, sk, 4, 2, 32)
-    res, ref = check_against_reference(q, k, v, do, causal=True, alignment="bottom_right")
-    empty = sq - sk
-    out, lse, dq = to_f64(res["out"]), to_f64(res["lse"]), to_f64(res["dq"])
-    assert np.all(out[:, :empty] == 0.0)
-    assert np.all(np.isneginf(lse[:, :, :empty]))
-    assert np.all(np.isfinite(lse[:, :, empty:]))
-    assert np.all(dq[:, :empty] == 0.0)
-    for g in ("dq", "dk", "dv"):
-        assert not np.any(np.isnan(to_f64(res[g])))
+    check_causal_bottom_right_sq_gt_sk_empty_rows(rng, lib, dtype)
 
 
 # ============================================================================ odd sizes
 
 @pytest.mark.parametrize("seqlen", [1, 17, 113, 1000])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_odd_seqlen(rng, lib, dtype, seqlen):
     b, h = (1, 2) if seqlen == 1000 else (2, 2)
     q, k, v, do = inputs(rng, lib, dtype, b, seqlen, seqlen, h, 1, 32)
@@ -217,7 +137,7 @@ def test_odd_seqlen_cross_causal(rng, lib, dtype, seqlen_q, seqlen_k):
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 59, 111, 128, 256])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_odd_head_dim(rng, lib, dtype, head_dim):
     q, k, v, do = inputs(rng, lib, dtype, 2, 33, 47, 2, 1, head_dim)
     check_against_reference(q, k, v, do, causal=True)
@@ -235,11 +155,8 @@ def test_larger_odd_sizes(rng, lib, dtype, sq, sk, d, causal):
     check_against_reference(q, k, v, do, causal=causal)
 
 
-DV = [(64, 32), (32, 64), (40, 111), (8, 256), (256, 8), (59, 1)]
-
-
 @pytest.mark.parametrize("d,dv", DV, ids=[f"d{a}-dv{b}" for a, b in DV])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_head_dim_v(rng, lib, dtype, d, dv):
     q, k, v, do = inputs(rng, lib, dtype, 2, 21, 30, 4, 2, d, dv)
     check_against_reference(q, k, v, do)
@@ -247,82 +164,17 @@ def test_head_dim_v(rng, lib, dtype, d, dv):
 
 # ============================================================================ non-contiguous
 
-def _layouts_torch(x64, kind, dtype="float64"):
-    """x64: float64 NumPy (b, s, h, d) -> a non-contiguous torch tensor of ``dtype`` with the
-    same (rounded) values."""
-    import torch
-    t = torch.from_numpy(x64).to(getattr(torch, dtype))
-    if kind == "transposed":      # made as (b, h, s, d), viewed as (b, s, h, d)
-        return t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    if kind == "sliced":          # every other seq row / an extra head, from a bigger buffer
-        b, s, h, d = t.shape
-        big = torch.zeros(b, 2 * s, h + 1, d + 3, dtype=t.dtype)
-        big[:, ::2, 1:, 2:d + 2] = t
-        return big[:, ::2, 1:, 2:d + 2]
-    if kind == "lastdim":         # last-dim stride 2
-        b, s, h, d = t.shape
-        big = torch.zeros(b, s, h, 2 * d, dtype=t.dtype)
-        big[..., ::2] = t
-        return big[..., ::2]
-    if kind == "dim_transposed":  # made as (b, s, d, h): last dim has stride h
-        return t.transpose(2, 3).contiguous().transpose(2, 3)
-    raise ValueError(kind)
-
-
-def _layouts_numpy(x64, kind):
-    if kind == "transposed":
-        return np.ascontiguousarray(x64.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-    if kind == "sliced":
-        b, s, h, d = x64.shape
-        big = np.zeros((b, 2 * s, h + 1, d + 3))
-        big[:, ::2, 1:, 2:d + 2] = x64
-        return big[:, ::2, 1:, 2:d + 2]
-    if kind == "lastdim":
-        b, s, h, d = x64.shape
-        big = np.zeros((b, s, h, 2 * d))
-        big[..., ::2] = x64
-        return big[..., ::2]
-    if kind == "dim_transposed":
-        return np.ascontiguousarray(x64.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
-    if kind == "reversed":        # negative strides in seq
-        return np.ascontiguousarray(x64[:, ::-1])[:, ::-1]
-    raise ValueError(kind)
-
-
-NONCONTIG = ["transposed", "sliced", "lastdim", "dim_transposed"]
-
 
 @pytest.mark.parametrize("kind", NONCONTIG)
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_noncontiguous_torch(rng, dtype, kind):
-    torch = pytest.importorskip("torch")
-    b, sq, sk, hq, hkv, d, dv = 2, 19, 26, 4, 2, 24, 40
-    q64 = rng.standard_normal((b, sq, hq, d))
-    k64 = rng.standard_normal((b, sk, hkv, d))
-    v64 = rng.standard_normal((b, sk, hkv, dv))
-    q, k, v = (_layouts_torch(x, kind, dtype) for x in (q64, k64, v64))
-    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
-    do = _layouts_torch(rng.standard_normal((b, sq, hq, dv)), kind, dtype)
-    res, _ = check_against_reference(q, k, v, do, causal=True)
-    # and identical to the contiguous call
-    cres = fmha_results(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(),
-                        causal=True)
-    for key in ("out", "lse", "dq", "dk", "dv"):
-        assert torch.equal(res[key], cres[key]), key
+    check_noncontiguous_torch(rng, dtype, kind, b=2, sq=19, sk=26, hq=4, hkv=2, d=24, dv=40)
 
 
 @pytest.mark.parametrize("kind", NONCONTIG + ["reversed"])
 def test_noncontiguous_numpy(rng, kind):
-    b, sq, sk, hq, hkv, d, dv = 2, 19, 26, 4, 1, 24, 40
-    q, k, v = (_layouts_numpy(rng.standard_normal(s), kind)
-               for s in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv)))
-    do = _layouts_numpy(rng.standard_normal((b, sq, hq, dv)), kind)
-    assert not q.flags.c_contiguous
-    res, _ = check_against_reference(q, k, v, do, causal=True, alignment="top_left")
-    cres = fmha_results(*(np.ascontiguousarray(x) for x in (q, k, v, do)), causal=True,
-                        alignment="top_left")
-    for key in ("out", "lse", "dq", "dk", "dv"):
-        assert np.array_equal(res[key], cres[key]), key
+    check_noncontiguous_numpy(rng, "float64", kind, b=2, sq=19, sk=26, hq=4, hkv=1, d=24,
+                              dv=40)
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
@@ -376,30 +228,16 @@ def test_self_attention_same_tensor(rng, dtype):
 
 # ============================================================================ bias
 
-BIAS_SHAPES = {
-    "sq_sk": lambda b, h, sq, sk: (sq, sk),
-    "sk": lambda b, h, sq, sk: (sk,),
-    "b_1_1_sk": lambda b, h, sq, sk: (b, 1, 1, sk),
-    "1_h_sq_sk": lambda b, h, sq, sk: (1, h, sq, sk),
-    "b_h_sq_sk": lambda b, h, sq, sk: (b, h, sq, sk),
-    "h_1_1": lambda b, h, sq, sk: (h, 1, 1),
-    "b_h_sq_1": lambda b, h, sq, sk: (b, h, sq, 1),
-    "1_1_sq_sk": lambda b, h, sq, sk: (1, 1, sq, sk),
-}
-
 
 @pytest.mark.parametrize("shape_name", list(BIAS_SHAPES))
 @pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES + [("numpy", "float32")],
-                         ids=_ids(MAIN_LIB_DTYPES + [("numpy", "float32")]))
+                         ids=lib_dtype_ids(MAIN_LIB_DTYPES + [("numpy", "float32")]))
 def test_bias_shapes(rng, lib, dtype, shape_name):
-    b, sq, sk, hq, hkv = 2, 21, 27, 4, 2
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, hq, hkv, 32)
-    bias = extra_array(rng, BIAS_SHAPES[shape_name](b, hq, sq, sk), lib, dtype, scale=2.0)
-    check_against_reference(q, k, v, do, bias=bias, bias_grad=True)
+    check_bias_shapes(rng, lib, dtype, shape_name, hq=4, hkv=2)
 
 
 @pytest.mark.parametrize("shape_name", ["h_1_1", "b_h_sq_1"])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_dbias_constant_along_keys_is_zero(rng, lib, dtype, shape_name):
     """A bias constant along the keys shifts a row's scores, which softmax ignores: dbias is
     written as exact zeros (fmha/params.h, dbias_is_zero), and q, k, v gradients still match."""
@@ -427,12 +265,10 @@ def test_dbias_constant_along_keys_is_zero_in_the_reference(rng):
     assert (grads[3] == 0).all()
 
 
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_bias_without_grad(rng, lib, dtype):
     """A bias that does not require grad still shifts the scores (and q/k/v grads)."""
-    q, k, v, do = inputs(rng, lib, dtype, 2, 17, 19, 2, 2, 32)
-    bias = extra_array(rng, (2, 2, 17, 19), lib, dtype, scale=2.0)
-    check_against_reference(q, k, v, do, bias=bias, causal=True)
+    check_bias_without_grad(rng, lib, dtype)
 
 
 @pytest.mark.parametrize("bias_dtype", ["float32", "float64"])
@@ -446,46 +282,19 @@ def test_bias_dtype_differs_from_q(rng, bias_dtype):
 
 # ============================================================================ bool mask
 
-MASK_SHAPES = {
-    "key_padding_b_1_1_sk": lambda b, h, sq, sk: (b, 1, 1, sk),
-    "sq_sk": lambda b, h, sq, sk: (sq, sk),
-    "b_h_sq_sk": lambda b, h, sq, sk: (b, h, sq, sk),
-    "1_h_1_sk": lambda b, h, sq, sk: (1, h, 1, sk),
-    "b_1_sq_sk": lambda b, h, sq, sk: (b, 1, sq, sk),
-}
-
 
 @pytest.mark.parametrize("shape_name", list(MASK_SHAPES))
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_mask_shapes(rng, lib, dtype, shape_name):
-    b, sq, sk, hq, hkv = 2, 21, 27, 4, 1
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, hq, hkv, 32)
-    shape = MASK_SHAPES[shape_name](b, hq, sq, sk)
-    m = rng.random(shape) < 0.7
-    if shape_name.startswith("key_padding"):
-        m = np.ones(shape, bool)
-        m[0, ..., 20:] = False          # batch 0 has 20 valid keys, batch 1 all 27
-    check_against_reference(q, k, v, do, mask=bool_array(m, lib))
+    check_mask_shapes(rng, lib, dtype, shape_name)
 
 
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_mask_with_fully_masked_rows(rng, lib, dtype):
-    b, sq, sk, h = 2, 15, 22, 2
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, h, h, 16)
-    m = rng.random((b, h, sq, sk)) < 0.6
-    m[0, 1, 3] = False
-    m[1, :, 7:9] = False
-    res, _ = check_against_reference(q, k, v, do, mask=bool_array(m, lib))
-    out, lse, dq = to_f64(res["out"]), to_f64(res["lse"]), to_f64(res["dq"])
-    assert np.all(out[0, 3, 1] == 0) and np.all(out[1, 7:9] == 0)
-    assert np.isneginf(lse[0, 1, 3]) and np.all(np.isneginf(lse[1, :, 7:9]))
-    assert np.all(dq[0, 3, 1] == 0) and np.all(dq[1, 7:9] == 0)
+    check_mask_with_fully_masked_rows(rng, lib, dtype)
 
 
 # ============================================================================ window
-
-WINDOWS = [(4, 0), (0, 0), (3, 5), (-1, 2), (7, -1), (0, 3)]
-WIN_LENGTHS = [(31, 31), (20, 45), (45, 20)]
 
 
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
@@ -494,8 +303,7 @@ WIN_LENGTHS = [(31, 31), (20, 45), (45, 20)]
 @pytest.mark.parametrize("lib,dtype", [("numpy", "float64"), ("torch", "bfloat16")],
                          ids=["numpy-float64", "torch-bfloat16"])
 def test_window(rng, lib, dtype, sq, sk, window, alignment):
-    q, k, v, do = inputs(rng, lib, dtype, 1, sq, sk, 2, 1, 16)
-    check_against_reference(q, k, v, do, window=window, alignment=alignment)
+    check_window(rng, lib, dtype, sq, sk, window, alignment)
 
 
 @pytest.mark.parametrize("lib,dtype", [("torch", "float32"), ("torch", "float16")],
@@ -503,8 +311,7 @@ def test_window(rng, lib, dtype, sq, sk, window, alignment):
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 def test_window_with_causal(rng, lib, dtype, alignment):
     """causal + a left window: a local causal band."""
-    q, k, v, do = inputs(rng, lib, dtype, 2, 40, 53, 2, 2, 32)
-    check_against_reference(q, k, v, do, causal=True, window=(6, -1), alignment=alignment)
+    check_window_with_causal(rng, lib, dtype, alignment)
 
 
 # ============================================================================ alibi
@@ -512,24 +319,17 @@ def test_window_with_causal(rng, lib, dtype, alignment):
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("slopes_shape", ["h", "b_h"])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_alibi(rng, lib, dtype, slopes_shape, causal, alignment):
-    b, sq, sk, hq, hkv = 2, 24, 37, 4, 2
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, hq, hkv, 32)
-    base = np.array([2.0 ** (-8 * (i + 1) / hq) for i in range(hq)])
-    slopes64 = base if slopes_shape == "h" else base[None] * rng.uniform(0.5, 2.0, (b, 1))
-    slopes = from_f64(slopes64, "float32", lib)
-    check_against_reference(q, k, v, do, alibi_slopes=slopes, causal=causal, alignment=alignment)
+    check_alibi(rng, lib, dtype, slopes_shape, causal, alignment)
 
 
 # ============================================================================ softcap
 
 @pytest.mark.parametrize("softcap", [0.5, 5.0, 30.0])
-@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=_ids(MAIN_LIB_DTYPES))
+@pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES, ids=lib_dtype_ids(MAIN_LIB_DTYPES))
 def test_softcap(rng, lib, dtype, softcap):
-    q, k, v, do = inputs(rng, lib, dtype, 2, 25, 33, 4, 2, 32)
-    # large scale so the cap actually bends the scores
-    check_against_reference(q, k, v, do, softcap=softcap, scale=1.5)
+    check_softcap(rng, lib, dtype, softcap)
 
 
 # ============================================================================ dropout (NumPy)
@@ -539,19 +339,13 @@ def test_softcap(rng, lib, dtype, softcap):
 def test_dropout_numpy_matches_reference(rng, dtype, p):
     """NumPy: the mask is Philox(seed, offset=0): forward and backward equal the reference
     with the same seed."""
-    need_torch("numpy", dtype)
-    q, k, v, do = inputs(rng, "numpy", dtype, 2, 23, 37, 4, 2, 24)
-    seed = 1234567 + int(p * 10)
-    check_against_reference(q, k, v, do, dropout_p=p, seed=seed, ref_kw=dict(seed=seed))
+    check_dropout_numpy_matches_reference(rng, dtype, p)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**32 + 5, 2**63 + 12345, 2**64 - 1],
-                         ids=["0", "1", "2^32+5", "2^63+12345", "2^64-1"])
+@pytest.mark.parametrize("seed", DROPOUT_SEEDS, ids=DROPOUT_SEED_IDS)
 def test_dropout_numpy_seeds(rng, seed):
     """Seeds with high 32-bit words (the Philox key's second word) follow the contract."""
-    q, k, v, do = inputs(rng, "numpy", "float64", 1, 9, 14, 2, 1, 8)
-    check_against_reference(q, k, v, do, dropout_p=0.3, seed=seed, causal=True,
-                            ref_kw=dict(seed=seed))
+    check_dropout_numpy_seed(rng, "float64", seed)
 
 
 def test_dropout_numpy_seed_changes_output(rng):
@@ -565,67 +359,13 @@ def test_dropout_numpy_seed_changes_output(rng):
 
 # ============================================================================ dropout (torch)
 
-def _recover_dropout_z(q, k, p, torch_seed, **kw):
-    """The dropout multiplier a torch call with this torch seed uses, recovered from fmha
-    itself: with v = identity over keys, out[b, i, h, j] = P_bhij * Z_bhij.
-
-    Runs in float64 (the mask is a function of (seed, offset, b, h, i, j) only). Returns
-    Z (b, hq, sq, sk) and the boolean "known" (P > 0) where Z could be read off.
-    """
-    import torch
-    b, sq, hq, _ = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    q64, k64 = q.detach().double(), k.detach().double()
-    eye = torch.eye(sk, dtype=torch.float64)[None, :, None, :].expand(b, sk, hkv, sk).contiguous()
-    torch.manual_seed(torch_seed)
-    out = fmha.attention(q64, k64, eye, dropout_p=p, **kw).permute(0, 2, 1, 3).numpy()
-    rkw = {kk: to_f64(vv) if kk in ("bias", "mask", "alibi_slopes") else vv
-           for kk, vv in kw.items()}
-    probs = reference.attention_probs(q64.numpy(), k64.numpy(), eye.numpy(), **rkw)
-    known = probs > 1e-200
-    z = np.where(known, out / np.where(known, probs, 1.0), 0.0)
-    keep_val = 1.0 / (1.0 - p)
-    # every recovered multiplier must be 0 or 1/(1-p)
-    near0 = np.abs(z) <= 1e-9 * keep_val
-    near1 = np.abs(z - keep_val) <= 1e-9 * keep_val
-    assert np.all(near0 | near1 | ~known), "dropout multipliers other than 0 and 1/(1-p)"
-    return np.where(near1 & known, keep_val, 0.0), known
-
-
-def _torch_dropout_check(rng, dtype, p, b=2, sq=21, sk=34, hq=4, hkv=2, d=16, dv=24,
-                         bias_shape=None, torch_seed=7, **kw):
-    torch = pytest.importorskip("torch")
-    q, k, v, do = inputs(rng, "torch", dtype, b, sq, sk, hq, hkv, d, dv)
-    bias = None
-    if bias_shape is not None:
-        bias = extra_array(rng, bias_shape, "torch", dtype)
-        kw["bias"] = bias
-    z, known = _recover_dropout_z(q, k, p, torch_seed, **kw)
-    torch.manual_seed(torch_seed)
-    res = fmha_results(q, k, v, do, dropout_p=p, bias_grad=bias is not None, **kw)
-    fkw = dict(kw)
-    fkw.pop("bias", None)
-    ref = naive_results(*(x.double() for x in (q, k, v, do)),
-                        bias=None if bias is None else bias.double(),
-                        bias_grad=bias is not None, dropout_z=torch.from_numpy(z), **fkw)
-    ref = {kk: to_f64(vv) for kk, vv in ref.items()}
-    naive = None
-    if dtype in LOW_PRECISION:
-        naive = naive_results(q, k, v, do, bias=bias, bias_grad=bias is not None,
-                              dropout_z=torch.from_numpy(z), **fkw)
-    for key in ref:
-        rdt = ("float64" if dtype == "float64" else "float32") if key == "lse" else None
-        assert_close(key, res[key], ref[key], dtype, naive=None if naive is None else naive[key],
-                     grad=key.startswith("d"), result_dtype=rdt)
-    return z, known
-
 
 @pytest.mark.parametrize("p", [0.2, 0.6])
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 def test_dropout_torch_matches_recovered_mask(rng, dtype, p):
     """torch: forward and backward use one and the same mask (recovered from an identity-V
     call with the same torch seed), and match a float64 formula with that mask."""
-    _torch_dropout_check(rng, dtype, p, causal=True)
+    check_torch_dropout(rng, dtype, p, causal=True)
 
 
 def test_dropout_torch_reproducible_and_seed_dependent(rng):
@@ -651,7 +391,7 @@ def test_dropout_torch_reproducible_and_seed_dependent(rng):
 def test_dropout_torch_keep_rate(rng, p):
     pytest.importorskip("torch")
     b, sq, sk, hq = 2, 48, 64, 4
-    z, known = _torch_dropout_check(rng, "float64", p, b=b, sq=sq, sk=sk, hq=hq, hkv=1, d=8,
+    z, known = check_torch_dropout(rng, "float64", p, b=b, sq=sq, sk=sk, hq=hq, hkv=1, d=8,
                                     dv=8, torch_seed=int(p * 100))
     n = known.sum()
     rate = (z[known] != 0).mean()
@@ -678,68 +418,19 @@ def test_dropout_numpy_keep_rate(rng, p):
 
 # ============================================================================ combinations
 
-COMBOS = {
-    "gqa_causal_bias_softcap_dropout": dict(hq=8, hkv=2, causal=True, bias=(2, 8, 29, 41),
-                                            softcap=4.0, dropout_p=0.25),
-    "mqa_window_mask_alibi": dict(hq=4, hkv=1, window=(5, 3), mask=(2, 1, 29, 41),
-                                  alibi="b_h"),
-    "cross_topleft_causal_bias_alibi": dict(hq=4, hkv=2, causal=True, alignment="top_left",
-                                            bias=(1, 4, 29, 41), alibi="h"),
-    "window_topleft_softcap_mask_dropout": dict(hq=2, hkv=2, window=(6, 2),
-                                                alignment="top_left", softcap=2.0,
-                                                mask=(2, 2, 29, 41), dropout_p=0.3),
-    "everything": dict(hq=6, hkv=3, causal=True, window=(9, -1), bias=(2, 1, 29, 41),
-                       mask=(2, 1, 1, 41), alibi="h", softcap=3.0, dropout_p=0.15),
-}
-
-
-def _combo_args(rng, lib, dtype, cfg, b=2, sq=29, sk=41):
-    kw = {}
-    for key in ("causal", "window", "alignment", "softcap", "dropout_p"):
-        if key in cfg:
-            kw[key] = cfg[key]
-    if "bias" in cfg:
-        kw["bias"] = extra_array(rng, cfg["bias"], lib, dtype)
-    if "mask" in cfg:
-        m = rng.random(cfg["mask"]) < 0.75
-        kw["mask"] = bool_array(m, lib)
-    if "alibi" in cfg:
-        hq = cfg["hq"]
-        s = rng.uniform(0.01, 0.3, (hq,) if cfg["alibi"] == "h" else (b, hq))
-        kw["alibi_slopes"] = from_f64(s, "float32", lib)
-    return kw
-
 
 @pytest.mark.parametrize("combo", list(COMBOS))
 @pytest.mark.parametrize("lib,dtype", [("numpy", "float64"), ("numpy", "float32"),
                                        ("numpy", "float16")],
                          ids=["numpy-float64", "numpy-float32", "numpy-float16"])
 def test_combinations_numpy(rng, lib, dtype, combo):
-    need_torch(lib, dtype)
-    cfg = COMBOS[combo]
-    q, k, v, do = inputs(rng, lib, dtype, 2, 29, 41, cfg["hq"], cfg["hkv"], 40, 24)
-    kw = _combo_args(rng, lib, dtype, cfg)
-    seed = 4242
-    bias_grad = "bias" in kw
-    check_against_reference(q, k, v, do, seed=seed, ref_kw=dict(seed=seed),
-                            bias_grad=bias_grad, **kw)
+    check_combination_numpy(rng, dtype, combo, dv=24)
 
 
 @pytest.mark.parametrize("combo", list(COMBOS))
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
 def test_combinations_torch(rng, dtype, combo):
-    torch = pytest.importorskip("torch")
-    cfg = COMBOS[combo]
-    kw = _combo_args(rng, "torch", dtype, cfg)
-    p = kw.pop("dropout_p", 0.0)
-    bias = kw.pop("bias", None)
-    if p > 0:
-        bias_shape = None if bias is None else tuple(bias.shape)
-        _torch_dropout_check(rng, dtype, p, b=2, sq=29, sk=41, hq=cfg["hq"], hkv=cfg["hkv"],
-                             d=40, dv=24, bias_shape=bias_shape, **kw)
-        return
-    q, k, v, do = inputs(rng, "torch", dtype, 2, 29, 41, cfg["hq"], cfg["hkv"], 40, 24)
-    check_against_reference(q, k, v, do, bias=bias, bias_grad=bias is not None, **kw)
+    check_combination_torch(rng, dtype, combo, dv=24)
 
 
 @pytest.mark.parametrize("lib,dtype", [("numpy", "float64"), ("torch", "float32"),
@@ -747,57 +438,22 @@ def test_combinations_torch(rng, dtype, combo):
                          ids=["numpy-float64", "torch-float32", "torch-bfloat16"])
 def test_combination_cross_odd_noncontiguous(rng, lib, dtype):
     """sq != sk, odd head dims, non-contiguous views, GQA, causal top-left, bias."""
-    need_torch(lib, dtype)
-    b, sq, sk, hq, hkv, d, dv = 2, 113, 17, 4, 2, 59, 111
-    if lib == "torch":
-        conv = lambda x: _layouts_torch(x, "sliced", dtype)  # noqa: E731
-    else:
-        conv = lambda x: _layouts_numpy(x, "transposed")  # noqa: E731
-    q = conv(rng.standard_normal((b, sq, hq, d)))
-    assert not (q.is_contiguous() if lib == "torch" else q.flags.c_contiguous)
-    k = conv(rng.standard_normal((b, sk, hkv, d)))
-    v = conv(rng.standard_normal((b, sk, hkv, dv)))
-    do = conv(rng.standard_normal((b, sq, hq, dv)))
-    bias = extra_array(rng, (b, 1, sq, sk), lib, dtype)
-    check_against_reference(q, k, v, do, causal=True, alignment="top_left", bias=bias,
-                            bias_grad=True)
+    check_cross_odd_noncontiguous(rng, lib, dtype, b=2, hq=4, hkv=2, d=59, dv=111)
 
 
 # ============================================================================ -inf bias rows
 
 @pytest.mark.parametrize("lib,dtype", MAIN_LIB_DTYPES + [("numpy", "float32")],
-                         ids=_ids(MAIN_LIB_DTYPES + [("numpy", "float32")]))
+                         ids=lib_dtype_ids(MAIN_LIB_DTYPES + [("numpy", "float32")]))
 def test_neg_inf_bias_rows(rng, lib, dtype):
     """Rows whose bias is -inf everywhere: output 0, lse -inf, zero gradients, no NaN."""
-    b, sq, sk, h = 2, 19, 24, 2
-    q, k, v, do = inputs(rng, lib, dtype, b, sq, sk, h, h, 32)
-    bias64 = rng.standard_normal((b, h, sq, sk))
-    bias64[0, 1, 4] = -np.inf
-    bias64[1, :, 10:13] = -np.inf
-    bias64[1, 0, 0, :5] = -np.inf        # partly -inf row: still fine
-    bias = from_f64(bias64, dtype, lib)
-    res, _ = check_against_reference(q, k, v, do, bias=bias, bias_grad=True)
-    out, lse = to_f64(res["out"]), to_f64(res["lse"])
-    dq, dbias = to_f64(res["dq"]), to_f64(res["dbias"])
-    assert np.all(out[0, 4, 1] == 0) and np.all(out[1, 10:13] == 0)
-    assert np.isneginf(lse[0, 1, 4]) and np.all(np.isneginf(lse[1, :, 10:13]))
-    assert np.all(dq[0, 4, 1] == 0) and np.all(dq[1, 10:13] == 0)
-    assert np.all(dbias[0, 1, 4] == 0) and np.all(dbias[1, :, 10:13] == 0)
-    for key in ("out", "dq", "dk", "dv", "dbias"):
-        assert not np.any(np.isnan(to_f64(res[key]))), key
+    check_neg_inf_bias_rows(rng, lib, dtype)
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_everything_masked(rng, lib):
     """Every key masked for every row: all outputs and gradients are exactly 0."""
-    need_torch(lib, "float32")
-    q, k, v, do = inputs(rng, lib, "float32", 1, 7, 9, 2, 1, 16)
-    m = bool_array(np.zeros((1, 1, 7, 9), bool), lib)
-    bias = extra_array(rng, (7, 9), lib, "float32")
-    res = fmha_results(q, k, v, do, mask=m, bias=bias, bias_grad=True)
-    assert np.all(np.isneginf(to_f64(res["lse"])))
-    for key in ("out", "dq", "dk", "dv", "dbias"):
-        assert np.all(to_f64(res[key]) == 0), key
+    check_everything_masked(rng, lib, "float32")
 
 
 def test_window_with_no_visible_keys(rng):
@@ -809,52 +465,14 @@ def test_window_with_no_visible_keys(rng):
 
 # ============================================================================ varlen
 
-VARLEN_CASES = {
-    "mixed": ([5, 1, 17, 9], [7, 1, 3, 20]),
-    "equal_q_k": ([13, 1, 30], [13, 1, 30]),
-    "single_token_q": ([1, 1, 1], [9, 40, 2]),
-}
-
-
-def _varlen_inputs(rng, lib, dtype, lens_q, lens_k, hq, hkv, d, dv):
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q = make_array(rng, (cu_q[-1], hq, d), dtype, lib)
-    k = make_array(rng, (cu_k[-1], hkv, d), dtype, lib)
-    v = make_array(rng, (cu_k[-1], hkv, dv), dtype, lib)
-    do = make_array(rng, (cu_q[-1], hq, dv), dtype, lib)
-    if lib == "torch":
-        import torch
-        cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
-    return q, k, v, do, cu_q, cu_k
-
-
-VARLEN_FEATURES = {
-    "plain": {},
-    "causal": dict(causal=True),
-    "causal_topleft": dict(causal=True, alignment="top_left"),
-    "window": dict(window=(3, 1)),
-    "alibi_h": dict(alibi="h", causal=True),
-    "alibi_b_h": dict(alibi="b_h"),
-    "softcap": dict(softcap=2.0),
-}
-
-
-def _varlen_kw(rng, lib, feat, nseq, hq):
-    kw = {kk: vv for kk, vv in feat.items() if kk != "alibi"}
-    if "alibi" in feat:
-        s = rng.uniform(0.05, 0.5, (hq,) if feat["alibi"] == "h" else (nseq, hq))
-        kw["alibi_slopes"] = from_f64(s, "float32", lib)
-    return kw
-
 
 @pytest.mark.parametrize("feature", list(VARLEN_FEATURES))
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_varlen_numpy_forward(rng, dtype, case, feature):
     lens_q, lens_k = VARLEN_CASES[case]
-    q, k, v, _, cu_q, cu_k = _varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, 4, 2, 24, 16)
-    kw = _varlen_kw(rng, "numpy", VARLEN_FEATURES[feature], len(lens_q), 4)
+    q, k, v, _, cu_q, cu_k = varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, 4, 2, 24, 16)
+    kw = varlen_kw(rng, "numpy", VARLEN_FEATURES[feature], len(lens_q), 4)
     out, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
     rkw = {kk: to_f64(vv) if kk == "alibi_slopes" else vv for kk, vv in kw.items()}
     ref_out, ref_lse = reference.attention_varlen_forward(to_f64(q), to_f64(k), to_f64(v),
@@ -868,61 +486,14 @@ def test_varlen_numpy_forward(rng, dtype, case, feature):
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_varlen_torch_autograd(rng, dtype, case, feature):
-    torch = pytest.importorskip("torch")
-    lens_q, lens_k = VARLEN_CASES[case]
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, "torch", dtype, lens_q, lens_k, 4, 2, 24, 16)
-    kw = _varlen_kw(rng, "torch", VARLEN_FEATURES[feature], len(lens_q), 4)
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = fmha.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k),
-                                     return_lse=True, **kw)
-    out.backward(do)
-    rkw = {kk: to_f64(vv) if kk == "alibi_slopes" else vv for kk, vv in kw.items()}
-    args64 = [to_f64(x) for x in (q, k, v)]
-    ref_out, ref_lse = reference.attention_varlen_forward(*args64, cu_q.numpy(), cu_k.numpy(),
-                                                          **rkw)
-    ref_grads = reference.attention_varlen_backward(to_f64(do), *args64, cu_q.numpy(),
-                                                    cu_k.numpy(), **rkw)
-    naive = {}
-    if dtype in LOW_PRECISION:
-        naive = _naive_varlen(q, k, v, do, cu_q.numpy(), cu_k.numpy(), **kw)
-    results = dict(out=out, lse=lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
-    refs = dict(out=ref_out, lse=ref_lse, dq=ref_grads[0], dk=ref_grads[1], dv=ref_grads[2])
-    for key in refs:
-        rdt = ("float64" if dtype == "float64" else "float32") if key == "lse" else None
-        assert_close(key, results[key], refs[key], dtype, naive=naive.get(key),
-                     grad=key.startswith("d"), result_dtype=rdt)
-
-
-def _naive_varlen(q, k, v, do, cu_q, cu_k, alibi_slopes=None, dropout_z=None, **kw):
-    """naive_attention_torch per sequence, in q's dtype; packed results like the reference."""
-    import torch
-    outs = dict(out=torch.zeros(q.shape[:2] + v.shape[2:], dtype=q.dtype),
-                lse=torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=q.dtype),
-                dq=torch.zeros_like(q), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
-    for bi in range(len(cu_q) - 1):
-        sq = slice(int(cu_q[bi]), int(cu_q[bi + 1]))
-        sk = slice(int(cu_k[bi]), int(cu_k[bi + 1]))
-        if sq.stop == sq.start:
-            continue
-        sl = None
-        if alibi_slopes is not None:
-            sl = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[bi]
-        z = None if dropout_z is None else dropout_z[bi]
-        r = naive_results(q[None, sq], k[None, sk], v[None, sk], do[None, sq],
-                          alibi_slopes=sl, dropout_z=z, **kw)
-        outs["out"][sq] = r["out"][0]
-        outs["lse"][:, sq] = r["lse"][0]
-        outs["dq"][sq] = r["dq"][0]
-        outs["dk"][sk] = r["dk"][0]
-        outs["dv"][sk] = r["dv"][0]
-    return outs
+    check_varlen_torch_autograd(rng, dtype, case, feature, hq=4, hkv=2, d=24, dv=16)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_varlen_dropout_numpy(rng, dtype, causal):
     lens_q, lens_k = [5, 1, 17, 9], [7, 1, 3, 20]
-    q, k, v, _, cu_q, cu_k = _varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, 4, 1, 16, 16)
+    q, k, v, _, cu_q, cu_k = varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, 4, 1, 16, 16)
     seed = 2**40 + 77
     out, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, dropout_p=0.3, seed=seed,
                                      causal=causal, return_lse=True)
@@ -939,7 +510,7 @@ def test_varlen_dropout_torch(rng, dtype):
     torch = pytest.importorskip("torch")
     lens_q, lens_k = [6, 1, 11], [9, 1, 14]
     p = 0.35
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, "torch", dtype, lens_q, lens_k, 4, 2, 16, 8)
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, "torch", dtype, lens_q, lens_k, 4, 2, 16, 8)
     total_k = int(cu_k[-1])
     eye = torch.eye(total_k, dtype=torch.float64)[:, None, :].expand(total_k, 2, total_k)
     torch.manual_seed(5)
@@ -962,9 +533,9 @@ def test_varlen_dropout_torch(rng, dtype):
     out, lse = fmha.attention_varlen(*leaves, cu_q, cu_k, dropout_p=p, causal=True,
                                      return_lse=True)
     out.backward(do)
-    ref = _naive_varlen(q.double(), k.double(), v.double(), do.double(), cu_q.numpy(),
+    ref = naive_varlen(q.double(), k.double(), v.double(), do.double(), cu_q.numpy(),
                         cu_k.numpy(), dropout_z=zs, causal=True)
-    naive = _naive_varlen(q, k, v, do, cu_q.numpy(), cu_k.numpy(), dropout_z=zs,
+    naive = naive_varlen(q, k, v, do, cu_q.numpy(), cu_k.numpy(), dropout_z=zs,
                           causal=True) if dtype in LOW_PRECISION else {}
     results = dict(out=out, lse=lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
     for key in ref:
@@ -978,7 +549,7 @@ def test_varlen_matches_padded_batch_with_key_padding_mask(rng):
     sequence's length ignored)."""
     torch = pytest.importorskip("torch")
     lens = [5, 1, 12]
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, "torch", "float64", lens, lens, 2, 2, 16, 16)
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, "torch", "float64", lens, lens, 2, 2, 16, 16)
     out = fmha.attention_varlen(q, k, v, cu_q, cu_k)
     L = max(lens)
     qp = torch.zeros(len(lens), L, 2, 16, dtype=torch.float64)
@@ -1001,7 +572,7 @@ def test_varlen_with_bias_and_mask(rng, lib):
     need_torch(lib, "float64")
     lens_q, lens_k = [4, 1, 9], [6, 3, 11]
     nb, hq = 3, 2
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, lib, "float64", lens_q, lens_k, hq, 1, 8, 8)
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, lib, "float64", lens_q, lens_k, hq, 1, 8, 8)
     mq, mk = max(lens_q), max(lens_k)
     bias64 = rng.standard_normal((nb, hq, mq, mk))
     mask64 = rng.random((nb, 1, mq, mk)) < 0.8
@@ -1039,7 +610,7 @@ def test_varlen_empty_sequences(rng, lib):
     no queries, in the middle of a batch."""
     need_torch(lib, "float64")
     lens_q, lens_k = [3, 4, 0, 5], [6, 0, 4, 2]
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, lib, "float64", lens_q, lens_k, 2, 2, 8, 8)
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, lib, "float64", lens_q, lens_k, 2, 2, 8, 8)
     ref_out, ref_lse = reference.attention_varlen_forward(
         to_f64(q), to_f64(k), to_f64(v), to_f64(cu_q).astype(int), to_f64(cu_k).astype(int))
     if lib == "numpy":
@@ -1096,7 +667,7 @@ def test_thread_count_bitwise_determinism(rng, restore_threads, lib, dtype):
 def test_thread_count_determinism_varlen(rng, restore_threads):
     torch = pytest.importorskip("torch")
     lens_q, lens_k = [40, 1, 77, 13], [50, 9, 77, 2]
-    q, k, v, do, cu_q, cu_k = _varlen_inputs(rng, "torch", "float32", lens_q, lens_k, 4, 2, 32, 32)
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, "torch", "float32", lens_q, lens_k, 4, 2, 32, 32)
     res = []
     for n in (1, 2):
         fmha.set_num_threads(n)
@@ -1114,22 +685,7 @@ def test_thread_count_determinism_varlen(rng, restore_threads):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_torch_and_numpy_paths_identical(rng, dtype):
-    torch = pytest.importorskip("torch")
-    b, sq, sk, hq, hkv = 2, 45, 38, 4, 2
-    qn, kn, vn, don = inputs(rng, "numpy", dtype, b, sq, sk, hq, hkv, 40, 24)
-    biasn = make_array(rng, (b, 1, sq, sk), dtype, "numpy")
-    maskn = rng.random((1, hq, 1, sk)) < 0.85
-    slopes = rng.uniform(0.01, 0.2, (hq,)).astype(np.float32)
-    kw = dict(causal=True, alignment="top_left", softcap=6.0, window=(20, -1))
-    rn = fmha_results(qn, kn, vn, don, bias=biasn, bias_grad=True, mask=maskn,
-                      alibi_slopes=slopes, **kw)
-    t = torch.from_numpy
-    rt = fmha_results(t(qn), t(kn), t(vn), t(don), bias=t(biasn), bias_grad=True,
-                      mask=t(maskn), alibi_slopes=t(slopes), **kw)
-    for key in ("out", "lse", "dq", "dk", "dv", "dbias"):
-        a, b_ = rn[key], rt[key].numpy()
-        assert a.dtype == b_.dtype, key
-        assert np.array_equal(a, b_), f"{key}: torch and numpy paths differ"
+    check_torch_and_numpy_paths_identical(rng, dtype, b=2, d=40, dv=24)
 
 
 # ============================================================================ gradcheck

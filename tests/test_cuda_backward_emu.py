@@ -2,7 +2,7 @@
 
 fmha._cuda_emu.flash_forward then flash_backward run the real kernel sources (mma.sync,
 ldmatrix, cp.async, float32 atomics, emulated) on the CPU; dq, dk, dv (and dbias) are compared
-with fmha.reference (float64) by the 3x rule of design.md (3x the error of the same backward
+with fmha.reference (float64) by the 3x rule of docs/testing.md (3x the error of the same backward
 done naively in the input precision, by torch autograd). Deterministic mode must give bitwise
 identical gradients run to run.
 

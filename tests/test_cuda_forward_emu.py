@@ -2,8 +2,8 @@
 
 fmha._cuda_emu.flash_forward runs the real kernel source (mma.sync, ldmatrix, cp.async,
 shuffles, emulated) on the CPU and is compared with fmha.reference (float64): out within
-2x the error of a naive torch computation in the same low precision (design.md), lse the
-same, with -inf (and out 0) exactly on the rows that see no key.
+2x the error of a naive torch computation in the same low precision (docs/testing.md), lse
+the same, with -inf (and out 0) exactly on the rows that see no key.
 
 Also: every head-dim tile (32, 64, 96, 128, 256, odd dims in the next tile), varlen
 batches (cu_seqlens, against fmha.reference.attention_varlen_forward), split-KV (forced
@@ -49,7 +49,7 @@ def run_case(rng, *, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype="float16", causal
         lse = torch.full((batch, hq, sq), float("nan"), dtype=torch.float32)
     left, right = window
     if causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0  # causal: no key after the diagonal, whatever window[1] said
     used = emu.flash_forward(q, k, v, out, lse, scale=scale, window_left=left,
                              window_right=right, bottom_right=alignment == "bottom_right",
                              softcap=softcap, bias=bias, mask=mask, alibi_slopes=alibi_slopes,
@@ -311,7 +311,7 @@ def run_varlen(rng, seqlens_q, seqlens_k, *, hq=2, hkv=1, d=64, dtype="float16",
         lse = torch.full((hq, tq), float("nan"), dtype=torch.float32)
     left, right = window
     if causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0  # causal: no key after the diagonal, whatever window[1] said
     emu.flash_forward(q, k, v, out, lse, window_left=left, window_right=right,
                       bottom_right=alignment == "bottom_right", softcap=softcap,
                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset,

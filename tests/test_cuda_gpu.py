@@ -1,14 +1,9 @@
-"""The CUDA kernels on a real GPU: the emulator suite's cases, plus bigger shapes, through
-torch CUDA tensors (and CuPy, when installed).
+"""The CUDA kernels on a real GPU, through torch CUDA tensors (and CuPy, when installed).
 
-Part 1 re-runs every test of tests/test_cuda_emu_cases.py with its `kernels` fixture
-replaced by `_OnGpu`, a kernel module with fmha._C's signature that copies the host arrays
-to the GPU, runs fmha._C on the copies (so the real CUDA kernels on the current stream) and
-copies the results back: the very cases the emulator checks, on the hardware.
-
-Part 2 drives the public API with CUDA tensors end to end (device allocation, streams,
-autograd, varlen with device offsets, torch.compile) at sizes the emulator cannot reach,
-against the float64 reference and the CPU path.
+The public API with CUDA tensors end to end (device allocation, streams, autograd, varlen
+with device offsets, torch.compile) at sizes the emulator cannot reach, against the float64
+reference and the CPU path. The emulator's cases run on the GPU as the ``gpu`` backend of
+tests/test_cuda_emu_cases.py (conftest's ``backend`` fixture).
 
 Skipped as a whole, with one reason, where there is no usable GPU or fmha has no CUDA build.
 """
@@ -23,72 +18,17 @@ torch = pytest.importorskip("torch")
 import fmha  # noqa: E402
 from fmha import _C  # noqa: E402
 
-if not (torch.cuda.is_available() and _C.cuda_built() and _C.cuda_device_count() > 0):
-    pytest.skip(f"no usable GPU for fmha's CUDA kernels (torch.cuda.is_available() = "
-                f"{torch.cuda.is_available()}; fmha: {_C.cuda_status()})",
-                allow_module_level=True)
+from conftest import _why_no_gpu  # noqa: E402
+
+if _why_no_gpu():
+    pytest.skip(_why_no_gpu(), allow_module_level=True)
 
 from conftest import (LOW_PRECISION, assert_close, fmha_results, make_inputs,  # noqa: E402
                       naive_results, reference_results, to_f64)
-from fmha._api import _kernel_module  # noqa: E402
-from test_cuda_emu_cases import *  # noqa: E402,F401,F403  (part 1: the emulator's cases)
+from fmha._core import _kernel_module  # noqa: E402
 
 DEV = "cuda"
 
-
-# ============================================================================ part 1
-
-def _to_gpu(x):
-    if x is None:
-        return None
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    return x.to(DEV)
-
-
-class _OnGpu:
-    """fmha._C.forward / backward for host arrays, run on the GPU (copies in and out)."""
-
-    @staticmethod
-    def _copy_back(host, dev):
-        if host is None:
-            return
-        if isinstance(host, np.ndarray):
-            np.copyto(host, dev.cpu().numpy())
-        else:
-            host.copy_(dev.cpu())
-
-    @classmethod
-    def forward(cls, q, k, v, out, lse, **kw):
-        arrays = {n: _to_gpu(kw.pop(n, None)) for n in
-                  ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
-        d_out, d_lse = _to_gpu(out), _to_gpu(lse)
-        kw["stream"] = torch.cuda.current_stream().cuda_stream
-        _C.forward(_to_gpu(q), _to_gpu(k), _to_gpu(v), d_out, d_lse, **arrays, **kw)
-        torch.cuda.synchronize()
-        cls._copy_back(out, d_out)
-        cls._copy_back(lse, d_lse)
-
-    @classmethod
-    def backward(cls, dout, q, k, v, out, lse, dq, dk, dv, dbias=None, **kw):
-        arrays = {n: _to_gpu(kw.pop(n, None)) for n in
-                  ("bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
-        grads = [_to_gpu(g) for g in (dq, dk, dv, dbias)]
-        kw["stream"] = torch.cuda.current_stream().cuda_stream
-        _C.backward(_to_gpu(dout), _to_gpu(q), _to_gpu(k), _to_gpu(v), _to_gpu(out),
-                    _to_gpu(lse), *grads[:3], dbias=grads[3], **arrays, **kw)
-        torch.cuda.synchronize()
-        for host, dev in zip((dq, dk, dv, dbias), grads):
-            cls._copy_back(host, dev)
-
-
-@pytest.fixture(autouse=True)
-def kernels():  # noqa: F811  (replaces the emulator suite's fixture)
-    with _kernel_module(_OnGpu):
-        yield _OnGpu
-
-
-# ============================================================================ part 2
 
 def _check_on_gpu(rng, b, sq, sk, hq, hkv, d, dtype="bfloat16", bias_shape=None, **kw):
     """fmha with CUDA tensors (autograd) vs the float64 reference, within 2x / 3x of the

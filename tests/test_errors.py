@@ -1,8 +1,8 @@
 """Bad inputs: every one is refused with a ValueError / TypeError naming the argument.
 
-The design contract (design.md, "Errors"): every bad input is caught in the Python layer
-(and again in C++) and raised as ValueError/TypeError naming the argument; no bad input
-may crash the process, hang, write out of bounds or return garbage.
+The error conventions (docs/errors.md): every bad input is caught in the Python layer (and
+again in C++) and raised as ValueError/TypeError naming the argument; no bad input may
+crash the process, hang, write out of bounds or return garbage.
 
 Each case below is one bad call; it runs for NumPy arrays and torch tensors where the
 distinction means something. After each failure the inputs must be untouched, and a valid
@@ -327,9 +327,9 @@ def _assert_unchanged(obj, snap):
 
 @pytest.fixture
 def keep_thread_setting():
-    before = fmha._api._num_threads
+    before = fmha._core._num_threads
     yield
-    fmha._api._num_threads = before
+    fmha._core._num_threads = before
 
 
 @pytest.mark.parametrize("build,lib,exc,match", _params())
@@ -368,7 +368,7 @@ def _valid_call(lib, dtype="float32"):
 def test_valid_call_after_every_failure(lib):
     """Run every bad call in a row, then a valid call: same bits as before, and right."""
     out0, lse0, _ = _valid_call(lib)
-    before = fmha._api._num_threads
+    before = fmha._core._num_threads
     failures = 0
     try:
         for cid, build, exc, match, libs in CASES:
@@ -379,7 +379,7 @@ def test_valid_call_after_every_failure(lib):
                     _build(build, L)[1]()
                 failures += 1
     finally:
-        fmha._api._num_threads = before
+        fmha._core._num_threads = before
     assert failures >= 30
     out1, lse1, (q, k, v, bias, mask) = _valid_call(lib)
     np.testing.assert_array_equal(out1, out0)

@@ -156,7 +156,7 @@ def test_low_precision_close_to_torch(dtype):
     (a, ga), (b, gb) = both(*shapes, attn_mask=m, enable_gqa=True, dtype=dtype)
     err_f = (a.double() - x).abs().max()
     err_t = (b.double() - x).abs().max()
-    # flash-attn's rule (design.md): within 2x torch's own low-precision error (3x for
+    # flash-attn's rule (docs/testing.md): within 2x torch's own low-precision error (3x for
     # gradients), plus one ulp of the result's scale.
     eps = torch.finfo(dtype).eps
     assert err_f <= 2 * err_t + eps * x.abs().max(), (err_f, err_t)

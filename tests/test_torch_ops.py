@@ -211,6 +211,14 @@ def test_autograd_matches_reference_grads():
 
 # ---------------------------------------------------------------- opcheck
 
+def test_autograd_context_names_match_the_op_schema():
+    """_setup_context reads fmha::fwd's inputs by name (fmha._torch._FwdInputs): the names
+    and their order are the registered op's, so a changed signature fails here."""
+    schema = [a.name for a in torch.ops.fmha.fwd.default._schema.arguments]
+    assert list(fmha._torch._FwdInputs._fields) == schema
+    assert set(fmha._torch._SAVED_INPUTS) <= set(schema)
+
+
 def _fwd_args(dtype, *, bias=None, mask=None, alibi=None, varlen=False, rng=None, causal=False,
               dropout_p=0.0, softcap=0.0, window=(-1, -1), grad=True):
     """Arguments of torch.ops.fmha.fwd (see fmha/_torch.py)."""
@@ -417,7 +425,7 @@ def test_dropout_manual_seed_reproducible():
 
 def test_dropout_independent_of_thread_count():
     q, k, v = qkv(b=2, sq=33, sk=40, hq=4, hkv=2, d=8, dtype=torch.float32, grad=False)
-    before = fmha._api._num_threads
+    before = fmha._core._num_threads
     outs = []
     try:
         for n in (1, 2, 3):
@@ -425,7 +433,7 @@ def test_dropout_independent_of_thread_count():
             torch.manual_seed(3)
             outs.append(fmha.attention(q, k, v, dropout_p=0.3, causal=True))
     finally:
-        fmha._api._num_threads = before
+        fmha._core._num_threads = before
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

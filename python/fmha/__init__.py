@@ -13,8 +13,8 @@ See ``fmha.attention`` for the arguments and ``fmha.reference`` for the exact se
 import sys as _sys
 
 from . import _C
-from ._api import (attention, attention_backward, attention_varlen, get_num_threads,
-                   set_num_threads)
+from ._api import attention, attention_backward, attention_varlen
+from ._core import get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 

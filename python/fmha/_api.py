@@ -1,141 +1,26 @@
 """The public functions: fmha.attention, fmha.attention_varlen, fmha.attention_backward.
 
 Torch tensors go through the registered torch ops (fmha/_torch.py: autograd,
-torch.compile); NumPy (and CuPy) arrays go straight to the core. Both share validation
-(_validate.py) and the conversion into what the core's params struct needs
-(:func:`core_args`). Host arrays run the CPU kernels, CUDA arrays the CUDA kernels, on the
-caller's current stream.
+torch.compile); NumPy and CuPy arrays (the "array" path below) go straight to the core. Both
+share validation (_validate.py), and the kernel module, thread setting and conversion into
+what the core's params struct needs (_core.py). Host arrays run the CPU kernels, CUDA arrays
+the CUDA kernels, on the caller's current stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
-from . import _C
-from ._validate import Spec, kind_of, prepare
+from . import _core
+from ._core import _last_contiguous, _xp, core_args, dbias_shape, get_num_threads, stream_of
+from ._validate import Spec, device_of, kind_of, prepare
 
-# ---------------------------------------------------------------- the kernel module
+# ---------------------------------------------------------------- NumPy / CuPy arrays
 
-#: The module whose forward/backward every call runs: fmha._C. Tests swap in
-#: fmha._cuda_emu (same signature; the CUDA kernels run by the CPU emulator on host arrays)
-#: with :func:`_kernel_module`, so the whole Python API exercises the CUDA kernels without a GPU.
-_kernels = _C
-
-
-@contextlib.contextmanager
-def _kernel_module(module):
-    """Within the block, fmha's entry points call ``module.forward`` / ``module.backward``
-    instead of fmha._C's (private; for tests)."""
-    global _kernels
-    before = _kernels
-    _kernels = module
-    try:
-        yield module
-    finally:
-        _kernels = before
-
-# ---------------------------------------------------------------- threads
-
-_num_threads: Optional[int] = None
-
-
-def set_num_threads(n: Optional[int]) -> None:
-    """Threads for the CPU kernels; None restores the default (torch's setting if torch is
-    imported, else OMP_NUM_THREADS, else every core). Results do not depend on it."""
-    global _num_threads
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: expected a positive int or None, got {n!r}")
-    _num_threads = n
-
-
-def get_num_threads() -> int:
-    if _num_threads is not None:
-        return _num_threads
-    import sys
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.get_num_threads()
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return _C.hardware_threads()
-
-
-# ---------------------------------------------------------------- conversion for the core
-
-def _xp(x):
-    """The array module of a NumPy or CuPy array."""
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
-    return cupy
-
-
-def _as_4d(x, full):
-    """A stride-0 broadcast view of a bias/mask to (batch, heads, seqlen_q, seqlen_k)."""
-    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
-    if kind_of(x) != "torch":
-        return _xp(x).broadcast_to(x.reshape(shape), full)
-    return x.reshape(shape).expand(*full)
-
-
-def _last_contiguous(x):
-    """The kernels need unit stride in the last dimension; copy only when it is not."""
-    if kind_of(x) != "torch":
-        ok = x.strides[-1] == x.itemsize or x.shape[-1] == 1
-        return x if ok else _xp(x).ascontiguousarray(x)
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
-def stream_of(x) -> int:
-    """The stream (a cudaStream_t as an int) a call on x's device is ordered on: the current
-    torch / CuPy stream of a CUDA array, 0 for host arrays."""
-    kind = kind_of(x)
-    if kind == "torch" and x.is_cuda:
-        import torch
-        return torch.cuda.current_stream(x.device).cuda_stream
-    if kind == "cupy":
-        import cupy
-        with x.device:
-            return cupy.cuda.get_current_stream().ptr
-    return 0
-
-
-def core_args(full, bias=None, mask=None, alibi_slopes=None) -> dict:
-    """bias / mask / alibi_slopes in the form fmha._C takes (views, no copies of size n²);
-    full = (batch, heads_q, seqlen_q, seqlen_k)."""
-    out = {}
-    if bias is not None:
-        out["bias"] = _as_4d(bias, full)
-    if mask is not None:
-        out["mask"] = _as_4d(mask, full)
-    if alibi_slopes is not None:
-        a = alibi_slopes
-        if kind_of(a) != "torch":
-            xp = _xp(a)
-            a = xp.asarray(a, dtype=xp.float64)
-            out["alibi_slopes"] = xp.broadcast_to(a if a.ndim == 2 else a[None], full[:2])
-        else:
-            import torch
-            a = a.detach().to(dtype=torch.float64)
-            out["alibi_slopes"] = (a if a.ndim == 2 else a.unsqueeze(0)).expand(*full[:2])
-    return out
-
-
-def dbias_shape(bias_shape, full) -> Tuple[int, int, int, int]:
-    """Shape of the core's dbias: the bias padded to 4-D, broadcast dims kept at 1."""
-    padded = (1,) * (4 - len(bias_shape)) + tuple(bias_shape)
-    return tuple(1 if p == 1 else f for p, f in zip(padded, full))
-
-
-# ---------------------------------------------------------------- NumPy / CuPy path
-
-def _numpy_seed(seed) -> int:
+def _array_seed(seed) -> int:
     if seed is None:
         return int(np.random.default_rng().integers(0, 2**63))
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
@@ -143,7 +28,7 @@ def _numpy_seed(seed) -> int:
     return int(seed)
 
 
-def _numpy_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
+def _array_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
     """NumPy or CuPy arrays (outputs allocated by the same module, on q's device)."""
     xp = _xp(q)
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
@@ -154,8 +39,9 @@ def _numpy_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
             lse = xp.empty((spec.heads_q, q.shape[0]), dtype=lse_dtype)
         else:
             lse = xp.empty((spec.batch, spec.heads_q, spec.seqlen_q), dtype=lse_dtype)
-    _kernels.forward(q, k, v, out, lse, **extra, **(cu or {}), **spec.settings(), seed=seed,
-                     offset=0, num_threads=get_num_threads(), stream=stream_of(q))
+    _core._kernels.forward(q, k, v, out, lse, **extra, **(cu or {}), **spec.settings(),
+                           seed=seed, offset=0, num_threads=get_num_threads(),
+                           stream=stream_of(q))
     return out, lse
 
 
@@ -199,8 +85,8 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
         from . import _torch
         return _torch.attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
                                 deterministic=deterministic)
-    out, lse = _numpy_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
-                              _numpy_seed(seed) if spec.dropout_p > 0 else 0)
+    out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
+                              _array_seed(seed) if spec.dropout_p > 0 else 0)
     return (out, lse) if return_lse else out
 
 
@@ -230,8 +116,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         cu = dict(cu_seqlens_q=xp.ascontiguousarray(xp.asarray(cu_seqlens_q)),
                   cu_seqlens_k=xp.ascontiguousarray(xp.asarray(cu_seqlens_k)),
                   max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
-    out, lse = _numpy_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
-                              _numpy_seed(seed) if spec.dropout_p > 0 else 0, cu)
+    out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
+                              _array_seed(seed) if spec.dropout_p > 0 else 0, cu)
     return (out, lse) if return_lse else out
 
 
@@ -267,11 +153,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
         dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
         dbias = (xp.empty(dbias_shape(spec.bias_shape, spec.full), dtype=lse_dtype)
                  if bias_grad else None)
-    _kernels.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
-                      **core_args(spec.full, bias, mask, alibi_slopes), **spec.settings(),
-                      seed=_numpy_seed(seed) if spec.dropout_p > 0 else 0, offset=0,
-                      num_threads=get_num_threads(), stream=stream_of(q),
-                      deterministic=bool(deterministic))
+    _core._kernels.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
+                            **core_args(spec.full, bias, mask, alibi_slopes),
+                            **spec.settings(),
+                            seed=_array_seed(seed) if spec.dropout_p > 0 else 0, offset=0,
+                            num_threads=get_num_threads(), stream=stream_of(q),
+                            deterministic=bool(deterministic))
     if bias_grad:
         return dq, dk, dv, dbias.reshape(spec.bias_shape).astype(bias.dtype, copy=False)
     return dq, dk, dv
@@ -279,7 +166,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
 
 def _check_like(name, x, q, shape, dtype):
     """x: an array of q's kind and device with this shape and dtype."""
-    from ._validate import device_of
     if kind_of(x) != kind_of(q):
         raise TypeError(f"{name}: expected a {kind_of(q)} array like q, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape) or np.dtype(x.dtype) != np.dtype(dtype):

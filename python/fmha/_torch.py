@@ -13,13 +13,14 @@ seed gives the same mask on CPU and GPU (it is a function of (seed, offset, b, h
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _api
-from ._api import _last_contiguous, core_args, dbias_shape, get_num_threads, stream_of
+from . import _core
+from ._core import _last_contiguous, core_args, dbias_shape, get_num_threads, stream_of
 from ._validate import Spec
 
 
@@ -76,10 +77,10 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = torch.empty(_lse_shape(q, full, cu_seqlens_q is not None), device=q.device,
                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    _api._kernels.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
-                          **_settings(q, scale, softcap, window_left, window_right, bottom_right,
-                                      dropout_p, rng, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k))
+    _core._kernels.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
+                           **_settings(q, scale, softcap, window_left, window_right,
+                                       bottom_right, dropout_p, rng, cu_seqlens_q,
+                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return out, lse
 
 
@@ -111,7 +112,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     dbias = None
     if bias_grad:
         dbias = torch.empty(dbias_shape(bias.shape, full), dtype=lse.dtype, device=q.device)
-    _api._kernels.backward(
+    _core._kernels.backward(
         dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
         **core_args(full, bias, mask, alibi_slopes),
         **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
@@ -132,24 +133,40 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
+#: The inputs of fmha::fwd by name, in the op's order (their types are in fwd's signature;
+#: tests/test_torch_ops.py checks the names against the registered schema). Built from
+#: setup_context's ``inputs``, so a changed argument count fails there instead of shifting
+#: every field by one.
+_FwdInputs = namedtuple(
+    "_FwdInputs", "q k v bias mask alibi_slopes cu_seqlens_q cu_seqlens_k max_seqlen_q "
+    "max_seqlen_k rng scale softcap window_left window_right bottom_right dropout_p "
+    "deterministic", defaults=(False,))
+
+
+#: The tensor inputs the backward needs; they travel through ctx.save_for_backward.
+_SAVED_INPUTS = ("q", "k", "v", "bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+                 "rng")
+
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, bias, mask, alibi, cu_q, cu_k, max_q, max_k, rng, scale, softcap, wl, wr, br,
-     p) = inputs[:17]
-    deterministic = inputs[17] if len(inputs) > 17 else False
+    args = _FwdInputs(*inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, rng)
-    ctx.settings = (max_q, max_k, scale, softcap, wl, wr, br, p, deterministic)
+    ctx.save_for_backward(out, lse, *(getattr(args, name) for name in _SAVED_INPUTS))
+    # The non-tensor settings, by name; the tensors are only in saved_tensors.
+    ctx.settings = args._replace(**dict.fromkeys(_SAVED_INPUTS))
 
 
 def _backward(ctx, dout, dlse):
     # The gradient through lse is not propagated (flash-attn does the same); lse is an
     # auxiliary output for merging partial attentions, not a training target.
-    q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, rng = ctx.saved_tensors
-    max_q, max_k, scale, softcap, wl, wr, br, p, deterministic = ctx.settings
-    bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = bwd(dout, q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, max_q,
-                            max_k, rng, scale, softcap, wl, wr, br, p, bias_grad, deterministic)
+    out, lse, *saved = ctx.saved_tensors
+    args = ctx.settings._replace(**dict(zip(_SAVED_INPUTS, saved)))
+    bias_grad = args.bias is not None and ctx.needs_input_grad[_FwdInputs._fields.index("bias")]
+    dq, dk, dv, dbias = bwd(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
+                            args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k,
+                            args.max_seqlen_q, args.max_seqlen_k, args.rng, args.scale,
+                            args.softcap, args.window_left, args.window_right,
+                            args.bottom_right, args.dropout_p, bias_grad, args.deterministic)
     return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 

@@ -142,7 +142,7 @@ def _broadcastable(shape, target) -> bool:
 class Spec:
     """Normalised arguments of one call (what the params struct needs)."""
 
-    kind: str            # "numpy" | "torch"
+    kind: str            # "numpy" | "cupy" | "torch" (kind_of(q))
     dtype: str           # q's dtype name
     varlen: bool
     batch: int
@@ -246,7 +246,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     left = _check_int("window[0]", window[0], -1)
     right = _check_int("window[1]", window[1], -1)
     if causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0  # causal: no key after the diagonal, whatever window[1] said
     if alignment not in ("bottom_right", "top_left"):
         raise ValueError(f"alignment: expected 'bottom_right' or 'top_left', got {alignment!r}")
     if scale is None:
