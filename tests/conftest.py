@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -107,7 +108,10 @@ def pytest_generate_tests(metafunc):
     marker = metafunc.definition.get_closest_marker("backends")
     if marker is not None and "backend" in metafunc.fixturenames:
         assert set(marker.args) <= set(BACKENDS), marker.args
-        metafunc.parametrize("backend", marker.args, indirect=True)
+        # The gpu backend is generated only where a GPU can run the kernels: elsewhere
+        # tests/test_cuda_gpu.py's module skip says once why, instead of one skip per case.
+        names = [n for n in marker.args if n != "gpu" or not _why_no_gpu()]
+        metafunc.parametrize("backend", names, indirect=True)
 
 
 @pytest.fixture
@@ -136,6 +140,7 @@ def _backend_module(name):
     return _OnGpu
 
 
+@functools.lru_cache(maxsize=None)
 def _why_no_gpu() -> str:
     """'' when fmha's CUDA kernels can run on a GPU here, else why not."""
     from fmha import _C

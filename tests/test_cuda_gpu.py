@@ -21,7 +21,8 @@ from fmha import _C  # noqa: E402
 from conftest import _why_no_gpu  # noqa: E402
 
 if _why_no_gpu():
-    pytest.skip(_why_no_gpu(), allow_module_level=True)
+    pytest.skip(_why_no_gpu() + "; the gpu backend of tests/test_cuda_emu_cases.py is not "
+                "generated either", allow_module_level=True)
 
 from conftest import (LOW_PRECISION, assert_close, fmha_results, make_inputs,  # noqa: E402
                       naive_results, reference_results, to_f64)
