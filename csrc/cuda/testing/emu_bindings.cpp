@@ -4,7 +4,8 @@
 //
 // Arrays come in through DLPack (torch, NumPy, ...: anything with __dlpack__) and must be
 // in host memory; results are returned as new NumPy arrays. This file knows the kernels only
-// through their host interfaces (gemm_tc.h, probes.h, flash_fwd.h).
+// through their host interfaces (testing/gemm_tc.h, testing/probes.h, flash_fwd.h,
+// flash_bwd.h). Test-only: fmha's installed CUDA library contains none of this folder.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -18,8 +19,8 @@
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
-#include "cuda/gemm_tc.h"
-#include "cuda/probes.h"
+#include "cuda/testing/gemm_tc.h"
+#include "cuda/testing/probes.h"
 #include "dlpack/dlpack.h"
 #include "fmha/error.h"
 #include "fmha/params.h"
