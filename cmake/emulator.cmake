@@ -66,7 +66,7 @@ set_target_properties(fmha_emu_module PROPERTIES OUTPUT_NAME _cuda_emu)
 target_include_directories(fmha_emu_module PRIVATE csrc third_party)
 # emu_bindings.cpp may ask head_dims.h which tiles exist: the same answer as the kernels.
 target_compile_definitions(fmha_emu_module PRIVATE FMHA_CUDA_HDIM_MASK=${FMHA_EMU_HDIM_MASK})
-target_link_libraries(fmha_emu_module PRIVATE fmha_emu_kernels fmha_emu_runtime)
+target_link_libraries(fmha_emu_module PRIVATE fmha_emu_kernels fmha_emu_runtime fmha_validate)
 install(TARGETS fmha_emu_module LIBRARY DESTINATION fmha)
 message(STATUS "fmha: building the CUDA emulator module fmha._cuda_emu (head-dim tiles "
                "${FMHA_EMU_HEAD_DIMS})")

@@ -159,12 +159,8 @@ int finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::object
     }
     p.alibi_slopes = static_cast<const double*>(alibi.data);
   }
-  try {
-    py::gil_scoped_release nogil;
-    return launch();
-  } catch (const std::invalid_argument& e) {
-    throw fmha::InvalidArgument(e.what());
-  }
+  py::gil_scoped_release nogil;
+  return launch();
 }
 
 template <typename... A>
@@ -185,7 +181,6 @@ int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::ob
   const bool varlen = !cu_q_obj.is_none() || !cu_k_obj.is_none();
   FMHA_CHECK_ARG(cu_q_obj.is_none() == cu_k_obj.is_none(),
                  "cu_seqlens_q, cu_seqlens_k: give both or neither");
-  FMHA_CHECK_ARG(num_splits >= 0, "num_splits: got ", num_splits, ", expected >= 0 (0 = automatic)");
   const int nd = varlen ? 3 : 4;
   const HostArray q = import_host("q", q_obj, nd), k = import_host("k", k_obj, nd),
                   v = import_host("v", v_obj, nd), o = import_host("out", out_obj, nd, true),
@@ -232,8 +227,6 @@ int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::ob
     FMHA_CHECK_ARG(lse.shape[0] == p.batch && lse.shape[1] == p.heads_q && lse.shape[2] == p.seqlen_q,
                    "lse: expected shape (batch, heads_q, seqlen_q)");
   }
-  FMHA_CHECK_ARG(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
-                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
   for (const HostArray* a : {&q, &k, &v, &o})
     FMHA_CHECK_ARG(a->strides[size_t(a->ndim - 1)] == 1 || a->shape[size_t(a->ndim - 1)] == 1,
                    "q, k, v, out: the last dimension must be contiguous");
@@ -353,17 +346,12 @@ void expect_half(const fmha::FwdParams& p) {
                                        ": the CUDA kernels take float16/bfloat16"));
 }
 
-// The launchers are shared with the nvcc build, which has no fmha error types: their
-// std::invalid_argument ("not supported / not implemented yet") becomes a ValueError.
+// The launchers check the params against the validation contract (fmha/validate.h).
 template <typename Params, typename Launch>
 void launch_emulated(const Params& p, Launch&& launch) {
   expect_half(p);
-  try {
-    py::gil_scoped_release nogil;
-    launch(p, nullptr);
-  } catch (const std::invalid_argument& e) {
-    throw fmha::InvalidArgument(e.what());
-  }
+  py::gil_scoped_release nogil;
+  launch(p, nullptr);
 }
 
 void emu_forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
@@ -394,16 +382,22 @@ PYBIND11_MODULE(_cuda_emu, m) {
         "C = A @ B by the tensor-core GEMM kernel (ldmatrix + mma.sync + cp.async), emulated. "
         "a: (M, K), b: (K, N), float16 or bfloat16, last dimension contiguous. Returns float32 "
         "(M, N).");
-  m.def("float_to_half_bits",
-        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
-          return convert(x, fmha::DType::kFloat16);
-        },
-        py::arg("x"), "Bits of the kernels' float->float16 conversion (cvt.rn.f16.f32) of x.");
-  m.def("float_to_bfloat16_bits",
-        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
-          return convert(x, fmha::DType::kBFloat16);
-        },
-        py::arg("x"), "Bits of the kernels' float->bfloat16 conversion (cvt.rn.bf16.f32) of x.");
+  struct Conversion {
+    const char* name;
+    fmha::DType to;
+    const char* doc;
+  };
+  for (const Conversion& c :
+       {Conversion{"float_to_half_bits", fmha::DType::kFloat16,
+                   "Bits of the kernels' float->float16 conversion (cvt.rn.f16.f32) of x."},
+        Conversion{"float_to_bfloat16_bits", fmha::DType::kBFloat16,
+                   "Bits of the kernels' float->bfloat16 conversion (cvt.rn.bf16.f32) of x."}}) {
+    m.def(c.name,
+          [to = c.to](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            return convert(x, to);
+          },
+          py::arg("x"), c.doc);
+  }
   m.def("flash_forward", &flash_forward, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::kw_only(), py::arg("scale") = py::none(),
         py::arg("window_left") = -1, py::arg("window_right") = -1,
@@ -447,18 +441,11 @@ PYBIND11_MODULE(_cuda_emu, m) {
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
-  m.def("forward", &emu_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("lse"), py::arg("bias") = py::none(), py::arg("mask") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(),
-        "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
-        "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
-        "accepted and ignored.");
-  m.def("backward", &emu_backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("dbias") = py::none(), py::arg("bias") = py::none(),
-        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
-        "fmha._C.backward's signature and keyword settings (deterministic included), on host "
-        "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
+  fmha::bind::def_forward_backward(
+      m, &emu_forward, &emu_backward,
+      "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
+      "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
+      "accepted and ignored.",
+      "fmha._C.backward's signature and keyword settings (deterministic included), on host "
+      "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
 }
