@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "bindings/dlpack_view.h"
 #include "bindings/params_from_dlpack.h"
@@ -424,20 +425,18 @@ PYBIND11_MODULE(_cuda_emu, m) {
         py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("offset") = 0);
   m.def("stats", [] {
+    // Python's name for each counter is its field name.
+#define FMHA_EMU_STAT(field) {#field, &emu::Stats::field}
+    static const std::pair<const char*, uint64_t emu::Stats::*> kCounters[] = {
+        FMHA_EMU_STAT(launches), FMHA_EMU_STAT(blocks), FMHA_EMU_STAT(threads),
+        FMHA_EMU_STAT(block_barriers), FMHA_EMU_STAT(warp_barriers), FMHA_EMU_STAT(mma),
+        FMHA_EMU_STAT(ldmatrix), FMHA_EMU_STAT(shfl), FMHA_EMU_STAT(ballot),
+        FMHA_EMU_STAT(cp_async), FMHA_EMU_STAT(cp_async_zero_filled),
+        FMHA_EMU_STAT(max_cp_async_groups_pending)};
+#undef FMHA_EMU_STAT
     const emu::Stats s = emu::stats();
     py::dict d;
-    d["launches"] = s.launches;
-    d["blocks"] = s.blocks;
-    d["threads"] = s.threads;
-    d["block_barriers"] = s.block_barriers;
-    d["warp_barriers"] = s.warp_barriers;
-    d["mma"] = s.mma;
-    d["ldmatrix"] = s.ldmatrix;
-    d["shfl"] = s.shfl;
-    d["ballot"] = s.ballot;
-    d["cp_async"] = s.cp_async;
-    d["cp_async_zero_filled"] = s.cp_async_zero_filled;
-    d["max_cp_async_groups_pending"] = s.max_cp_async_groups_pending;
+    for (const auto& [name, field] : kCounters) d[name] = s.*field;
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
