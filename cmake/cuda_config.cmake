@@ -2,9 +2,15 @@
 # CUDA build (CMakeLists.txt) and the emulator build (cmake/emulator.cmake), so that both
 # compile the same set of instantiation files.
 
-# The head-dim tiles that the kernels know (csrc/cuda/head_dims.h, kHeadDimTiles): bit i of
-# FMHA_CUDA_HDIM_MASK is tile i of this list. The order must match head_dims.h.
-set(FMHA_KNOWN_HEAD_DIM_TILES 32 64 96 128 256)
+# The head-dim tiles that the kernels know, read from their one definition (kHeadDimTiles in
+# csrc/cuda/head_dims.h): bit i of FMHA_CUDA_HDIM_MASK is tile i of this list.
+file(STRINGS "${CMAKE_CURRENT_LIST_DIR}/../csrc/cuda/head_dims.h" _fmha_tiles_line
+     REGEX "kHeadDimTiles\\[\\] *= *\\{")
+if(NOT _fmha_tiles_line MATCHES "\\{([0-9, ]+)\\}")
+  message(FATAL_ERROR "fmha: no kHeadDimTiles[] = {...} line in csrc/cuda/head_dims.h")
+endif()
+string(REGEX REPLACE "[ ]" "" FMHA_KNOWN_HEAD_DIM_TILES "${CMAKE_MATCH_1}")
+string(REPLACE "," ";" FMHA_KNOWN_HEAD_DIM_TILES "${FMHA_KNOWN_HEAD_DIM_TILES}")
 
 # A list option that a cache variable or the environment variable of the same name sets
 # (the environment wins, so `FMHA_CUDA_ARCHS=90 pip install .` works without -C flags).
@@ -24,14 +30,14 @@ endmacro()
 function(fmha_head_dim_mask option dims out_mask)
   if(NOT dims)
     message(FATAL_ERROR "fmha: ${option} is empty; expected a non-empty subset of "
-                        "\"32;64;96;128;256\"")
+                        "\"${FMHA_KNOWN_HEAD_DIM_TILES}\"")
   endif()
   set(mask 0)
   foreach(d IN LISTS dims)
     list(FIND FMHA_KNOWN_HEAD_DIM_TILES "${d}" i)
     if(i LESS 0)
       message(FATAL_ERROR "fmha: ${option} contains \"${d}\"; expected head-dim tiles from "
-                          "\"32;64;96;128;256\" (received \"${dims}\")")
+                          "\"${FMHA_KNOWN_HEAD_DIM_TILES}\" (received \"${dims}\")")
     endif()
     math(EXPR mask "${mask} | (1 << ${i})" OUTPUT_FORMAT HEXADECIMAL)
   endforeach()
@@ -56,8 +62,8 @@ function(fmha_filter_head_dims sources_var dims)
   set(${sources_var} "${kept}" PARENT_SCOPE)
 endfunction()
 
-fmha_list_option(FMHA_CUDA_HEAD_DIMS "32;64;96;128;256"
-                 "Head-dim tiles of the CUDA kernels to build (subset of 32;64;96;128;256)")
+fmha_list_option(FMHA_CUDA_HEAD_DIMS "${FMHA_KNOWN_HEAD_DIM_TILES}"
+                 "Head-dim tiles of the CUDA kernels to build (subset of ${FMHA_KNOWN_HEAD_DIM_TILES})")
 fmha_head_dim_mask(FMHA_CUDA_HEAD_DIMS "${FMHA_CUDA_HEAD_DIMS}" FMHA_CUDA_HDIM_MASK)
 
 fmha_list_option(FMHA_CUDA_ARCHS "80;90" "CUDA architectures to build (sm_XX numbers, >= 80)")

@@ -18,11 +18,12 @@ endif()
 # The .cu files the emulator module runs. Each is compiled as C++ through a generated
 # one-line wrapper, so that no source-file property changes how the real CUDA build (which
 # may compile the same .cu with nvcc) treats it.
-# Every kernel source of csrc/cuda (and its generated instantiation files) except device.cu,
-# which queries the real CUDA runtime.
+# Every kernel source of csrc/cuda (its generated instantiation files and the test-only
+# kernels of csrc/cuda/testing included) except device.cu, which queries the real CUDA runtime.
 file(GLOB FMHA_EMU_CUDA_SOURCES RELATIVE "${CMAKE_CURRENT_SOURCE_DIR}" CONFIGURE_DEPENDS
      "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/*.cu"
-     "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations/*.cu")
+     "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/instantiations/*.cu"
+     "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/testing/*.cu")
 list(FILTER FMHA_EMU_CUDA_SOURCES EXCLUDE REGEX "csrc/cuda/device\\.cu$")
 
 # The head-dim tiles the emulator module builds: FMHA_EMU_HEAD_DIMS (cache or environment
@@ -60,12 +61,12 @@ target_include_directories(fmha_emu_kernels PRIVATE csrc third_party)
 target_compile_options(fmha_emu_kernels PRIVATE -O2 -fno-strict-aliasing -Wno-unknown-pragmas)
 target_compile_definitions(fmha_emu_kernels PRIVATE FMHA_CUDA_HDIM_MASK=${FMHA_EMU_HDIM_MASK})
 
-pybind11_add_module(fmha_emu_module MODULE csrc/cuda/emu_bindings.cpp)
+pybind11_add_module(fmha_emu_module MODULE csrc/cuda/testing/emu_bindings.cpp)
 set_target_properties(fmha_emu_module PROPERTIES OUTPUT_NAME _cuda_emu)
 target_include_directories(fmha_emu_module PRIVATE csrc third_party)
 # emu_bindings.cpp may ask head_dims.h which tiles exist: the same answer as the kernels.
 target_compile_definitions(fmha_emu_module PRIVATE FMHA_CUDA_HDIM_MASK=${FMHA_EMU_HDIM_MASK})
-target_link_libraries(fmha_emu_module PRIVATE fmha_emu_kernels fmha_emu_runtime)
+target_link_libraries(fmha_emu_module PRIVATE fmha_emu_kernels fmha_emu_runtime fmha_validate)
 install(TARGETS fmha_emu_module LIBRARY DESTINATION fmha)
 message(STATUS "fmha: building the CUDA emulator module fmha._cuda_emu (head-dim tiles "
                "${FMHA_EMU_HEAD_DIMS})")

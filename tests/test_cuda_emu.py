@@ -4,7 +4,7 @@ the static checks of the kernels.
 * Known-answer tests of every emulated primitive (tests/cuda_emu/kat_primitives.cu), each
   encoding the PTX ISA section named in KATS below; one pytest case per primitive.
 * The emulator's own rules (barriers, warp collectives, shared memory, cp.async).
-* The tensor-core GEMM (csrc/cuda/gemm_tc.cuh: ldmatrix + mma.sync + cp.async double
+* The tensor-core GEMM (csrc/cuda/testing/gemm_tc.cuh: ldmatrix + mma.sync + cp.async double
   buffering) against NumPy for odd and even sizes -- through the Python module
   fmha._cuda_emu, and in the standalone programs under AddressSanitizer and the race checker.
 * Planted bugs (tests/cuda_emu/planted_bugs.cu), each caught: (a) a wrong fragment index by
@@ -291,13 +291,14 @@ def nvcc():
 
 def test_ptxas_no_spills_or_stack(nvcc):
     """Every shipped kernel -- csrc/cuda/*.cu and every generated instantiation of the
-    FlashAttention-2 forward and backward -- compiles for sm_80 and sm_90 without spills or a
-    stack frame; the KAT kernels are included so that every inline-PTX wrapper is assembled
-    by ptxas."""
+    FlashAttention-2 forward and backward -- and the test-only kernels of csrc/cuda/testing/
+    compile for sm_80 and sm_90 without spills or a stack frame; the KAT kernels are included
+    so that every inline-PTX wrapper is assembled by ptxas."""
     cuda = ROOT / "csrc" / "cuda"
     instantiations = sorted((cuda / "instantiations").glob("*.cu"))
     assert len(instantiations) >= 40, "the forward and backward instantiation files"
-    sources = sorted(cuda.glob("*.cu")) + instantiations + [EMU_TESTS / "kat_primitives.cu"]
+    sources = ptxas_check.default_sources() + [EMU_TESTS / "kat_primitives.cu"]
+    assert set(instantiations) <= set(sources)
     kernels, errors = ptxas_check.check(sources, ["80", "90"], nvcc)
     assert not errors, "\n".join(errors)
     names = " ".join(k.name for k in kernels)

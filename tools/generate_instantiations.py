@@ -42,7 +42,6 @@ class Family:
     returns: str     # the launcher's return type
     # variant suffix ("" = none) -> template arguments after (T, head_dim)
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    head_dims: tuple[int, ...] | None = None  # None: every tile of cuda/head_dims.h
 
 
 FAMILIES = [
@@ -56,7 +55,7 @@ FAMILIES = [
 
 
 def head_dim_tiles() -> tuple[int, ...]:
-    """kHeadDimTiles of cuda/head_dims.h: the one list of tiles."""
+    """kHeadDimTiles of cuda/head_dims.h: the one list of tiles (CMake reads it too)."""
     m = re.search(r"kHeadDimTiles\[\]\s*=\s*\{([^}]*)\}", HEAD_DIMS_H.read_text())
     if not m:
         raise SystemExit(f"generate_instantiations: no kHeadDimTiles in {HEAD_DIMS_H}")
@@ -76,7 +75,7 @@ def generate() -> dict[str, str]:
     tiles = head_dim_tiles()
     for fam in FAMILIES:
         externs = []
-        for d in fam.head_dims or tiles:
+        for d in tiles:
             for dtype in DTYPES:
                 for variant, args in fam.variants.items():
                     name = f"{fam.name}_hdim{d}_{dtype}{'_' + variant if variant else ''}.cu"

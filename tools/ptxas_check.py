@@ -3,8 +3,8 @@
 resource report (-Xptxas -v): every kernel must compile, and no kernel may spill registers
 or use a local-memory stack frame (both turn register tiles into slow memory traffic).
 
-    python tools/ptxas_check.py                 # csrc/cuda/*.cu + instantiations/*.cu, sm_80 + sm_90
-    python tools/ptxas_check.py --arch 90 csrc/cuda/gemm_tc.cu
+    python tools/ptxas_check.py                 # every CUDA source (default_sources), sm_80 + sm_90
+    python tools/ptxas_check.py --arch 90 csrc/cuda/testing/gemm_tc.cu
     python tools/ptxas_check.py -j 4            # compile 4 files at once (default 2)
 
 It prints one row per (kernel, arch) and then a register table: one row per kernel, one
@@ -139,9 +139,17 @@ def print_register_table(kernels: list[Kernel], names: dict[str, str], archs: li
         print(f"{name:{width}}  " + " ".join(f"{table[name].get(c, '-'):>6}" for c in cols))
 
 
+def default_sources() -> list[Path]:
+    """The shipped kernels (csrc/cuda/*.cu and the generated instantiations) and the
+    test-only kernels of csrc/cuda/testing/, which the emulator module runs."""
+    cuda = ROOT / "csrc" / "cuda"
+    return (sorted(cuda.glob("*.cu")) + sorted((cuda / "instantiations").glob("*.cu"))
+            + sorted((cuda / "testing").glob("*.cu")))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sources", nargs="*", type=Path, help="default: csrc/cuda/*.cu")
+    ap.add_argument("sources", nargs="*", type=Path, help="default: default_sources()")
     ap.add_argument("--arch", action="append", help="sm number, repeatable (default 80, 90)")
     ap.add_argument("--nvcc", default=None)
     ap.add_argument("-j", "--jobs", type=int, default=2, help="files compiled at once (default 2)")
@@ -150,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if not nvcc:
         print("ptxas_check: nvcc not found", file=sys.stderr)
         return 2
-    cuda = ROOT / "csrc" / "cuda"
-    sources = [s.resolve() for s in args.sources] or (
-        sorted(cuda.glob("*.cu")) + sorted((cuda / "instantiations").glob("*.cu")))
+    sources = [s.resolve() for s in args.sources] or default_sources()
     archs = args.arch or list(DEFAULT_ARCHS)
     kernels, errors = check(sources, archs, nvcc, args.jobs)
     names = demangle(sorted({k.name for k in kernels}))

@@ -10,7 +10,6 @@
 #include <pybind11/stl.h>
 
 #include <array>
-#include <cstring>
 #include <string>
 
 #include "bindings/dlpack_view.h"
@@ -34,35 +33,35 @@ void expect_cuda_dtype(const FwdParams& p, const bind::Device& dev) {
                            ": CUDA kernels take float16/bfloat16; cast, or use the CPU"));
 }
 
-void forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
-             py::object bias, py::object mask, py::object alibi, py::object cu_q,
-             py::object cu_k, py::kwargs kw) {
-  const auto c = bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
-                                    /*host_only=*/false);
+// Host arrays run the CPU kernels, CUDA arrays the CUDA kernels on the call's stream; the
+// GIL is released while either runs.
+template <typename Call, typename Cpu, typename Cuda>
+void run(const Call& c, Cpu&& cpu, Cuda&& cuda) {
   if (c.dev.mem == bind::Memory::kHost) {
     py::gil_scoped_release nogil;
-    cpu_forward(c.p);
+    cpu(c.p);
     return;
   }
   expect_cuda_dtype(c.p, c.dev);
   py::gil_scoped_release nogil;
-  cuda_forward(c.p, c.dev.id, reinterpret_cast<void*>(c.stream));
+  cuda(c.p, c.dev.id, reinterpret_cast<void*>(c.stream));
+}
+
+void forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
+             py::object bias, py::object mask, py::object alibi, py::object cu_q,
+             py::object cu_k, py::kwargs kw) {
+  run(bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
+                         /*host_only=*/false),
+      cpu_forward, cuda_forward);
 }
 
 void backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
               py::object lse, py::object dq, py::object dk, py::object dv, py::object dbias,
               py::object bias, py::object mask, py::object alibi, py::object cu_q,
               py::object cu_k, py::kwargs kw) {
-  const auto c = bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask,
-                                     alibi, cu_q, cu_k, kw, /*host_only=*/false);
-  if (c.dev.mem == bind::Memory::kHost) {
-    py::gil_scoped_release nogil;
-    cpu_backward(c.p);
-    return;
-  }
-  expect_cuda_dtype(c.p, c.dev);
-  py::gil_scoped_release nogil;
-  cuda_backward(c.p, c.dev.id, reinterpret_cast<void*>(c.stream));
+  run(bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask, alibi, cu_q,
+                          cu_k, kw, /*host_only=*/false),
+      cpu_backward, cuda_backward);
 }
 
 }  // namespace
@@ -72,34 +71,22 @@ PYBIND11_MODULE(_C, m) {
   using namespace fmha;
   m.doc() = "fmha core: fused multi-head attention kernels (use the fmha package, not this)";
   bind::register_errors();
-  m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("lse"), py::arg("bias") = py::none(), py::arg("mask") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(),
-        "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels). "
-        "Keyword settings: scale, softcap, window_left, window_right, bottom_right, dropout_p "
-        "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
-        "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "
-        "device cu_seqlens).");
-  m.def("backward", &backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("dbias") = py::none(), py::arg("bias") = py::none(),
-        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
-        "Writes dq, dk, dv (and dbias). Keyword settings as forward, plus deterministic "
-        "(CUDA: bitwise-reproducible dQ; the CPU backward always is).");
+  bind::def_forward_backward(
+      m, &forward, &backward,
+      "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels). "
+      "Keyword settings: scale, softcap, window_left, window_right, bottom_right, dropout_p "
+      "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
+      "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "
+      "device cu_seqlens).",
+      "Writes dq, dk, dv (and dbias). Keyword settings as forward, plus deterministic "
+      "(CUDA: bitwise-reproducible dQ; the CPU backward always is).");
   m.def("cpu_features", &cpu_features, "CPU features relevant to the kernels");
   m.def("cpu_isa", [] { return std::string(isa_name(active_cpu_isa())); },
         "The instruction set the CPU kernels use");
   m.def("best_cpu_isa", [] { return std::string(isa_name(best_cpu_isa())); });
-  m.def("set_cpu_isa", [](const std::string& name) {
-    if (name == "scalar") set_cpu_isa(CpuIsa::kScalar);
-    else if (name == "avx2") set_cpu_isa(CpuIsa::kAvx2);
-    else if (name == "avx512") set_cpu_isa(CpuIsa::kAvx512);
-    else if (name == "avx512bf16") set_cpu_isa(CpuIsa::kAvx512Bf16);
-    else throw InvalidArgument(concat("isa: got '", name,
-                                      "', expected scalar, avx2, avx512 or avx512bf16"));
-  });
+  m.def("set_cpu_isa", [](const std::string& name) { set_cpu_isa(parse_cpu_isa(name, "isa")); },
+        py::arg("isa"), "Forces the CPU kernels' instruction set (scalar, avx2, avx512, "
+        "avx512bf16); NotImplementedError when this CPU lacks it.");
   m.def("hardware_threads", &hardware_threads);
   // The kernels' own Philox, exposed so tests can hold it to the published vectors.
   m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {

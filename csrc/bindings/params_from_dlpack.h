@@ -4,19 +4,21 @@
 // input handling.
 //
 // The Python layer (python/fmha/_api.py) has already validated everything a user can pass and
-// allocated the outputs; this re-checks, cheaply, whatever a wrong direct call could turn into
-// an out-of-bounds access, and names the argument in every error. Header-only: the emulator
-// module links no core library.
+// allocated the outputs. This checks what building params from DLPack tensors needs -- each
+// tensor's dtype, device, rank, extents and strides, and the varlen offsets it reads -- and
+// names the argument in every error; the rules on the params themselves (sizes, settings)
+// are the validation contract's (fmha/validate.h), which each backend's entry applies.
+// Header-only: the emulator module links no core library.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "bindings/dlpack_view.h"
 #include "dlpack/dlpack.h"
@@ -169,24 +171,6 @@ inline Bshd bshd(const View& t, bool varlen) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// The cheap checks of every backend's contract on sizes and settings (the core's
-// check_params, which the emulator module does not link, in the bindings' words).
-inline void check_settings(const FwdParams& p) {
-  FMHA_CHECK_ARG(p.batch > 0, "q: batch must be > 0, got ", p.batch);
-  FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "q, k: seqlen must be > 0, got ", p.seqlen_q,
-                 " and ", p.seqlen_k);
-  FMHA_CHECK_ARG(std::isfinite(p.scale), "scale: expected a finite number, got ", p.scale);
-  FMHA_CHECK_ARG(p.softcap >= 0.0 && std::isfinite(p.softcap), "softcap: expected >= 0, got ",
-                 p.softcap);
-  FMHA_CHECK_ARG(p.dropout_p >= 0.0 && p.dropout_p < 1.0, "dropout_p: expected [0, 1), got ",
-                 p.dropout_p);
-  FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1,
-                 "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
-                 p.window_left, " and ", p.window_right);
-  FMHA_CHECK_ARG(p.num_splits >= 0, "num_splits: expected >= 0 (0 = heuristic), got ",
-                 p.num_splits);
-}
-
 // cu_seqlens in host memory: read and check them, and take the maxima from them.
 inline void host_cu_seqlens(FwdParams& p, const View& cu_q, const View& cu_k, int64_t total_q,
                             int64_t total_k, const Settings& s) {
@@ -247,8 +231,6 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   p.heads_kv = int(c.k.size(o_ + 1));
   p.head_dim = int(c.q.size(o_ + 2));
   p.head_dim_v = int(c.v.size(o_ + 2));
-  FMHA_CHECK_ARG(p.heads_q > 0 && p.heads_kv > 0 && p.head_dim > 0 && p.head_dim_v > 0,
-                 "q, k, v: heads and head_dim must be > 0");
   if (varlen) {
     FMHA_CHECK_ARG(!cu_q.is_none() && !cu_k.is_none(),
                    "cu_seqlens_q, cu_seqlens_k: give both or neither");
@@ -310,8 +292,6 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   FMHA_CHECK_ARG(c.lse.dtype.code == kDLFloat && c.lse.dtype.bits == (f64 ? 64 : 32) &&
                      c.lse.dtype.lanes == 1,
                  "lse: expected ", f64 ? "float64" : "float32");
-  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
-                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
 
   const Bshd sq = bshd(c.q, varlen), sk = bshd(c.k, varlen), sv = bshd(c.v, varlen),
              so = bshd(c.o, varlen);
@@ -372,7 +352,6 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   p.offset = s.get<uint64_t>("offset", 0);
   p.num_threads = s.get<int>("num_threads", 0);
   p.num_splits = s.get<int>("num_splits", 0);
-  check_settings(p);
 }
 
 inline Call<FwdParams> forward_call(const py::object& q, const py::object& k,
@@ -432,7 +411,6 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
   c.dbias = import_opt("dbias", dbias, true, c.stream);
   if (c.dbias) {
     View& db = *c.dbias;
-    FMHA_CHECK_ARG(p.bias.ptr != nullptr, "dbias: given without bias");
     const bool f64 = p.dtype == DType::kFloat64;
     FMHA_CHECK_ARG(db.ndim == 4 && db.dtype.code == kDLFloat && db.dtype.bits == (f64 ? 64 : 32),
                    "dbias: expected a 4-D ", f64 ? "float64" : "float32", " array");
@@ -452,6 +430,24 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
     p.dbias_cols = int(db.size(3));
   }
   return c;
+}
+
+// forward and backward with fmha._C's signature: the arrays by position or name, the
+// settings as keywords (FMHA_FORWARD_KEYWORDS). Both modules define them through this.
+template <typename Forward, typename Backward>
+void def_forward_backward(py::module_& m, Forward&& forward, Backward&& backward,
+                          const char* forward_doc, const char* backward_doc) {
+  m.def("forward", std::forward<Forward>(forward), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("bias") = py::none(),
+        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+        forward_doc);
+  m.def("backward", std::forward<Backward>(backward), py::arg("dout"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
+        py::arg("dk"), py::arg("dv"), py::arg("dbias") = py::none(),
+        py::arg("bias") = py::none(), py::arg("mask") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
+        py::arg("cu_seqlens_k") = py::none(), backward_doc);
 }
 
 // The exception translation both modules install: the core's error types become the Python

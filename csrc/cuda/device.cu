@@ -11,6 +11,7 @@
 
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/validate.h"
 
 namespace fmha {
 
@@ -82,17 +83,14 @@ void check_capability(int device) {
                              minor, "; fmha's CUDA kernels need sm_80 or newer (Ampere+)"));
 }
 
-// The launchers report unsupported inputs as std::invalid_argument (they are shared with the
-// emulator build, which has no fmha error types): here they become InvalidArgument.
+// The launchers check p against the validation contract themselves; checking it here too,
+// before the device, makes a bad call fail as such on a machine without a usable GPU.
 template <typename Params, typename Launch>
 void launch(const Params& p, int device, void* stream, Launch&& run) {
+  check_params(p, Backend::kCuda);
   check_capability(device);
   DeviceGuard guard(device);
-  try {
-    run(p, stream);
-  } catch (const std::invalid_argument& e) {
-    throw InvalidArgument(e.what());
-  }
+  run(p, stream);
 }
 
 }  // namespace

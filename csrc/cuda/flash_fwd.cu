@@ -1,7 +1,7 @@
 // Dispatch of the CUDA FlashAttention-2 forward (cuda/flash_fwd.cuh): runtime dtype, head_dim
 // and "extras" become template arguments here, once. The launchers themselves are compiled
 // in the generated files of csrc/cuda/instantiations/ (tools/generate_instantiations.py),
-// one per {half, bf16} x head-dim tile {32, 64, 96, 128, 256} x extras {off, on}; this file
+// one per {half, bf16} x head-dim tile (cuda/head_dims.h) x extras {off, on}; this file
 // only declares them (flash_fwd_instantiations.inc) and names just the tiles this build has
 // (FMHA_CUDA_HDIM_MASK, cuda/head_dims.h). Compiled by nvcc and, as host C++, for the
 // emulator (fmha._cuda_emu).
@@ -19,7 +19,8 @@
 #include <string>
 
 #include "cuda/flash_fwd.cuh"
-#include "cuda/launch_checks.h"
+#include "cuda/launch.h"
+#include "fmha/validate.h"
 
 namespace fmha {
 namespace gpu {
@@ -27,10 +28,6 @@ namespace gpu {
 #include "cuda/instantiations/flash_fwd_instantiations.inc"
 
 namespace {
-
-[[noreturn]] void unsupported(const std::string& what) {
-  throw std::invalid_argument("launch_flash_fwd: " + what);
-}
 
 // SMs of the current device: the split-KV heuristic's measure of the GPU. The emulator
 // reports an A100's 108 so that the heuristic does under test what it does there.
@@ -46,53 +43,22 @@ int sm_count() {
 #endif
 }
 
-// One runtime tile -> its compile-time launcher, only for the tiles this build compiled:
-// an unbuilt tile's launcher is never named (its file was not compiled).
-// Returns the number of key splits used; 0 when no tile matched.
-template <typename T, bool kExtras, int... kTiles>
-int run_tile(int tile, const FwdParams& p, Stream stream) {
-  int ran = 0;
-  auto one = [&](auto tile_c) {
-    constexpr int kTile = decltype(tile_c)::value;
-    if constexpr (head_dim_tile_built(kTile)) {
-      if (!ran && tile == kTile) {
-        ran = run_flash_fwd<T, kTile, kExtras>(p, stream);
-      }
-    }
-  };
-  (one(std::integral_constant<int, kTiles>{}), ...);
-  return ran;
-}
-
-template <typename T, bool kExtras>
-int run_head_dim(const FwdParams& p, Stream stream) {
-  const int tile = head_dim_tile(std::max(p.head_dim, p.head_dim_v));
-  const int splits = run_tile<T, kExtras, 32, 64, 96, 128, 256>(tile, p, stream);
-  if (splits == 0)
-    unsupported("head_dim " + std::to_string(p.head_dim) +
-                ": no head-dim tile >= it was built (FMHA_CUDA_HEAD_DIMS)");
-  return splits;
-}
-
+// The launcher of one dtype for the call's (built) head-dim tile and extras; returns the
+// number of key splits used.
 template <typename T>
-int run_extras(const FwdParams& p, Stream stream) {
-  const bool extras = p.softcap > 0.0 || p.bias.ptr || p.mask.ptr || p.alibi_slopes ||
-                      p.dropout_p > 0.0;
-  if (extras) return run_head_dim<T, true>(p, stream);
-  return run_head_dim<T, false>(p, stream);
+int run(const FwdParams& p, int tile, Stream stream) {
+  int splits = 0;
+  with_head_dim_tile(tile, [&](auto tile_c) {
+    constexpr int kTile = decltype(tile_c)::value;
+    splits = needs_extras(p) ? run_flash_fwd<T, kTile, true>(p, stream)
+                             : run_flash_fwd<T, kTile, false>(p, stream);
+  });
+  return splits;
 }
 
 }  // namespace
 
-bool flash_fwd_rows_aligned(const FwdParams& p) {
-  auto ok = [](const void* ptr, int64_t row, int64_t head, int64_t batch) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && row % 8 == 0 && head % 8 == 0 &&
-           batch % 8 == 0;
-  };
-  return ok(p.q, p.q_row_stride, p.q_head_stride, p.q_batch_stride) &&
-         ok(p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride) &&
-         ok(p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
-}
+bool flash_fwd_rows_aligned(const FwdParams& p) { return rows_aligned(p); }
 
 // FlashDecoding's rule: split only when the (query block, head, batch) CTAs cannot fill the
 // GPU, into the fewest splits whose last wave is nearly full. Each split must keep at least
@@ -118,15 +84,13 @@ int flash_fwd_num_splits(const FwdParams& p, int m_blocks, int n_blocks, int cta
 }
 
 int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
-  check_launch_params(p, "launch_flash_fwd");
-  if (head_dim_tile(std::max(p.head_dim, p.head_dim_v)) == 0)
-    unsupported("head_dim " + std::to_string(std::max(p.head_dim, p.head_dim_v)) +
-                ": no head-dim tile >= it was built (FMHA_CUDA_HEAD_DIMS)");
-  if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0) return 0;  // nothing to write
+  check_params(p, Backend::kCuda);
+  const int tile = launch_tile(p, "launch_flash_fwd");
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return 0;  // nothing to write
   // seqlen_k == 0: the kernel visits no key block and writes out 0, lse -inf.
   const Stream stream = static_cast<Stream>(stream_ptr);
-  if (p.dtype == DType::kFloat16) return run_extras<half_t>(p, stream);
-  return run_extras<bf16_t>(p, stream);
+  if (p.dtype == DType::kFloat16) return run<half_t>(p, tile, stream);
+  return run<bf16_t>(p, tile, stream);
 }
 
 }  // namespace gpu

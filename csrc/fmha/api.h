@@ -19,6 +19,10 @@ std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "av
 // The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16) if set, else the
 // best supported. Forcing a level the CPU lacks is an error.
 CpuIsa active_cpu_isa();
+// The CpuIsa that isa_name spells `name`; otherwise InvalidArgument "<source>: got '...',
+// expected one of scalar, avx2, avx512, avx512bf16". FMHA_CPU_ISA and fmha._C.set_cpu_isa
+// both read names through it.
+CpuIsa parse_cpu_isa(const std::string& name, const char* source);
 void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
 
 void cpu_forward(const FwdParams& p);
@@ -28,9 +32,8 @@ double cpu_fma_peak_gflops(int threads);
 void cpu_exp(const float* x, float* y, int64_t n);
 void cpu_backward(const BwdParams& p);
 
-// Validates sizes, window and dropout fields shared by every backend (cheap; the Python
-// layer has already produced friendlier messages for anything a user can pass).
-void check_params(const FwdParams& p);
+// cpu_forward, cpu_backward, cuda_forward and cuda_backward check their params against the
+// validation contract first (fmha/validate.h).
 
 // ---- CUDA (present when built with nvcc; reports no device when none is usable) ----
 bool cuda_built();
@@ -42,8 +45,8 @@ std::pair<int, int> cuda_capability(int device);
 // The CUDA kernels on device memory, enqueued on `stream` (a cudaStream_t; nullptr = the
 // legacy default stream) of device `device`, which they make current for the launch.
 // Throw Unsupported when fmha was built without CUDA, InvalidArgument for inputs the kernels
-// do not support (float32, head_dim > 256, ...). Every pointer of p, cu_seqlens included,
-// is device memory; alibi_slopes are float64 on the device.
+// do not support (float32, head_dim > 256, ...: check_params(p, Backend::kCuda)). Every
+// pointer of p, cu_seqlens included, is device memory; alibi_slopes are float64 on the device.
 void cuda_forward(const FwdParams& p, int device, void* stream);
 void cuda_backward(const BwdParams& p, int device, void* stream);
 

@@ -2,12 +2,12 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "cpu/kernels.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/validate.h"
 
 namespace fmha {
 
@@ -19,6 +19,21 @@ const char* isa_name(CpuIsa isa) {
     case CpuIsa::kAvx512Bf16: return "avx512bf16";
   }
   return "?";
+}
+
+namespace {
+// Every CpuIsa, lowest first; isa_name spells each.
+constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                               CpuIsa::kAvx512Bf16};
+}  // namespace
+
+CpuIsa parse_cpu_isa(const std::string& name, const char* source) {
+  std::string names;
+  for (CpuIsa isa : kCpuIsas) {
+    if (name == isa_name(isa)) return isa;
+    names += concat(names.empty() ? "" : ", ", isa_name(isa));
+  }
+  throw InvalidArgument(concat(source, ": got '", name, "', expected one of ", names));
 }
 
 std::vector<std::string> cpu_features() {
@@ -62,12 +77,10 @@ void init_isa() {
   const char* env = std::getenv("FMHA_CPU_ISA");
   if (env == nullptr || *env == '\0') return;
   CpuIsa wanted;
-  if (!std::strcmp(env, "scalar")) wanted = CpuIsa::kScalar;
-  else if (!std::strcmp(env, "avx2")) wanted = CpuIsa::kAvx2;
-  else if (!std::strcmp(env, "avx512")) wanted = CpuIsa::kAvx512;
-  else if (!std::strcmp(env, "avx512bf16")) wanted = CpuIsa::kAvx512Bf16;
-  else {
-    isa_error = concat("FMHA_CPU_ISA: got '", env, "', expected one of scalar, avx2, avx512, avx512bf16");
+  try {
+    wanted = parse_cpu_isa(env, "FMHA_CPU_ISA");
+  } catch (const InvalidArgument& e) {
+    isa_error = e.what();
     return;
   }
   if (int(wanted) > int(isa_value)) {
@@ -92,19 +105,6 @@ void set_cpu_isa(CpuIsa isa) {
                              isa_name(best_cpu_isa()), ")"));
   isa_value = isa;
   isa_error.clear();
-}
-
-void check_params(const FwdParams& p) {
-  FMHA_CHECK_ARG(p.q && p.k && p.v && p.o && p.lse, "q, k, v, out and lse must be non-null");
-  FMHA_CHECK_ARG(p.batch > 0 && p.heads_q > 0 && p.heads_kv > 0, "batch and heads must be > 0");
-  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
-                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
-  FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "seqlens must be > 0");
-  FMHA_CHECK_ARG(p.head_dim > 0 && p.head_dim_v > 0, "head_dim must be > 0");
-  FMHA_CHECK_ARG(p.dropout_p >= 0.0 && p.dropout_p < 1.0, "dropout_p must be in [0, 1), got ",
-                 p.dropout_p);
-  FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1, "window entries must be >= -1");
-  FMHA_CHECK_ARG(p.softcap >= 0.0, "softcap must be >= 0");
 }
 
 namespace {
@@ -137,7 +137,7 @@ int64_t rows_of(const FwdParams& p, bool q_side) {
 }  // namespace
 
 void cpu_forward(const FwdParams& p) {
-  check_params(p);
+  check_params(p, Backend::kCpu);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
                   p.o_row_stride, p.o_head_stride, p.dtype);
@@ -169,8 +169,7 @@ void cpu_exp(const float* x, float* y, int64_t n) {
 }
 
 void cpu_backward(const BwdParams& p) {
-  check_params(p);
-  FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  check_params(p, Backend::kCpu);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch, sq = rows_of(p, true), sk = rows_of(p, false);
   hint_huge_pages(p.dq, b, sq, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
                   p.dq_head_stride, p.dtype);

@@ -8,11 +8,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "cuda/emu/runtime.h"
+#include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
 #include "cuda/primitives.cuh"
 #include "emu_test.h"
@@ -164,6 +166,35 @@ EMU_TEST("flash.bf16.d96.split3.window", FLASH_CITE) {
 }
 EMU_TEST("flash.f16.d256.varlen.split2", FLASH_CITE) {
   return flash_case<half_t>({2, 9, 40, 1, 1, 256, -1, -1, true, 2, {9, 3}, {40, 0}});
+}
+
+// The launchers check their params against the validation contract (fmha/validate.h) before
+// they touch memory: a direct caller's null lse, or a head_dim no tile holds, is an error
+// (std::invalid_argument), not a fault.
+EMU_TEST("flash.contract.rejects_bad_params", "fmha/validate.h: check_params(p, Backend::kCuda)") {
+  std::vector<half_t> x(size_t(4) * 64);
+  fmha::FwdParams p;
+  p.q = p.k = p.v = x.data(), p.o = x.data(), p.lse = nullptr;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = 64;
+  p.batch = p.heads_q = p.heads_kv = 1, p.seqlen_q = p.seqlen_k = 4;
+  p.head_dim = p.head_dim_v = 64, p.dtype = fmha::DType::kFloat16;
+  auto rejects = [](auto&& launch) {
+    try {
+      launch();
+    } catch (const std::invalid_argument&) {
+      return true;
+    }
+    return false;
+  };
+  if (!rejects([&] { launch_flash_fwd(p, nullptr); })) return fail("forward took a null lse");
+  fmha::BwdParams b;
+  static_cast<fmha::FwdParams&>(b) = p;
+  std::vector<float> lse(4);
+  b.lse = lse.data(), b.dout = b.dq = b.dk = x.data(), b.dv = nullptr;
+  if (!rejects([&] { launch_flash_bwd(b, nullptr); })) return fail("backward took a null dv");
+  p.lse = lse.data(), p.head_dim = 300;
+  if (!rejects([&] { launch_flash_fwd(p, nullptr); })) return fail("forward took head_dim 300");
+  return pass();
 }
 
 }  // namespace

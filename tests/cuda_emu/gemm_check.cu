@@ -1,4 +1,4 @@
-// The tensor-core GEMM (csrc/cuda/gemm_tc.cuh: ldmatrix + mma.sync + cp.async double
+// The tensor-core GEMM (csrc/cuda/testing/gemm_tc.cuh: ldmatrix + mma.sync + cp.async double
 // buffering) against a float64 reference, for even and odd sizes, in both 16-bit types.
 // Built plainly, with AddressSanitizer and with the race checker: the same kernel must be
 // correct, in bounds and race-free.
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cuda/emu/runtime.h"
-#include "cuda/gemm_tc.h"
+#include "cuda/testing/gemm_tc.h"
 #include "cuda/primitives.cuh"
 #include "emu_test.h"
 

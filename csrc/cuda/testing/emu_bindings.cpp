@@ -4,7 +4,8 @@
 //
 // Arrays come in through DLPack (torch, NumPy, ...: anything with __dlpack__) and must be
 // in host memory; results are returned as new NumPy arrays. This file knows the kernels only
-// through their host interfaces (gemm_tc.h, probes.h, flash_fwd.h).
+// through their host interfaces (testing/gemm_tc.h, testing/probes.h, flash_fwd.h,
+// flash_bwd.h). Test-only: fmha's installed CUDA library contains none of this folder.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -12,14 +13,15 @@
 #include <array>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "bindings/dlpack_view.h"
 #include "bindings/params_from_dlpack.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
-#include "cuda/gemm_tc.h"
-#include "cuda/probes.h"
+#include "cuda/testing/gemm_tc.h"
+#include "cuda/testing/probes.h"
 #include "dlpack/dlpack.h"
 #include "fmha/error.h"
 #include "fmha/params.h"
@@ -158,12 +160,8 @@ int finish_and_launch_with(fmha::FwdParams& p, Launch&& launch, const py::object
     }
     p.alibi_slopes = static_cast<const double*>(alibi.data);
   }
-  try {
-    py::gil_scoped_release nogil;
-    return launch();
-  } catch (const std::invalid_argument& e) {
-    throw fmha::InvalidArgument(e.what());
-  }
+  py::gil_scoped_release nogil;
+  return launch();
 }
 
 template <typename... A>
@@ -184,7 +182,6 @@ int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::ob
   const bool varlen = !cu_q_obj.is_none() || !cu_k_obj.is_none();
   FMHA_CHECK_ARG(cu_q_obj.is_none() == cu_k_obj.is_none(),
                  "cu_seqlens_q, cu_seqlens_k: give both or neither");
-  FMHA_CHECK_ARG(num_splits >= 0, "num_splits: got ", num_splits, ", expected >= 0 (0 = automatic)");
   const int nd = varlen ? 3 : 4;
   const HostArray q = import_host("q", q_obj, nd), k = import_host("k", k_obj, nd),
                   v = import_host("v", v_obj, nd), o = import_host("out", out_obj, nd, true),
@@ -231,8 +228,6 @@ int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::ob
     FMHA_CHECK_ARG(lse.shape[0] == p.batch && lse.shape[1] == p.heads_q && lse.shape[2] == p.seqlen_q,
                    "lse: expected shape (batch, heads_q, seqlen_q)");
   }
-  FMHA_CHECK_ARG(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
-                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
   for (const HostArray* a : {&q, &k, &v, &o})
     FMHA_CHECK_ARG(a->strides[size_t(a->ndim - 1)] == 1 || a->shape[size_t(a->ndim - 1)] == 1,
                    "q, k, v, out: the last dimension must be contiguous");
@@ -352,17 +347,12 @@ void expect_half(const fmha::FwdParams& p) {
                                        ": the CUDA kernels take float16/bfloat16"));
 }
 
-// The launchers are shared with the nvcc build, which has no fmha error types: their
-// std::invalid_argument ("not supported / not implemented yet") becomes a ValueError.
+// The launchers check the params against the validation contract (fmha/validate.h).
 template <typename Params, typename Launch>
 void launch_emulated(const Params& p, Launch&& launch) {
   expect_half(p);
-  try {
-    py::gil_scoped_release nogil;
-    launch(p, nullptr);
-  } catch (const std::invalid_argument& e) {
-    throw fmha::InvalidArgument(e.what());
-  }
+  py::gil_scoped_release nogil;
+  launch(p, nullptr);
 }
 
 void emu_forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
@@ -393,16 +383,22 @@ PYBIND11_MODULE(_cuda_emu, m) {
         "C = A @ B by the tensor-core GEMM kernel (ldmatrix + mma.sync + cp.async), emulated. "
         "a: (M, K), b: (K, N), float16 or bfloat16, last dimension contiguous. Returns float32 "
         "(M, N).");
-  m.def("float_to_half_bits",
-        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
-          return convert(x, fmha::DType::kFloat16);
-        },
-        py::arg("x"), "Bits of the kernels' float->float16 conversion (cvt.rn.f16.f32) of x.");
-  m.def("float_to_bfloat16_bits",
-        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
-          return convert(x, fmha::DType::kBFloat16);
-        },
-        py::arg("x"), "Bits of the kernels' float->bfloat16 conversion (cvt.rn.bf16.f32) of x.");
+  struct Conversion {
+    const char* name;
+    fmha::DType to;
+    const char* doc;
+  };
+  for (const Conversion& c :
+       {Conversion{"float_to_half_bits", fmha::DType::kFloat16,
+                   "Bits of the kernels' float->float16 conversion (cvt.rn.f16.f32) of x."},
+        Conversion{"float_to_bfloat16_bits", fmha::DType::kBFloat16,
+                   "Bits of the kernels' float->bfloat16 conversion (cvt.rn.bf16.f32) of x."}}) {
+    m.def(c.name,
+          [to = c.to](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            return convert(x, to);
+          },
+          py::arg("x"), c.doc);
+  }
   m.def("flash_forward", &flash_forward, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::kw_only(), py::arg("scale") = py::none(),
         py::arg("window_left") = -1, py::arg("window_right") = -1,
@@ -429,35 +425,26 @@ PYBIND11_MODULE(_cuda_emu, m) {
         py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("offset") = 0);
   m.def("stats", [] {
+    // Python's name for each counter is its field name.
+#define FMHA_EMU_STAT(field) {#field, &emu::Stats::field}
+    static const std::pair<const char*, uint64_t emu::Stats::*> kCounters[] = {
+        FMHA_EMU_STAT(launches), FMHA_EMU_STAT(blocks), FMHA_EMU_STAT(threads),
+        FMHA_EMU_STAT(block_barriers), FMHA_EMU_STAT(warp_barriers), FMHA_EMU_STAT(mma),
+        FMHA_EMU_STAT(ldmatrix), FMHA_EMU_STAT(shfl), FMHA_EMU_STAT(ballot),
+        FMHA_EMU_STAT(cp_async), FMHA_EMU_STAT(cp_async_zero_filled),
+        FMHA_EMU_STAT(max_cp_async_groups_pending)};
+#undef FMHA_EMU_STAT
     const emu::Stats s = emu::stats();
     py::dict d;
-    d["launches"] = s.launches;
-    d["blocks"] = s.blocks;
-    d["threads"] = s.threads;
-    d["block_barriers"] = s.block_barriers;
-    d["warp_barriers"] = s.warp_barriers;
-    d["mma"] = s.mma;
-    d["ldmatrix"] = s.ldmatrix;
-    d["shfl"] = s.shfl;
-    d["ballot"] = s.ballot;
-    d["cp_async"] = s.cp_async;
-    d["cp_async_zero_filled"] = s.cp_async_zero_filled;
-    d["max_cp_async_groups_pending"] = s.max_cp_async_groups_pending;
+    for (const auto& [name, field] : kCounters) d[name] = s.*field;
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
-  m.def("forward", &emu_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("lse"), py::arg("bias") = py::none(), py::arg("mask") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(),
-        "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
-        "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
-        "accepted and ignored.");
-  m.def("backward", &emu_backward, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-        py::arg("dbias") = py::none(), py::arg("bias") = py::none(),
-        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
-        "fmha._C.backward's signature and keyword settings (deterministic included), on host "
-        "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
+  fmha::bind::def_forward_backward(
+      m, &emu_forward, &emu_backward,
+      "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
+      "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
+      "accepted and ignored.",
+      "fmha._C.backward's signature and keyword settings (deterministic included), on host "
+      "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
 }

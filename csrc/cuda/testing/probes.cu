@@ -4,7 +4,7 @@
 #include <string>
 
 #include "cuda/primitives.cuh"
-#include "cuda/probes.h"
+#include "cuda/testing/probes.h"
 
 namespace fmha {
 namespace gpu {

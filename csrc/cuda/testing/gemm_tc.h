@@ -1,4 +1,4 @@
-// The host interface of the tensor-core GEMM test kernel (cuda/gemm_tc.cuh): plain C++, so
+// The host interface of the tensor-core GEMM test kernel (cuda/testing/gemm_tc.cuh): plain C++, so
 // that bindings include it without CUDA or emulator headers.
 #pragma once
 

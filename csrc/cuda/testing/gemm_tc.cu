@@ -1,8 +1,8 @@
-// Instantiations of the tensor-core GEMM test kernel (cuda/gemm_tc.cuh), for nvcc and, as
+// Instantiations of the tensor-core GEMM test kernel (cuda/testing/gemm_tc.cuh), for nvcc and, as
 // host C++, for the emulator (fmha._cuda_emu).
 #include <stdexcept>
 
-#include "cuda/gemm_tc.cuh"
+#include "cuda/testing/gemm_tc.cuh"
 
 namespace fmha {
 namespace gpu {

@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "cuda/gemm_tc.h"
+#include "cuda/testing/gemm_tc.h"
 #include "cuda/primitives.cuh"
 
 namespace fmha {

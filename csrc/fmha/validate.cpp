@@ -1,0 +1,78 @@
+#include "fmha/validate.h"
+
+#include <cmath>
+
+#include "fmha/error.h"
+
+namespace fmha {
+
+namespace {
+
+// The largest head_dim / head_dim_v the CUDA kernels have a tile for (cuda/head_dims.h).
+constexpr int kCudaMaxHeadDim = 256;
+
+// True when a forward call writes no row, so that it reads and writes no memory.
+bool writes_nothing(const FwdParams& p) {
+  return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0;
+}
+
+void check_sizes(const FwdParams& p, Backend backend) {
+  FMHA_CHECK_ARG(p.heads_kv > 0, "heads_kv must be > 0, got ", p.heads_kv);
+  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
+                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
+  if (backend == Backend::kCpu) {
+    // The CPU kernels need every extent > 0. The CUDA launchers accept empty calls (a call
+    // that writes no row returns at once; seqlen_k == 0 writes out = 0, lse = -inf); the
+    // Python layer rejects empty arrays before either backend sees them.
+    FMHA_CHECK_ARG(p.batch > 0, "batch must be > 0, got ", p.batch);
+    FMHA_CHECK_ARG(p.heads_q > 0, "heads_q must be > 0, got ", p.heads_q);
+    FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "seqlen_q, seqlen_k: must be > 0, got ",
+                   p.seqlen_q, " and ", p.seqlen_k);
+    FMHA_CHECK_ARG(p.head_dim > 0 && p.head_dim_v > 0, "head_dim, head_dim_v: must be > 0, got ",
+                   p.head_dim, " and ", p.head_dim_v);
+  } else {
+    FMHA_CHECK_ARG(p.batch >= 0 && p.heads_q >= 0, "batch, heads_q: must be >= 0, got ",
+                   p.batch, " and ", p.heads_q);
+    FMHA_CHECK_ARG(p.seqlen_q >= 0 && p.seqlen_k >= 0, "seqlen_q, seqlen_k: must be >= 0, got ",
+                   p.seqlen_q, " and ", p.seqlen_k);
+    FMHA_CHECK_ARG(p.head_dim >= 1 && p.head_dim <= kCudaMaxHeadDim && p.head_dim_v >= 1 &&
+                       p.head_dim_v <= kCudaMaxHeadDim,
+                   "head_dim, head_dim_v: expected 1..", kCudaMaxHeadDim,
+                   " on CUDA, got ", p.head_dim, " and ", p.head_dim_v);
+  }
+}
+
+}  // namespace
+
+void check_params(const FwdParams& p, Backend backend) {
+  if (backend == Backend::kCuda)
+    FMHA_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, "dtype ",
+                   dtype_name(p.dtype), ": the CUDA kernels take float16/bfloat16");
+  check_sizes(p, backend);
+  // A call that writes nothing may come with null pointers (an empty array's data pointer
+  // often is null); only the CUDA launchers accept such calls (check_sizes).
+  if (!writes_nothing(p))
+    FMHA_CHECK_ARG(p.q && p.k && p.v && p.o && p.lse, "q, k, v, out and lse must be non-null");
+  FMHA_CHECK_ARG(!p.cu_seqlens_q == !p.cu_seqlens_k,
+                 "cu_seqlens_q, cu_seqlens_k: give both or neither");
+  FMHA_CHECK_ARG(std::isfinite(p.scale), "scale: expected a finite number, got ", p.scale);
+  FMHA_CHECK_ARG(p.softcap >= 0.0 && std::isfinite(p.softcap), "softcap: expected >= 0, got ",
+                 p.softcap);
+  FMHA_CHECK_ARG(p.dropout_p >= 0.0 && p.dropout_p < 1.0, "dropout_p: expected [0, 1), got ",
+                 p.dropout_p);
+  FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1,
+                 "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
+                 p.window_left, " and ", p.window_right);
+  // Read by the CUDA forward only; a negative count is wrong on any backend.
+  FMHA_CHECK_ARG(p.num_splits >= 0, "num_splits: expected >= 0 (0 = heuristic), got ",
+                 p.num_splits);
+}
+
+void check_params(const BwdParams& p, Backend backend) {
+  check_params(static_cast<const FwdParams&>(p), backend);
+  if (!(p.batch == 0 || p.heads_q == 0))
+    FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  FMHA_CHECK_ARG(!p.dbias || p.bias.ptr, "dbias: given without bias");
+}
+
+}  // namespace fmha
