@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
         uint32_t p_frag[4];
         a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
         // Vj is row-major keys x dims = the K x N B operand: ldmatrix.trans, two n-tiles
-        // (dims) x two k-halves (keys) per x4, as in cuda/gemm_tc.cuh.
+        // (dims) x two k-halves (keys) per x4, as in cuda/testing/gemm_tc.cuh.
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; j += 2) {
           uint32_t v4[4];
