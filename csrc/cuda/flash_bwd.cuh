@@ -182,10 +182,10 @@ __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int h = blockIdx.y, b = blockIdx.z;
   const score::Seq s = score::seq_of(p, b);
-  const T* O = static_cast<const T*>(p.o) + s.q_base(b, p.o_batch_stride, p.o_row_stride) +
-               h * p.o_head_stride;
+  const T* O = static_cast<const T*>(p.o) +
+               score::q_base(p, s, b, p.o_batch_stride, p.o_row_stride) + h * p.o_head_stride;
   const T* dO = static_cast<const T*>(p.dout) +
-                s.q_base(b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+                score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
   for (int r = warp; r < 64; r += 4) {
     const int i = blockIdx.x * 64 + r;
     if (i >= p.seqlen_q) break;
@@ -224,10 +224,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // Q, K, dQ, dK are head_dim wide, V, dO, dV head_dim_v: the tile holds the larger.
   const int d = p.head_dim, dv = p.head_dim_v;
 
-  const T* K = static_cast<const T*>(p.k) + s.k_base(b, p.k_batch_stride, p.k_row_stride) +
-               h_kv * p.k_head_stride;
-  const T* V = static_cast<const T*>(p.v) + s.k_base(b, p.v_batch_stride, p.v_row_stride) +
-               h_kv * p.v_head_stride;
+  const T* K = static_cast<const T*>(p.k) +
+               score::k_base(p, s, b, p.k_batch_stride, p.k_row_stride) + h_kv * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) +
+               score::k_base(p, s, b, p.v_batch_stride, p.v_row_stride) + h_kv * p.v_head_stride;
 
   int m_begin, m_end;
   bwd_detail::query_range<Cfg::kBlockM, Cfg::kBlockN>(p, s, n0, m_begin, m_end);
@@ -254,10 +254,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   auto load_step = [&](int step, int stage) {
     const int h = h_kv * group + step / blocks_per_head;
     const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
-    const T* Q = static_cast<const T*>(p.q) + s.q_base(b, p.q_batch_stride, p.q_row_stride) +
-                 h * p.q_head_stride;
+    const T* Q = static_cast<const T*>(p.q) +
+                 score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
     const T* dO = static_cast<const T*>(p.dout) +
-                  s.q_base(b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+                  score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
     tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
         sQ + stage * Cfg::kTileQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
     tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       float lse_l2 = INFINITY, dd = 0.0f;
       if (i < s.sq) {
         const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                           s.q_base(b, p.lse_batch_stride, p.lse_row_stride);
+                           score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
         const float l = lse[int64_t(i) * p.lse_row_stride];
         lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
         dd = w.d[bwd_detail::work_row(p, h, b, i)];
@@ -416,9 +416,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   cp_async_wait<0>();  // Kj, Vj when there was no step; the trailing empty group otherwise
 
   // ---- dK = scale dS^T Q, dV: this thread's rows key_lo, key_lo + 8.
-  T* dK = static_cast<T*>(p.dk) + s.k_base(b, p.dk_batch_stride, p.dk_row_stride) +
+  T* dK = static_cast<T*>(p.dk) + score::k_base(p, s, b, p.dk_batch_stride, p.dk_row_stride) +
           h_kv * p.dk_head_stride;
-  T* dV = static_cast<T*>(p.dv) + s.k_base(b, p.dv_batch_stride, p.dv_row_stride) +
+  T* dV = static_cast<T*>(p.dv) + score::k_base(p, s, b, p.dv_batch_stride, p.dv_row_stride) +
           h_kv * p.dv_head_stride;
   tile::store_acc<T>(dK, p.dk_row_stride, acc_dk, key_lo, s.sk, c_base, d, t, float(p.scale));
   tile::store_acc<T>(dV, p.dv_row_stride, acc_dv, key_lo, s.sk, c_base, dv, t, 1.0f);
@@ -429,9 +429,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 // Deterministic dQ: per (query block, query head, batch), dQi = scale sum_j dS_ij Kj over key
 // blocks in order, in registers. S = Qi Kj^T and dP = dOi Vj^T as the forward forms S; the
 // dS accumulator is the A operand of dS Kj (Kj via ldmatrix.trans), as P of P V in the forward.
+// With kExtras the launch bounds say two CTAs per SM, which every extras config reaches:
+// left to choose, ptxas squeezed some of them (d = 32) to 168 registers for a third CTA and
+// spilled. Plain configs (0: unspecified) reach three at d <= 64 on sm_90.
 template <typename T, typename Cfg, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p, BwdWork w,
-                                                                     bool vec) {
+__global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
+    flash_bwd_dq_kernel(BwdParams p, BwdWork w, bool vec) {
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sQ = smem;
   T* sdO = sQ + Cfg::kTileQ;
@@ -448,17 +451,18 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   if (m0 >= s.sq) return;
   const int d = p.head_dim, dv = p.head_dim_v;
 
-  const T* Q = static_cast<const T*>(p.q) + s.q_base(b, p.q_batch_stride, p.q_row_stride) +
-               h * p.q_head_stride;
-  const T* dO = static_cast<const T*>(p.dout) + s.q_base(b, p.do_batch_stride, p.do_row_stride) +
-                h * p.do_head_stride;
-  const T* K = static_cast<const T*>(p.k) + s.k_base(b, p.k_batch_stride, p.k_row_stride) +
-               h_kv * p.k_head_stride;
-  const T* V = static_cast<const T*>(p.v) + s.k_base(b, p.v_batch_stride, p.v_row_stride) +
-               h_kv * p.v_head_stride;
+  const T* Q = static_cast<const T*>(p.q) +
+               score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
+  const T* dO = static_cast<const T*>(p.dout) +
+                score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+  const T* K = static_cast<const T*>(p.k) +
+               score::k_base(p, s, b, p.k_batch_stride, p.k_row_stride) + h_kv * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) +
+               score::k_base(p, s, b, p.v_batch_stride, p.v_row_stride) + h_kv * p.v_head_stride;
 
+  const int left = p.window_left, right = p.window_right;
   int n_begin, n_end;
-  score::key_blocks<Cfg::kBlockN>(p, s, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
+  score::key_blocks<Cfg::kBlockN>(s, left, right, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
 
   // This thread's query rows row_lo and row_lo + 8, with their lse (log2 domain, +inf for
   // rows without a visible key or past the sequence: P = 0 there) and D.
@@ -466,7 +470,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   float lse_lo = INFINITY, lse_hi = INFINITY, d_lo = 0.0f, d_hi = 0.0f;
   {
     const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                       s.q_base(b, p.lse_batch_stride, p.lse_row_stride);
+                       score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
     auto lse_l2 = [&](int i) {
       const float l = lse[int64_t(i) * p.lse_row_stride];
       return l == -INFINITY ? INFINITY : l * score::kLog2e;
@@ -520,12 +524,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
-        bool visible = score::visible(p, s, i, key);
+        bool visible;
         float x, dcap = 1.0f;
-        if constexpr (kExtras)
+        if constexpr (kExtras) {
+          visible = score::visible(p, s, i, key);
           x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-        else
+        } else {
+          visible = i < s.sq && score::key_visible(s, left, right, i, key);
           x = acc_s[j][e] * scale_log2;
+        }
         const float prob = visible ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
         float dp = acc_dp[j][e];
         if (kExtras && p.dropout_p > 0.0)
@@ -552,7 +559,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_bwd_dq_kernel(BwdParams p
   }
   cp_async_wait<0>();
 
-  T* dQ = static_cast<T*>(p.dq) + s.q_base(b, p.dq_batch_stride, p.dq_row_stride) +
+  T* dQ = static_cast<T*>(p.dq) + score::q_base(p, s, b, p.dq_batch_stride, p.dq_row_stride) +
           h * p.dq_head_stride;
   tile::store_acc<T>(dQ, p.dq_row_stride, acc_dq, row_lo, s.sq, c_base, d, t, float(p.scale));
 }
@@ -565,7 +572,7 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq(BwdParams p, BwdWork
   const int m0 = blockIdx.x * 64;
   if (m0 >= s.sq) return;
   const int rows = min(64, s.sq - m0);
-  T* dQ = static_cast<T*>(p.dq) + s.q_base(b, p.dq_batch_stride, p.dq_row_stride) +
+  T* dQ = static_cast<T*>(p.dq) + score::q_base(p, s, b, p.dq_batch_stride, p.dq_row_stride) +
           h * p.dq_head_stride;
   const float* acc = w.dq_accum + bwd_detail::work_row(p, h, b, m0) * d;
   const float scale = float(p.scale);

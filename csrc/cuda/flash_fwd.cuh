@@ -186,8 +186,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   // (Uniform over the CTA, before any barrier.)
   if (m0 >= sq) return;
 
+  const int left = p.window_left, right = p.window_right;
   int n_begin, n_end;
-  score::key_blocks<Cfg::kBlockN>(p, seq, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
+  score::key_blocks<Cfg::kBlockN>(seq, left, right, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
   if (launch.num_splits > 1) {
     // Split-KV: this CTA takes the split-th of num_splits equal contiguous shares of the
     // blocks above (a share may be empty: then it reports no key, lse -inf).
@@ -215,11 +216,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
 
   if (n_begin < n_end) {
     const T* Q = static_cast<const T*>(p.q) + h * p.q_head_stride +
-                 seq.q_base(b, p.q_batch_stride, p.q_row_stride);
+                 score::q_base(p, seq, b, p.q_batch_stride, p.q_row_stride);
     const T* K = static_cast<const T*>(p.k) + h_kv * p.k_head_stride +
-                 seq.k_base(b, p.k_batch_stride, p.k_row_stride);
+                 score::k_base(p, seq, b, p.k_batch_stride, p.k_row_stride);
     const T* V = static_cast<const T*>(p.v) + h_kv * p.v_head_stride +
-                 seq.k_base(b, p.v_batch_stride, p.v_row_stride);
+                 score::k_base(p, seq, b, p.v_batch_stride, p.v_row_stride);
     const float scale_log2 = float(p.scale) * score::kLog2e;
     // kExtras only: the rest of the score pipeline and dropout. Everything else they need
     // is read from the params (kernel parameters live in the constant bank: free to
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
             visible = score::visible(p, seq, i, key);
             x = score::logit_log2(p, seq, acc_s[j][e], b, h, i, key, slope, visible, dcap);
           } else {
-            visible = score::key_visible(p, seq, i, key);
+            visible = score::key_visible(seq, left, right, i, key);
             x = acc_s[j][e] * scale_log2;
           }
           acc_s[j][e] = visible ? x : -INFINITY;
@@ -396,9 +397,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   const bool partial = launch.num_splits > 1;
   // Bases recomputed here rather than kept live through the key loop (registers).
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
-         seq.q_base(b, p.o_batch_stride, p.o_row_stride);
+         score::q_base(p, seq, b, p.o_batch_stride, p.o_row_stride);
   float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
-               seq.q_base(b, p.lse_batch_stride, p.lse_row_stride);
+               score::q_base(p, seq, b, p.lse_batch_stride, p.lse_row_stride);
   // Split-KV partials: (split, b, h, i) rows of head_dim_v floats, i < seqlen_q (the maximum).
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
@@ -476,13 +477,14 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
         if (lane + 32 * c < d) acc[c] += w * Os[lane + 32 * c];
     }
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
-         seq.q_base(b, p.o_batch_stride, p.o_row_stride) + int64_t(i) * p.o_row_stride;
+         score::q_base(p, seq, b, p.o_batch_stride, p.o_row_stride) + int64_t(i) * p.o_row_stride;
 #pragma unroll
   for (int c = 0; c < kCols; ++c)
     if (lane + 32 * c < d) O[lane + 32 * c] = from_float<T>(acc[c]);
   if (lane == 0)
     static_cast<float*>(p.lse)[h * p.lse_head_stride + i * p.lse_row_stride +
-                               seq.q_base(b, p.lse_batch_stride, p.lse_row_stride)] = total;
+                               score::q_base(p, seq, b, p.lse_batch_stride,
+                                             p.lse_row_stride)] = total;
 }
 
 // Host side, defined in flash_fwd.cu (plain functions, shared by every instantiation).

@@ -48,12 +48,13 @@ FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b,
 }
 
 // The key blocks [n_begin, n_end) of kBlockN keys that some row of [row_first, row_last]
-// may see: blocks wholly outside every row's window are never loaded.
+// may see (window sides left, right as in the params): blocks wholly outside every row's
+// window are never loaded.
 template <int kBlockN>
-FMHA_DEVICE void key_blocks(const FwdParams& p, const Seq& s, int row_first, int row_last,
+FMHA_DEVICE void key_blocks(const Seq& s, int left, int right, int row_first, int row_last,
                             int& n_begin, int& n_end) {
-  n_begin = key_lo(p, s, row_first) / kBlockN;
-  const int hi = key_hi(p, s, row_last);
+  n_begin = key_lo(s, left, row_first) / kBlockN;
+  const int hi = key_hi(s, right, row_last);
   n_end = hi < 0 ? 0 : hi / kBlockN + 1;
 }
 

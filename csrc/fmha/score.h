@@ -32,21 +32,11 @@ struct Seq {
   int sq = 0, sk = 0;
   int off = 0;                   // sk - sq (bottom-right alignment) or 0 (top-left)
   int q_first = 0, k_first = 0;  // varlen: first packed row of q / k; else 0
-  bool varlen = false;
-  // Element offset of row 0 of sequence b in a q-side / k-side tensor with these strides:
-  // packed rows when varlen (batch strides unused), else b * batch_stride.
-  FMHA_HD int64_t q_base(int b, int64_t batch_stride, int64_t row_stride) const {
-    return varlen ? int64_t(q_first) * row_stride : int64_t(b) * batch_stride;
-  }
-  FMHA_HD int64_t k_base(int b, int64_t batch_stride, int64_t row_stride) const {
-    return varlen ? int64_t(k_first) * row_stride : int64_t(b) * batch_stride;
-  }
 };
 
 FMHA_HD Seq seq_of(const FwdParams& p, int b) {
   Seq s;
-  s.varlen = p.cu_seqlens_q != nullptr;
-  if (s.varlen) {
+  if (p.cu_seqlens_q) {
     s.q_first = p.cu_seqlens_q[b];
     s.k_first = p.cu_seqlens_k[b];
     s.sq = p.cu_seqlens_q[b + 1] - s.q_first;
@@ -59,30 +49,46 @@ FMHA_HD Seq seq_of(const FwdParams& p, int b) {
   return s;
 }
 
-// ---- visibility: query i sees key j iff i + off - window_left <= j <= i + off +
-// window_right (a negative window side is unbounded; causal is window_right = 0), within
-// the sequence. Two equivalent forms: a per-element test, and the row's key range.
+// Element offset of row 0 of sequence s (batch index b) in a q-side / k-side tensor with
+// these strides: packed rows when varlen (batch strides unused), else b * batch_stride.
+// (Varlen is read from the params, not kept in Seq: on the GPU the params sit in the
+// constant bank, and a flag kept live through a kernel's key loop costs a register.)
+FMHA_HD int64_t q_base(const FwdParams& p, const Seq& s, int b, int64_t batch_stride,
+                       int64_t row_stride) {
+  return p.cu_seqlens_q ? int64_t(s.q_first) * row_stride : int64_t(b) * batch_stride;
+}
+FMHA_HD int64_t k_base(const FwdParams& p, const Seq& s, int b, int64_t batch_stride,
+                       int64_t row_stride) {
+  return p.cu_seqlens_q ? int64_t(s.k_first) * row_stride : int64_t(b) * batch_stride;
+}
+
+// ---- visibility: query i sees key j iff i + off - left <= j <= i + off + right, where
+// left, right are the params' window_left, window_right (a negative side is unbounded;
+// causal is right = 0), within the sequence. Two equivalent forms: a per-element test, and
+// the row's key range. Each takes the window sides by value (kernels copy them into
+// registers once) or reads them from the params.
 
 // Key j is inside row i's window and the sequence's keys (the caller checks i < sq when
 // rows past the sequence can reach it).
-FMHA_HD bool key_visible(const FwdParams& p, const Seq& s, int i, int j) {
-  return j < s.sk && (p.window_left < 0 || j >= i + s.off - p.window_left) &&
-         (p.window_right < 0 || j <= i + s.off + p.window_right);
+FMHA_HD bool key_visible(const Seq& s, int left, int right, int i, int j) {
+  return j < s.sk && (left < 0 || j >= i + s.off - left) && (right < 0 || j <= i + s.off + right);
 }
 FMHA_HD bool visible(const FwdParams& p, const Seq& s, int i, int j) {
-  return i < s.sq && key_visible(p, s, i, j);
+  return i < s.sq && key_visible(s, p.window_left, p.window_right, i, j);
 }
 
 // Keys visible to row i: [key_lo(i), key_hi(i)] (empty when lo > hi). Both bounds grow
 // with i, so a block of rows visits one contiguous range of key blocks.
-FMHA_HD int key_lo(const FwdParams& p, const Seq& s, int i) {
-  const int lo = i + s.off - p.window_left;
-  return p.window_left < 0 || lo < 0 ? 0 : lo;
+FMHA_HD int key_lo(const Seq& s, int left, int i) {
+  const int lo = i + s.off - left;
+  return left < 0 || lo < 0 ? 0 : lo;
 }
-FMHA_HD int key_hi(const FwdParams& p, const Seq& s, int i) {
-  const int hi = i + s.off + p.window_right;
-  return p.window_right < 0 || hi > s.sk - 1 ? s.sk - 1 : hi;
+FMHA_HD int key_hi(const Seq& s, int right, int i) {
+  const int hi = i + s.off + right;
+  return right < 0 || hi > s.sk - 1 ? s.sk - 1 : hi;
 }
+FMHA_HD int key_lo(const FwdParams& p, const Seq& s, int i) { return key_lo(s, p.window_left, i); }
+FMHA_HD int key_hi(const FwdParams& p, const Seq& s, int i) { return key_hi(s, p.window_right, i); }
 // Rows that see at least one key of [j0, j1]: [query_lo(j0), query_hi(j1)].
 FMHA_HD int query_lo(const FwdParams& p, const Seq& s, int j0) {
   const int lo = j0 - s.off - p.window_right;
