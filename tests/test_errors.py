@@ -90,6 +90,22 @@ def bwd(**over):
     return fmha.attention_backward, tuple(args.values()), kw
 
 
+def vbwd(cu_q="default", cu_k="default", **over):
+    """A call of fmha.attention_varlen_backward (NumPy only) with some arguments replaced."""
+    _, (q, k, v, good_q, good_k), _ = varlen("numpy")
+    kw = {key: val for key, val in over.items() if key not in ("dout", "out", "lse")}
+    fwd_kw = {key: val for key, val in kw.items() if key not in ("seed", "bias_grad")}
+    out, lse = fmha.attention_varlen(q, k, v, good_q, good_k, return_lse=True, seed=0,
+                                     **fwd_kw)
+    args = dict(dout=np.ones_like(out), q=q, k=k, v=v, out=out, lse=lse,
+                cu_q=good_q if isinstance(cu_q, str) else cu_q,
+                cu_k=good_k if isinstance(cu_k, str) else cu_k)
+    for key in ("dout", "out", "lse"):
+        if key in over:
+            args[key] = over[key]
+    return fmha.attention_varlen_backward, tuple(args.values()), kw
+
+
 # Each case: (id, builder(lib) -> (fn, args, kwargs), exception type(s), match, libs).
 # `match` is searched in the message; it names the offending argument.
 VE, TE = ValueError, TypeError
@@ -173,6 +189,17 @@ CASES = [
     ("dropout_above_one", lambda L: att(L, dropout_p=1.5), VE, r"^dropout_p:", BOTH),
     ("dropout_nan", lambda L: att(L, dropout_p=float("nan")), VE, r"^dropout_p:", BOTH),
     ("dropout_string", lambda L: att(L, dropout_p="0.1"), TE, r"^dropout_p:", BOTH),
+    # --- num_splits (CUDA forward key splits; validated on every device)
+    ("num_splits_negative", lambda L: att(L, num_splits=-1), VE, r"^num_splits:", BOTH),
+    ("num_splits_too_big", lambda L: att(L, num_splits=2**31), VE, r"^num_splits:", BOTH),
+    ("num_splits_float", lambda L: att(L, num_splits=2.0), TE, r"^num_splits:", BOTH),
+    ("num_splits_bool", lambda L: att(L, num_splits=True), TE, r"^num_splits:", BOTH),
+    ("num_splits_string", lambda L: att(L, num_splits="2"), TE, r"^num_splits:", BOTH),
+    ("num_splits_none", lambda L: att(L, num_splits=None), TE, r"^num_splits:", BOTH),
+    ("varlen_num_splits_negative", lambda L: varlen(L, num_splits=-2), VE, r"^num_splits:",
+     BOTH),
+    ("varlen_num_splits_bool", lambda L: varlen(L, num_splits=False), TE, r"^num_splits:",
+     BOTH),
     # --- window / causal / alignment
     ("window_left_below_minus_1", lambda L: att(L, window=(-2, 0)), VE, r"^window\[0\]:", BOTH),
     ("window_right_below_minus_1", lambda L: att(L, window=(0, -5)), VE, r"^window\[1\]:", BOTH),
@@ -258,6 +285,22 @@ CASES = [
     ("bwd_torch_tensors", lambda L: (fmha.attention_backward,
                                      tuple(torch.from_numpy(np.ascontiguousarray(a))
                                            for a in bwd()[1]), {}), TE, r"^q:", TORCH),
+    # --- attention_varlen_backward (NumPy)
+    ("vbwd_lse_dense_shape", lambda L: vbwd(lse=np.zeros((2, HQ, 5), np.float32)), VE,
+     r"^lse:", NP),
+    ("vbwd_dout_shape", lambda L: vbwd(dout=np.ones((TOTAL_Q, HQ, D + 1), np.float32)), VE,
+     r"^dout:", NP),
+    ("vbwd_out_dtype", lambda L: vbwd(out=np.ones((TOTAL_Q, HQ, D), np.float64)), VE,
+     r"^out:", NP),
+    ("vbwd_cu_not_monotone", lambda L: vbwd(cu_q=cu(L, [0, 5, 3, 7]),
+                                            cu_k=cu(L, [0, 3, 4, 9])), VE,
+     r"^cu_seqlens_q: .*non-decreasing", NP),
+    ("vbwd_missing_cu_k", lambda L: vbwd(cu_k=None), VE, r"^cu_seqlens_k:", NP),
+    ("vbwd_dropout_no_seed", lambda L: vbwd(dropout_p=0.2), VE, r"^seed:", NP),
+    ("vbwd_bias_grad_no_bias", lambda L: vbwd(bias_grad=True), VE, r"^bias_grad:", NP),
+    ("vbwd_torch_tensors", lambda L: (fmha.attention_varlen_backward,
+                                      tuple(torch.from_numpy(np.ascontiguousarray(a))
+                                            for a in vbwd()[1]), {}), TE, r"^q:", TORCH),
     # --- seed (NumPy dropout)
     ("seed_negative", lambda L: att(L, dropout_p=0.1, seed=-1), VE, r"^seed:", NP),
     ("seed_string", lambda L: att(L, dropout_p=0.1, seed="42"), VE, r"^seed:", NP),

@@ -261,6 +261,8 @@ FWD_CASES = {
         torch.float32, rng=torch.tensor([123, 456], dtype=torch.int64), dropout_p=0.2),
     "f32_varlen": lambda: _fwd_args(torch.float32, varlen=True, causal=True),
     "f64_no_grad": lambda: _fwd_args(F64, grad=False),
+    # the trailing (deterministic, num_splits) inputs given explicitly
+    "f32_num_splits": lambda: _fwd_args(torch.float32, causal=True) + (True, 3),
 }
 
 

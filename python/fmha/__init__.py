@@ -13,12 +13,13 @@ See ``fmha.attention`` for the arguments and ``fmha.reference`` for the exact se
 import sys as _sys
 
 from . import _C
-from ._api import attention, attention_backward, attention_varlen
+from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._core import get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "attention_backward", "set_num_threads",
+__all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
+           "set_num_threads",
            "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status"]
 
 

@@ -1,4 +1,5 @@
-"""The public functions: fmha.attention, fmha.attention_varlen, fmha.attention_backward.
+"""The public functions: fmha.attention, fmha.attention_varlen, fmha.attention_backward,
+fmha.attention_varlen_backward.
 
 Torch tensors go through the registered torch ops (fmha/_torch.py: autograd,
 torch.compile); NumPy and CuPy arrays (the "array" path below) go straight to the core. Both
@@ -41,7 +42,7 @@ def _array_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
             lse = xp.empty((spec.batch, spec.heads_q, spec.seqlen_q), dtype=lse_dtype)
     _core._kernels.forward(q, k, v, out, lse, **extra, **(cu or {}), **spec.settings(),
                            seed=seed, offset=0, num_threads=get_num_threads(),
-                           stream=stream_of(q))
+                           num_splits=spec.num_splits, stream=stream_of(q))
     return out, lse
 
 
@@ -53,7 +54,7 @@ def _device_of_array(x):
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
               scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
               softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False, seed=None,
-              deterministic: bool = False):
+              deterministic: bool = False, num_splits: int = 0):
     """Exact multi-head attention, softmax(scale·QKᵀ [softcap] + bias + ALiBi, masked) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
@@ -75,12 +76,19 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     order instead of by atomics; a little slower). Also on when
     ``torch.use_deterministic_algorithms(True)``. The CPU backward always is.
 
+    num_splits: how many parts the CUDA forward splits the keys of each (query block, head,
+    batch) into, merged afterwards by their lse (split-KV, as in FlashDecoding; it pays when
+    batch x heads x query blocks cannot fill the GPU, e.g. decoding). 0 (default) =
+    automatic, by occupancy; 1 = no split; n = n splits (at most 128). It changes only how
+    the CUDA forward divides its work, not the result beyond float rounding; the CPU
+    kernels and the backward validate it (an int >= 0) and ignore it.
+
     Torch CUDA tensors and CuPy arrays run the CUDA kernels (float16/bfloat16, head_dim up
     to 256, sm_80+) on the current stream. Returns out, or (out, lse) when return_lse.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
-                   alibi_slopes=alibi_slopes)
+                   alibi_slopes=alibi_slopes, num_splits=num_splits)
     if spec.kind == "torch":
         from . import _torch
         return _torch.attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
@@ -94,31 +102,38 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
                      scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
                      softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False,
-                     seed=None, deterministic: bool = False):
+                     seed=None, deterministic: bool = False, num_splits: int = 0):
     """:func:`attention` on packed variable-length batches.
 
     q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim[_v]); sequence b owns
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32, batch + 1 entries). bias and mask, if
     given, are indexed by (b, h, i, j) with i, j positions within the sequence, broadcastable
     to (batch, heads_q, max_seqlen_q, max_seqlen_k). lse is (heads_q, total_q).
+    num_splits: as in :func:`attention` (CUDA forward only; validated and ignored on the CPU).
+    NumPy/CuPy users get the gradients from :func:`attention_varlen_backward`.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                   max_seqlen_k=max_seqlen_k)
+                   max_seqlen_k=max_seqlen_k, num_splits=num_splits)
     if spec.kind == "torch":
         from . import _torch
         return _torch.attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
                                 cu_seqlens_q, cu_seqlens_k, deterministic=deterministic)
+    out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
+                              _array_seed(seed) if spec.dropout_p > 0 else 0,
+                              _array_cu(spec, q, cu_seqlens_q, cu_seqlens_k))
+    return (out, lse) if return_lse else out
+
+
+def _array_cu(spec: Spec, q, cu_seqlens_q, cu_seqlens_k) -> dict:
+    """The varlen keywords of the core for NumPy/CuPy arrays (offsets on q's device)."""
     xp = _xp(q)
     with _device_of_array(q):
-        cu = dict(cu_seqlens_q=xp.ascontiguousarray(xp.asarray(cu_seqlens_q)),
-                  cu_seqlens_k=xp.ascontiguousarray(xp.asarray(cu_seqlens_k)),
-                  max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
-    out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
-                              _array_seed(seed) if spec.dropout_p > 0 else 0, cu)
-    return (out, lse) if return_lse else out
+        return dict(cu_seqlens_q=xp.ascontiguousarray(xp.asarray(cu_seqlens_q)),
+                    cu_seqlens_k=xp.ascontiguousarray(xp.asarray(cu_seqlens_k)),
+                    max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=(-1, -1),
@@ -136,13 +151,46 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes)
+    return _array_backward(spec, "attention_backward", dout, q, k, v, out, lse, bias, mask,
+                           alibi_slopes, seed, bias_grad, deterministic)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q=None, max_seqlen_k=None, *, causal: bool = False,
+                              window=(-1, -1), alignment: str = "bottom_right",
+                              scale: Optional[float] = None, bias=None, mask=None,
+                              dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes=None,
+                              seed=None, bias_grad: bool = False, deterministic: bool = False):
+    """The backward of :func:`attention_varlen` for NumPy / CuPy arrays (torch: autograd).
+
+    dout and out: (total_q, heads_q, head_dim_v); lse: (heads_q, total_q), as
+    :func:`attention_varlen` returned it with ``return_lse=True``. The offsets, maxima and
+    keyword arguments are the forward's (the same ``seed`` when dropout was on). Returns
+    (dq, dk, dv) shaped like q, k, v, plus dbias shaped like bias when ``bias_grad``.
+    Rows of an empty sequence get zero gradients.
+    """
+    spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
+                   bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
+                   alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k)
+    return _array_backward(spec, "attention_varlen_backward", dout, q, k, v, out, lse, bias,
+                           mask, alibi_slopes, seed, bias_grad, deterministic,
+                           cu=(cu_seqlens_q, cu_seqlens_k))
+
+
+def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, alibi_slopes,
+                    seed, bias_grad, deterministic, cu=None):
+    """attention_backward / attention_varlen_backward once prepare() has checked q, k, v and
+    the keywords: checks the forward's outputs and dout, then runs the core's backward."""
     if spec.kind == "torch":
-        raise TypeError("q: attention_backward takes NumPy or CuPy arrays; torch tensors use "
-                        "autograd")
+        raise TypeError(f"q: {fn} takes NumPy or CuPy arrays; torch tensors use autograd")
     _check_like("out", out, q, q.shape[:-1] + (spec.head_dim_v,), q.dtype)
     _check_like("dout", dout, q, out.shape, out.dtype)
     lse_dtype = np.float64 if spec.dtype == "float64" else np.float32
-    _check_like("lse", lse, q, (spec.batch, spec.heads_q, spec.seqlen_q), lse_dtype)
+    lse_shape = ((spec.heads_q, q.shape[0]) if spec.varlen
+                 else (spec.batch, spec.heads_q, spec.seqlen_q))
+    _check_like("lse", lse, q, lse_shape, lse_dtype)
     if spec.dropout_p > 0 and seed is None:
         raise ValueError("seed: required when dropout_p > 0 (the forward's seed)")
     if bias_grad and bias is None:
@@ -153,8 +201,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
         dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
         dbias = (xp.empty(dbias_shape(spec.bias_shape, spec.full), dtype=lse_dtype)
                  if bias_grad else None)
+    varlen = _array_cu(spec, q, *cu) if cu is not None else {}
     _core._kernels.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
-                            **core_args(spec.full, bias, mask, alibi_slopes),
+                            **core_args(spec.full, bias, mask, alibi_slopes), **varlen,
                             **spec.settings(),
                             seed=_array_seed(seed) if spec.dropout_p > 0 else 0, offset=0,
                             num_threads=get_num_threads(), stream=stream_of(q),

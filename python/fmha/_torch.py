@@ -51,11 +51,11 @@ def _rng_pair(rng: Optional[Tensor]):
 
 
 def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng, cu_q,
-              cu_k, max_q, max_k) -> dict:
+              cu_k, max_q, max_k, num_splits=0) -> dict:
     seed, offset = _rng_pair(rng)
     kw = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
               bottom_right=bottom_right, dropout_p=dropout_p, seed=seed, offset=offset,
-              num_threads=get_num_threads(), stream=stream_of(q))
+              num_threads=get_num_threads(), num_splits=num_splits, stream=stream_of(q))
     if cu_q is not None:
         kw.update(cu_seqlens_q=cu_q.contiguous(), cu_seqlens_k=cu_k.contiguous(),
                   max_seqlen_q=max_q, max_seqlen_k=max_k)
@@ -69,9 +69,10 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[
         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
         window_right: int, bottom_right: bool, dropout_p: float,
-        deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+        deterministic: bool = False, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
     """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout.
-    deterministic only travels to the backward (see _setup_context)."""
+    deterministic only travels to the backward (see _setup_context); num_splits: key splits
+    of the CUDA forward (0 = by occupancy), ignored by the CPU kernels."""
     q, k, v, bias, mask, alibi_slopes = _detached(q, k, v, bias, mask, alibi_slopes)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
@@ -80,14 +81,14 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[
     _core._kernels.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
                            **_settings(q, scale, softcap, window_left, window_right,
                                        bottom_right, dropout_p, rng, cu_seqlens_q,
-                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_splits))
     return out, lse
 
 
 @fwd.register_fake
 def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right, dropout_p,
-      deterministic=False):
+      deterministic=False, num_splits=0):
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, full, cu_seqlens_q is not None),
@@ -140,7 +141,7 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
 _FwdInputs = namedtuple(
     "_FwdInputs", "q k v bias mask alibi_slopes cu_seqlens_q cu_seqlens_k max_seqlen_q "
     "max_seqlen_k rng scale softcap window_left window_right bottom_right dropout_p "
-    "deterministic", defaults=(False,))
+    "deterministic num_splits", defaults=(False, 0))
 
 
 #: The tensor inputs the backward needs; they travel through ctx.save_for_backward.
@@ -186,5 +187,5 @@ def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=No
         cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
     out, lse = fwd(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
                    rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
-                   spec.bottom_right, spec.dropout_p, bool(deterministic))
+                   spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits)
     return (out, lse) if return_lse else out

@@ -159,6 +159,7 @@ class Spec:
     bottom_right: bool
     dropout_p: float
     bias_shape: Optional[Tuple[int, ...]]  # the user's bias shape (for dbias)
+    num_splits: int = 0  # CUDA forward key splits (0 = by occupancy); not in settings()
 
     @property
     def full(self) -> Tuple[int, int, int, int]:
@@ -174,7 +175,8 @@ class Spec:
 
 def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right", scale=None,
             bias=None, mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
-            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> Spec:
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            num_splits=0) -> Spec:
     """Validates every argument of an attention call; returns the normalised :class:`Spec`."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     kind = kind_of(q)
@@ -255,6 +257,9 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
         scale = _check_number("scale", scale)
     softcap = _check_number("softcap", softcap, lo=0.0)
     dropout_p = _check_number("dropout_p", dropout_p, lo=0.0, hi=1.0, hi_open=True)
+    num_splits = _check_int("num_splits", num_splits, 0)
+    if num_splits > _MAX_SEQLEN:
+        raise ValueError(f"num_splits: expected at most {_MAX_SEQLEN}, got {num_splits}")
 
     full = (batch, heads_q, seqlen_q, seqlen_k)
     bias_shape = None
@@ -290,7 +295,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
                 heads_kv=heads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                 head_dim_v=head_dim_v, scale=scale, softcap=softcap, window_left=left,
                 window_right=right, bottom_right=(alignment == "bottom_right"),
-                dropout_p=dropout_p, bias_shape=bias_shape)
+                dropout_p=dropout_p, bias_shape=bias_shape, num_splits=num_splits)
 
 
 def _check_cuda(device: str, dtype: str) -> None:

@@ -51,6 +51,18 @@ class Row:
     ratio_vs_sdpa: Optional[float]  # for "fmha+keypad": time without mask / time with
 
 
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), so a result file names its host."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
 def flops(b, h, sq, sk, d, causal, with_bwd):
     f = 4.0 * b * h * sq * sk * d
     if causal:
@@ -159,7 +171,7 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                     fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
                     cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
                     machine=platform.processor() or platform.machine(),
-                    date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                    cpu_model=_cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as fh:
             json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
