@@ -1,8 +1,8 @@
 """The forward never materialises the (seqlen_q, seqlen_k) score matrix.
 
-Foundation issue: "A forward at batch 1, 8 heads, seqlen 16384, head_dim 64, float32 raises
+The requirement: a forward at batch 1, 8 heads, seqlen 16384, head_dim 64, float32 raises
 the process's peak memory by less than 2x the bytes of q, k, v and out together (naive
-attention would need 8 GiB)."
+attention would need 8 GiB).
 
 Each measurement runs in a fresh interpreter so that the peak RSS (getrusage ru_maxrss,
 KiB on Linux) is not polluted by other tests. The inputs are generated directly in float32
