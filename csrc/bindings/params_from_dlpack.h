@@ -8,7 +8,7 @@
 // tensor's dtype, device, rank, extents and strides, and the varlen offsets it reads -- and
 // names the argument in every error; the rules on the params themselves (sizes, settings)
 // are the validation contract's (fmha/validate.h), which each backend's entry applies.
-// Header-only: the emulator module links no core library.
+// Header-only: the emulator module includes it too, and links only the validation library.
 #pragma once
 
 #include <pybind11/pybind11.h>

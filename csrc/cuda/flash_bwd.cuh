@@ -431,7 +431,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 // dS accumulator is the A operand of dS Kj (Kj via ldmatrix.trans), as P of P V in the forward.
 // With kExtras the launch bounds say two CTAs per SM, which every extras config reaches:
 // left to choose, ptxas squeezed some of them (d = 32) to 168 registers for a third CTA and
-// spilled. Plain configs (0: unspecified) reach three at d <= 64 on sm_90.
+// spilled. Plain configs are left unspecified (0): they reach three CTAs at d = 32, and at
+// d = 64 on sm_90.
 template <typename T, typename Cfg, bool kExtras>
 __global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
     flash_bwd_dq_kernel(BwdParams p, BwdWork w, bool vec) {

@@ -12,9 +12,9 @@ namespace gpu {
 // in either alignment, GQA, any seqlen_q / seqlen_k, varlen (cu_seqlens_q/k on the device;
 // seqlen_q/k the maxima), softcap, bias, ALiBi, boolean mask, dropout; split-KV by
 // p.num_splits (0 = by occupancy). `stream`: a cudaStream_t on the GPU, ignored under
-// emulation. Returns the number of key splits used (1 = none). Throws std::invalid_argument
-// for what the kernel does not support (other dtypes, head dims > 256 or beyond the built
-// tiles).
+// emulation. Returns the number of key splits used (1 = none). Throws InvalidArgument
+// (fmha/error.h) for params the validation contract (fmha/validate.h) rejects and for head
+// dims beyond the built tiles.
 int launch_flash_fwd(const FwdParams& p, void* stream = nullptr);
 
 }  // namespace gpu

@@ -11,10 +11,14 @@ namespace {
 // The largest head_dim / head_dim_v the CUDA kernels have a tile for (cuda/head_dims.h).
 constexpr int kCudaMaxHeadDim = 256;
 
-// True when a forward call writes no row, so that it reads and writes no memory.
-bool writes_nothing(const FwdParams& p) {
-  return p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0;
+// Which tensors a call touches: the query side (q, out, lse; dout, dq) when some query row
+// exists, the key side (k, v; dk, dv) when some key row exists -- the backward writes dk, dv
+// (zeros) even without query rows. An empty array's data pointer may be null (it often is),
+// so only what is touched must be non-null.
+bool has_query_rows(const FwdParams& p) {
+  return p.batch > 0 && p.heads_q > 0 && p.seqlen_q > 0;
 }
+bool has_key_rows(const FwdParams& p) { return p.batch > 0 && p.heads_q > 0 && p.seqlen_k > 0; }
 
 void check_sizes(const FwdParams& p, Backend backend) {
   FMHA_CHECK_ARG(p.heads_kv > 0, "heads_kv must be > 0, got ", p.heads_kv);
@@ -49,10 +53,11 @@ void check_params(const FwdParams& p, Backend backend) {
     FMHA_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, "dtype ",
                    dtype_name(p.dtype), ": the CUDA kernels take float16/bfloat16");
   check_sizes(p, backend);
-  // A call that writes nothing may come with null pointers (an empty array's data pointer
-  // often is null); only the CUDA launchers accept such calls (check_sizes).
-  if (!writes_nothing(p))
-    FMHA_CHECK_ARG(p.q && p.k && p.v && p.o && p.lse, "q, k, v, out and lse must be non-null");
+  // (Empty calls reach here only on CUDA: check_sizes.)
+  if (has_query_rows(p)) {
+    FMHA_CHECK_ARG(p.q && p.o && p.lse, "q, out and lse must be non-null");
+    if (has_key_rows(p)) FMHA_CHECK_ARG(p.k && p.v, "k and v must be non-null");
+  }
   FMHA_CHECK_ARG(!p.cu_seqlens_q == !p.cu_seqlens_k,
                  "cu_seqlens_q, cu_seqlens_k: give both or neither");
   FMHA_CHECK_ARG(std::isfinite(p.scale), "scale: expected a finite number, got ", p.scale);
@@ -70,8 +75,9 @@ void check_params(const FwdParams& p, Backend backend) {
 
 void check_params(const BwdParams& p, Backend backend) {
   check_params(static_cast<const FwdParams&>(p), backend);
-  if (!(p.batch == 0 || p.heads_q == 0))
-    FMHA_CHECK_ARG(p.dout && p.dq && p.dk && p.dv, "dout, dq, dk and dv must be non-null");
+  if (has_query_rows(p)) FMHA_CHECK_ARG(p.dout && p.dq, "dout and dq must be non-null");
+  if (has_key_rows(p))
+    FMHA_CHECK_ARG(p.k && p.v && p.dk && p.dv, "k, v, dk and dv must be non-null");
   FMHA_CHECK_ARG(!p.dbias || p.bias.ptr, "dbias: given without bias");
 }
 

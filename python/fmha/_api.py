@@ -79,7 +79,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     num_splits: how many parts the CUDA forward splits the keys of each (query block, head,
     batch) into, merged afterwards by their lse (split-KV, as in FlashDecoding; it pays when
     batch x heads x query blocks cannot fill the GPU, e.g. decoding). 0 (default) =
-    automatic, by occupancy; 1 = no split; n = n splits (at most 128). It changes only how
+    automatic, by occupancy; 1 = no split; n = n splits (the CUDA forward merges at most 128: larger n runs as 128). It changes only how
     the CUDA forward divides its work, not the result beyond float rounding; the CPU
     kernels and the backward validate it (an int >= 0) and ignore it.
 

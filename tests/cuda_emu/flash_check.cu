@@ -192,8 +192,16 @@ EMU_TEST("flash.contract.rejects_bad_params", "fmha/validate.h: check_params(p, 
   std::vector<float> lse(4);
   b.lse = lse.data(), b.dout = b.dq = b.dk = x.data(), b.dv = nullptr;
   if (!rejects([&] { launch_flash_bwd(b, nullptr); })) return fail("backward took a null dv");
+  // Without query rows the backward still loads K, V and writes dK, dV (zeros).
+  b.dv = x.data(), b.seqlen_q = 0, b.k = nullptr;
+  if (!rejects([&] { launch_flash_bwd(b, nullptr); }))
+    return fail("backward without query rows took a null k");
   p.lse = lse.data(), p.head_dim = 300;
   if (!rejects([&] { launch_flash_fwd(p, nullptr); })) return fail("forward took head_dim 300");
+  // An empty call touches nothing: null pointers of the untouched side are fine.
+  p.head_dim = 64, p.seqlen_k = 0, p.k = p.v = nullptr;
+  if (rejects([&] { launch_flash_fwd(p, nullptr); }))
+    return fail("forward without keys refused null k, v");
   return pass();
 }
 
