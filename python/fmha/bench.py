@@ -3,11 +3,22 @@
     python -m fmha.bench                   # the standard suite, float32 and bfloat16
     python -m fmha.bench --quick           # two small shapes, for a smoke run
     python -m fmha.bench --out benchmarks/cpu.json
+    python -m fmha.bench --latency --out latency.json   # per-call µs on small shapes
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
 causal; backward 2.5× forward) and the ratio fmha / torch SDPA, and writes the rows to a JSON
 file (and a CSV beside it). Speed is only ever reported here, never asserted by tests.
+
+--latency times something else: the per-call cost of small calls (decode steps, short
+sequences), where the overhead around the kernel dominates. It reports µs per call for
+fmha.attention (torch under no_grad, torch requiring grad, NumPy), fmha's
+scaled_dot_product_attention and torch's own SDPA side by side, fmha at the default thread
+count and at one thread, plus a breakdown of one call into validation, custom-op dispatch,
+DLPack exports, the C++ call and the thread-pool wake-up (fmha/bench_latency.py says which
+parts are measured and which are differences). Default dtype float32; --dtypes, --cases
+(names in bench_latency.LATENCY_SHAPES), --threads and --out apply; --min-seconds,
+--min-calls and --batches set the timing budget per entry.
 """
 
 from __future__ import annotations
@@ -62,6 +73,16 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+def _host_meta(torch, fmha) -> dict:
+    """The command, versions and host of a result file (shared with --latency)."""
+    return dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
+                                 sys.argv[1:]),
+                fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
+                cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
+                machine=platform.processor() or platform.machine(),
+                cpu_model=_cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
     f = 4.0 * b * h * sq * sk * d
@@ -166,12 +187,7 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                       f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x", flush=True)
     _print_table(rows)
     if out_path:
-        meta = dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
-                                     sys.argv[1:]),
-                    fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
-                    cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
-                    machine=platform.processor() or platform.machine(),
-                    cpu_model=_cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        meta = _host_meta(torch, fmha)
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as fh:
             json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
@@ -208,12 +224,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m fmha.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two small shapes only")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--latency", action="store_true",
+                    help="per-call time of small calls and its breakdown (see above)")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="JSON result file (CSV written beside it)")
+    ap.add_argument("--min-seconds", type=float, default=0.2,
+                    help="--latency: least time spent timing each entry")
+    ap.add_argument("--min-calls", type=int, default=200,
+                    help="--latency: least calls per entry (while under a second)")
+    ap.add_argument("--batches", type=int, default=5,
+                    help="--latency: batches per entry (at least 5; the median is reported)")
     a = ap.parse_args(argv)
+    if a.latency:
+        from . import bench_latency
+        shapes = bench_latency.LATENCY_SHAPES
+        if a.cases:
+            wanted = set(a.cases.split(","))
+            shapes = [c for c in shapes if c[0] in wanted]
+            if not shapes:
+                ap.error(f"--cases: none of {sorted(wanted)} is a known latency case")
+        bench_latency.run((a.dtypes or "float32").split(","), a.out, a.threads, shapes,
+                          a.min_seconds, a.min_calls, a.batches)
+        return
+    a.dtypes = a.dtypes or "float32,bfloat16"
     cases = QUICK_SUITE if a.quick else STANDARD_SUITE
     if a.cases:
         wanted = set(a.cases.split(","))
