@@ -231,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None, help="JSON result file (CSV written beside it)")
+    ap.add_argument("--out", default=None,
+                    help="JSON result file (CSV written beside it; JSON only for --latency)")
     ap.add_argument("--min-seconds", type=float, default=0.2,
                     help="--latency: least time spent timing each entry")
     ap.add_argument("--min-calls", type=int, default=200,
