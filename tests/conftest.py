@@ -383,7 +383,17 @@ def naive_attention_torch(q, k, v, *, scale=None, causal=False, window=(-1, -1),
     s = s.masked_fill(~vis, -math.inf)
     any_row = vis.any(dim=-1, keepdim=True)
     p = torch.softmax(s, dim=-1).masked_fill(~any_row, 0.0)
-    lse = torch.logsumexp(s, dim=-1)
+    if dt == torch.float64:
+        # The float64 reference lse by NumPy: torch.logsumexp in float64 was seen 1.6e-10
+        # (relative) off in some states of a test process (tests/test_cpu_attention.py at
+        # FMHA_CPU_ISA=avx2, one run in five), where NumPy and fmha agreed to 1e-15.
+        s64 = s.detach().cpu().numpy()
+        m = np.max(s64, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            lse = torch.from_numpy((m + np.log(np.exp(s64 - m).sum(-1, keepdims=True)))[..., 0])
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     if dropout_z is not None:
         p = p * torch.as_tensor(dropout_z).to(dt)
     out = (p @ vh).transpose(1, 2)
