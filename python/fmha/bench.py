@@ -28,12 +28,12 @@ import csv
 import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
+
+from ._host import host_meta
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 STANDARD_SUITE = [
@@ -61,27 +61,6 @@ class Row:
     gflops: float
     ratio_vs_sdpa: Optional[float]  # for "fmha+keypad": time without mask / time with
 
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), so a result file names its host."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-def _host_meta(torch, fmha) -> dict:
-    """The command, versions and host of a result file (shared with --latency)."""
-    return dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
-                                 sys.argv[1:]),
-                fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
-                cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
-                machine=platform.processor() or platform.machine(),
-                cpu_model=_cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
@@ -187,7 +166,7 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                       f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x", flush=True)
     _print_table(rows)
     if out_path:
-        meta = _host_meta(torch, fmha)
+        meta = host_meta(torch, fmha)
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as fh:
             json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)

@@ -203,7 +203,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
 
     import fmha
 
-    from .bench import _host_meta
+    from ._host import host_meta
 
     if threads:
         torch.set_num_threads(threads)
@@ -239,7 +239,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
     q, k, v = _inputs(torch, *smallest[1:], getattr(torch, dtypes[0]))
     parts = breakdown(torch, fmha, q, k, v, budget)
     _print_tables(rows, parts, smallest[0], dtypes[0], default_threads)
-    meta = dict(_host_meta(torch, fmha), fmha_threads=default_threads)
+    meta = dict(host_meta(torch, fmha), fmha_threads=default_threads)
     result = dict(meta=meta, rows=[asdict(r) for r in rows],
                   breakdown=dict(case=smallest[0], dtype=dtypes[0], parts=parts),
                   budget=budget)

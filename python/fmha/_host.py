@@ -1,0 +1,30 @@
+"""The host and versions a benchmark result file records (python -m fmha.bench, both modes)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), so a result file names its host."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def host_meta(torch, fmha) -> dict:
+    """The command, versions and host of a result file (python -m fmha.bench, in both modes)."""
+    return dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
+                                 sys.argv[1:]),
+                fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
+                cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
+                machine=platform.processor() or platform.machine(),
+                cpu_model=cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
