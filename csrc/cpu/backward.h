@@ -262,10 +262,12 @@ struct BwdHead {
     finish_grads(nc * kBr, t, raw);
   }
 
-  // dS through the softcap: d softcap·tanh(s/softcap) / ds = 1 - tanh².
+  // dS through the softcap: d softcap·tanh(s/softcap) / ds = 1 - tanh². A zero dS stays
+  // zero (strong zero: the tanh of a masked pair's raw score may be NaN).
   void finish_grads(int64_t n, BwdBuffers<A>& t, bool raw) const {
     if (raw && p.softcap > 0)
-      for (int64_t e = 0; e < n; ++e) t.dP[e] *= score::softcap_grad(t.Tcap[e]);
+      for (int64_t e = 0; e < n; ++e)
+        t.dP[e] = t.dP[e] == A(0) ? A(0) : t.dP[e] * score::softcap_grad(t.Tcap[e]);
   }
 };
 
@@ -326,6 +328,27 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
       } else {
         head.load_row_stats(i0, nr, t);
         head.rebuild_rows(i0, nr, j0, nc, x, t);
+      }
+      if (tile_may_zero(p, s, i0, nr, j0, nc) &&
+          (has_nonfinite(head.do_at(i0), p.do_row_stride, nr, p.head_dim_v) ||
+           has_nonfinite(head.q_at(i0), p.q_row_stride, nr, p.head_dim) ||
+           (dQ && has_nonfinite(head.k_at(j0), p.k_row_stride, nc, p.head_dim)))) {
+        // The three products with the strong zero (tile.h), from the float P∘Z and dS.
+        const auto skip_kr = [&](bool or_dropped) {
+          return [&, or_dropped](int c, int r) {
+            return pair_excluded(p, s, b, h, i0 + r, j0 + c, or_dropped);
+          };
+        };
+        gemm_strong_zero(nc, p.head_dim_v, nr, t.S, cs, rs, head.do_at(i0), p.do_row_stride, dV,
+                         ldv, skip_kr(true));  // dV += (P∘Z)ᵀ dO
+        gemm_strong_zero(nc, p.head_dim, nr, t.dP, cs, rs, head.q_at(i0), p.q_row_stride, dK,
+                         ldq, skip_kr(false));  // dK += dSᵀ Q
+        if (dQ)
+          gemm_strong_zero(nr, p.head_dim, nc, t.dP, rs, cs, head.k_at(j0), p.k_row_stride, dQ,
+                           ldq, [&](int r, int c) {
+                             return pair_excluded(p, s, b, h, i0 + r, j0 + c, false);
+                           });  // dQ += dS K
+        continue;
       }
       if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
         if (head.pairs) {
@@ -445,6 +468,14 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
     const int nc = std::min(kBc, j_end - j0);
     const auto x = head.key_rows(j0, nc, t);
     head.rebuild_T(i0, nr, j0, nc, x, t, true);
+    if (tile_may_zero(p, s, i0, nr, j0, nc) &&
+        has_nonfinite(head.k_at(j0), p.k_row_stride, nc, d)) {
+      gemm_strong_zero(nr, d, nc, t.dP, 1, kBr, head.k_at(j0), p.k_row_stride, dQ, ldq,
+                       [&](int r, int c) {
+                         return pair_excluded(p, s, b, h, i0 + r, j0 + c, false);
+                       });  // dQ += dS K
+      continue;
+    }
     if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
       if (head.pairs) {
         pack_float_pairs(t.dP, 1, kBr, nr, nc, t.dSq, kBr);

@@ -108,7 +108,11 @@ void forward_task(const FwdParams& p, int64_t task) {
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
-    if constexpr (pairs) {
+    if (tile_may_zero(p, s, i0, nr, j0, nc) && has_nonfinite(vj, p.v_row_stride, nc, dv)) {
+      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, p.v_row_stride, O, ldv, [&](int r, int c) {
+        return pair_excluded(p, s, b, h, i0 + r, j0 + c, true);
+      });  // O += P V
+    } else if constexpr (pairs) {
       pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
       gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
     } else {
@@ -116,7 +120,8 @@ void forward_task(const FwdParams& p, int64_t task) {
     }
   }
 
-  // Normalise once; a row that saw no key gets out = 0 and lse = -inf (never NaN).
+  // Normalise once; a row that saw no key (l = 0) gets out = 0 and lse = -inf. A NaN l (a
+  // NaN or Inf score) makes the row NaN.
   T* o = static_cast<T*>(p.o) + h * p.o_head_stride +
          row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i0);
   A* lse = static_cast<A*>(p.lse) + h * p.lse_head_stride +
@@ -124,9 +129,9 @@ void forward_task(const FwdParams& p, int64_t task) {
                            : b * p.lse_batch_stride + int64_t(i0) * p.lse_row_stride);
   for (int r = 0; r < nr; ++r) {
     A* Or = O + int64_t(r) * ldv;
-    scale_rows(Or, 1, dv, ldv, l[r] > 0 ? A(1) / l[r] : A(0));
+    scale_rows(Or, 1, dv, ldv, l[r] != A(0) ? A(1) / l[r] : A(0));
     store_row(Or, dv, o + r * p.o_row_stride);
-    lse[r * p.lse_row_stride] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf<A>();
+    lse[r * p.lse_row_stride] = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
   }
 }
 
@@ -214,8 +219,8 @@ void forward_small_task(const FwdParams& p, int64_t task) {
     int64_t ldk, ldvj;
     const A* Kj = rows_as_acc(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
                               p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
-    const A* Vj = rows_as_acc(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0),
-                              p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+    const T* vj = v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
+    const A* Vj = rows_as_acc(vj, p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
     if (j0 + kBc < j_end) {  // memory-bound: ask for the next tile's rows now
       const int nn = std::min(kBc, j_end - j0 - kBc);
       prefetch_rows(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0 + kBc),
@@ -238,19 +243,24 @@ void forward_small_task(const FwdParams& p, int64_t task) {
       if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
     }
-    gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, O, ldv);  // O += P V
+    if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, p.v_row_stride, nc, dv))
+      gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, p.v_row_stride, O, ldv, [&](int r, int c) {
+        return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
+      });  // O += P V
+    else
+      gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, O, ldv);  // O += P V
   }
 
   for (int r = 0; r < M; ++r) {
     const int h = hk * group + r / sq, i = r % sq;
     A* Or = O + int64_t(r) * ldv;
-    scale_rows(Or, 1, dv, ldv, l[r] > 0 ? A(1) / l[r] : A(0));
+    scale_rows(Or, 1, dv, ldv, l[r] != A(0) ? A(1) / l[r] : A(0));
     store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
                           row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
     A* lse = static_cast<A*>(p.lse) + h * p.lse_head_stride +
              (p.cu_seqlens_q ? (s.q_first + i) * p.lse_row_stride
                              : b * p.lse_batch_stride + int64_t(i) * p.lse_row_stride);
-    *lse = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf<A>();
+    *lse = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
   }
 }
 

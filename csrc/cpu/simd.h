@@ -47,6 +47,10 @@ struct VecF {
   VecF select_lt(VecF a, VecF b, VecF x) const {
     return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), v, x.v)};
   }
+  // lanes where a == b take `x`, others keep this
+  VecF select_eq(VecF a, VecF b, VecF x) const {
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ), v, x.v)};
+  }
 };
 #elif defined(FMHA_SIMD_AVX2)
 // 16 ymm registers: 4 rows x 2 vectors (8) + 2 B vectors + 1 broadcast, room to spare.
@@ -83,6 +87,9 @@ struct VecF {
   VecF select_lt(VecF a, VecF b, VecF x) const {
     return {_mm256_blendv_ps(v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))};
   }
+  VecF select_eq(VecF a, VecF b, VecF x) const {
+    return {_mm256_blendv_ps(v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ))};
+  }
 };
 #else
 // Portable: one float per "vector"; the compiler is free to do what it can.
@@ -97,25 +104,29 @@ struct VecF {
   friend VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
   friend VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
   friend VecF fma(VecF a, VecF b, VecF c) { return {madd(a.v, b.v, c.v)}; }
+  // With a NaN operand max/min return b, as the x86 instructions do (vexp relies on it).
   friend VecF max(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
   friend VecF min(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
   friend float hsum(VecF a) { return a.v; }
   friend float hmax(VecF a) { return a.v; }
   static VecF pow2i(VecF n) {
-    const int32_t e = (int32_t(n.v) + 127) << 23;
+    const int32_t e = ((n.v == n.v ? int32_t(n.v) : 0) + 127) << 23;  // NaN: no UB cast
     float f;
     std::memcpy(&f, &e, 4);
     return {f};
   }
   VecF select_lt(VecF a, VecF b, VecF x) const { return {a.v < b.v ? x.v : v}; }
+  VecF select_eq(VecF a, VecF b, VecF x) const { return {a.v == b.v ? x.v : v}; }
 };
 #endif
 
 // exp on a vector: the same reduction and polynomial as exp_approx (vexp.h), lane by lane
 // bit-identical to it, so every ISA level computes the same softmax.
+// A NaN argument gives NaN: max/min return their second operand when either is NaN (as
+// the x86 instructions do), so the clamp passes x through instead of replacing it.
 inline VecF vexp(VecF x) {
   const VecF lo = VecF::set1(-87.0f);
-  const VecF xc = min(max(x, lo), VecF::set1(88.0f));
+  const VecF xc = min(VecF::set1(88.0f), max(lo, x));
   const VecF magic = VecF::set1(12582912.f);
   const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
   VecF r = fma(n, VecF::set1(-0.693145751953125f), xc);

@@ -55,15 +55,19 @@ inline void online_softmax_T(double* S, int64_t ld, int nc, int nrp, double* m, 
 }
 
 // Backward: P = exp(S - L) with L the forward's lse (L_ref = +inf for rows that saw no key,
-// which makes their P exactly 0), then dS = P ∘ (dP - D), in place of dP.
+// which makes their P exactly 0), then dS = P ∘ (dP - D), in place of dP. P is 0 wherever
+// S = -inf, also in a row whose L is NaN, and dS is 0 wherever P is, even when dP or D is
+// not finite (docs/semantics.md, non-finite inputs).
 inline void probs_and_dS_T(float* S, float* dP, int64_t ld, int nc, int nrp, const float* L_ref,
                            const float* D) {
   for (int r0 = 0; r0 < nrp; r0 += kW) {
-    const VecF L = VecF::load(L_ref + r0), d = VecF::load(D + r0);
+    const VecF L = VecF::load(L_ref + r0), d = VecF::load(D + r0), zero = VecF::zero();
+    const VecF neg_inf = VecF::set1(-__builtin_huge_valf());
     for (int c = 0; c < nc; ++c) {
-      const VecF p = vexp(VecF::load(S + c * ld + r0) - L);
+      const VecF x = VecF::load(S + c * ld + r0);
+      const VecF p = vexp(x - L).select_eq(x, neg_inf, zero);
       p.store(S + c * ld + r0);
-      (p * (VecF::load(dP + c * ld + r0) - d)).store(dP + c * ld + r0);
+      (p * (VecF::load(dP + c * ld + r0) - d)).select_eq(p, zero, zero).store(dP + c * ld + r0);
     }
   }
 }
@@ -72,9 +76,10 @@ inline void probs_and_dS_T(double* S, double* dP, int64_t ld, int nc, int nrp,
                            const double* L_ref, const double* D) {
   for (int c = 0; c < nc; ++c)
     for (int r = 0; r < nrp; ++r) {
-      const double p = std::exp(S[c * ld + r] - L_ref[r]);
+      const double x = S[c * ld + r];
+      const double p = x == -__builtin_huge_val() ? 0.0 : std::exp(x - L_ref[r]);
       S[c * ld + r] = p;
-      dP[c * ld + r] = p * (dP[c * ld + r] - D[r]);
+      dP[c * ld + r] = p == 0 ? 0.0 : p * (dP[c * ld + r] - D[r]);
     }
 }
 
@@ -83,13 +88,15 @@ inline void probs_and_dS_T(double* S, double* dP, int64_t ld, int nc, int nrp,
 inline void probs_and_dS_rows(float* S, float* dP, int64_t ld, int nr, int ncp, const float* L_ref,
                               const float* D) {
   for (int r = 0; r < nr; ++r) {
-    const VecF L = VecF::set1(L_ref[r]), d = VecF::set1(D[r]);
+    const VecF L = VecF::set1(L_ref[r]), d = VecF::set1(D[r]), zero = VecF::zero();
+    const VecF neg_inf = VecF::set1(-__builtin_huge_valf());
     float* s = S + r * ld;
     float* g = dP + r * ld;
     for (int c = 0; c < ncp; c += kW) {
-      const VecF p = vexp(VecF::load(s + c) - L);
+      const VecF x = VecF::load(s + c);
+      const VecF p = vexp(x - L).select_eq(x, neg_inf, zero);
       p.store(s + c);
-      (p * (VecF::load(g + c) - d)).store(g + c);
+      (p * (VecF::load(g + c) - d)).select_eq(p, zero, zero).store(g + c);
     }
   }
 }
@@ -98,9 +105,10 @@ inline void probs_and_dS_rows(double* S, double* dP, int64_t ld, int nr, int ncp
                               const double* L_ref, const double* D) {
   for (int r = 0; r < nr; ++r)
     for (int c = 0; c < ncp; ++c) {
-      const double p = std::exp(S[r * ld + c] - L_ref[r]);
+      const double x = S[r * ld + c];
+      const double p = x == -__builtin_huge_val() ? 0.0 : std::exp(x - L_ref[r]);
       S[r * ld + c] = p;
-      dP[r * ld + c] = p * (dP[r * ld + c] - D[r]);
+      dP[r * ld + c] = p == 0 ? 0.0 : p * (dP[r * ld + c] - D[r]);
     }
 }
 

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/gemm.h"
@@ -131,14 +132,88 @@ inline void fill(A* x, int64_t n, A value) {
   for (int64_t i = 0; i < n; ++i) x[i] = value;
 }
 
-// Adds a broadcast bias tile (any float dtype) to S.
+// Adds a broadcast bias tile (any float dtype) to S. A -inf bias masks its pair: the score
+// becomes -inf even where q·k is +inf or NaN.
 template <typename B, typename A>
 inline void add_bias(const Broadcast4& bias, int b, int h, int i0, int nr, int j0, int nc,
                      A* S, int64_t rs, int64_t cs) {
   const B* base = static_cast<const B*>(bias.ptr) + b * bias.batch_stride + h * bias.head_stride;
   for (int r = 0; r < nr; ++r) {
     const B* row = base + int64_t(i0 + r) * bias.row_stride + int64_t(j0) * bias.col_stride;
-    for (int c = 0; c < nc; ++c) S[r * rs + c * cs] += to_acc<A>(row[c * bias.col_stride]);
+    for (int c = 0; c < nc; ++c) {
+      const A x = to_acc<A>(row[c * bias.col_stride]);
+      A& y = S[r * rs + c * cs];
+      y = x == neg_inf<A>() ? x : y + x;
+    }
+  }
+}
+
+// Whether the tile of rows i0..i0+nr, keys j0..j0+nc lies inside every row's window. Both
+// window edges grow with the row, so it does iff it is inside the last row's left edge and
+// the first row's right edge.
+inline bool inside_window(const FwdParams& p, const Seq& s, int i0, int nr, int j0, int nc) {
+  return j0 >= key_lo(p, s, i0 + nr - 1) && j0 + nc - 1 <= key_hi(p, s, i0);
+}
+
+// Non-finite inputs (docs/semantics.md): an excluded pair -- outside the row's window,
+// masked, or given -inf by the bias -- contributes nothing, and neither does a dropped pair
+// to P V and Pᵀ dO, even against a NaN or Inf row of the other operand, where a GEMM would
+// make 0 * NaN = NaN. Only tiles that may hold such pairs need care, and only when the
+// streamed operand holds a non-finite value, which `has_nonfinite` checks at the cost of one
+// read of that tile. Those rare tiles take `gemm_strong_zero` instead of the GEMM.
+inline bool tile_may_zero(const FwdParams& p, const Seq& s, int i0, int nr, int j0, int nc) {
+  return p.bias.ptr || p.mask.ptr || p.dropout_p > 0 || !inside_window(p, s, i0, nr, j0, nc);
+}
+
+template <typename T>
+inline bool has_nonfinite(const T* x, int64_t stride, int n, int dim) {
+  using F = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  bool bad = false;
+  for (int r = 0; r < n; ++r) {
+    const T* row = x + r * stride;
+#pragma omp simd reduction(| : bad)
+    for (int t = 0; t < dim; ++t)
+      bad |= !(std::fabs(to_acc<F>(row[t])) <= std::numeric_limits<F>::max());
+  }
+  return bad;
+}
+
+inline double bias_value(const Broadcast4& bias, int b, int h, int i, int j) {
+  const int64_t o = score::offset_of(bias, b, h, i, j);
+  switch (bias.dtype) {
+    case DType::kFloat64: return static_cast<const double*>(bias.ptr)[o];
+    case DType::kFloat32: return static_cast<const float*>(bias.ptr)[o];
+    case DType::kBFloat16: return to_acc<double>(static_cast<const bf16_t*>(bias.ptr)[o]);
+    case DType::kFloat16: return to_acc<double>(static_cast<const f16_t*>(bias.ptr)[o]);
+  }
+  return 0;
+}
+
+// Whether pair (i, j) of head h is excluded; with `or_dropped`, also whether it is dropped.
+inline bool pair_excluded(const FwdParams& p, const Seq& s, int b, int h, int i, int j,
+                          bool or_dropped) {
+  if (j < key_lo(p, s, i) || j > key_hi(p, s, i)) return true;
+  if (p.mask.ptr && !score::mask_allows(p.mask, b, h, i, j)) return true;
+  if (p.bias.ptr && bias_value(p.bias, b, h, i, j) == -std::numeric_limits<double>::infinity())
+    return true;
+  return or_dropped && p.dropout_p > 0 &&
+         !score::dropout_keep(p, dropout_threshold(p.dropout_p), b, h, i, j);
+}
+
+// C(m, :dim) += Σ_k W(m, k) B(k, :dim) for m < M, k < K (W(m, k) = W[m * rs + k * cs]),
+// skipping the pairs for which skip(m, k) is true; B's rows are read in place from the
+// input (row stride b_stride). Every other product is plain IEEE arithmetic.
+template <typename T, typename A, typename Skip>
+inline void gemm_strong_zero(int M, int dim, int K, const A* W, int64_t rs, int64_t cs,
+                             const T* B, int64_t b_stride, A* C, int64_t ldc, Skip skip) {
+  for (int m = 0; m < M; ++m) {
+    A* out = C + int64_t(m) * ldc;
+    for (int k = 0; k < K; ++k) {
+      if (skip(m, k)) continue;
+      const A w = W[m * rs + k * cs];
+      const T* row = B + k * b_stride;
+      for (int t = 0; t < dim; ++t) out[t] += w * to_acc<A>(row[t]);
+    }
   }
 }
 
@@ -174,11 +249,8 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
     for (int c = 0; c < nc; ++c)
       for (int r = 0; r < nr; ++r) S[r * rs + c * cs] += score::alibi(slope, s, i0 + r, j0 + c);
   }
-  // Visibility: the window (causal is its right edge at 0) and the boolean mask. Both edges
-  // grow with the row, so the tile is inside every row's window iff it is inside the last
-  // row's left edge and the first row's right edge.
-  const bool inside = j0 >= key_lo(p, s, i0 + nr - 1) && j0 + nc - 1 <= key_hi(p, s, i0);
-  if (!inside) {
+  // Visibility: the window (causal is its right edge at 0) and the boolean mask.
+  if (!inside_window(p, s, i0, nr, j0, nc)) {
     for (int r = 0; r < nr; ++r) {
       const int i = i0 + r, lo = key_lo(p, s, i), hi = key_hi(p, s, i);
       for (int c = 0; c < nc; ++c) {

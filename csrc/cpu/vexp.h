@@ -5,7 +5,7 @@
 // (truncation error r^7/7! < 1.2e-7 relative), then 2^n built in the exponent bits.
 // Tested against float64 exp over [-87, 0] at every ISA level (tests/test_core.py::
 // test_kernel_exp_accuracy: relative error below 4e-7, i.e. a few float32 ulp). Inputs below -87 (including -inf, the mask value) give exactly 0 rather
-// than a denormal, so masked entries never slow the FPU down.
+// than a denormal, so masked entries never slow the FPU down; NaN gives NaN.
 // float64 inputs use std::exp: exactness matters more than speed there.
 #pragma once
 
@@ -37,7 +37,7 @@ inline float exp_approx(float x) {
   p = madd(p, r, 0.5f);
   p = madd(p, r, 1.f);
   p = madd(p, r, 1.f);
-  const int32_t bits = (int32_t(n) + 127) << 23;
+  const int32_t bits = ((n == n ? int32_t(n) : 0) + 127) << 23;  // NaN x: p is NaN already
   float scale;
   std::memcpy(&scale, &bits, 4);
   return x < -87.0f ? 0.f : p * scale;

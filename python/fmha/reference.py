@@ -21,6 +21,7 @@ For one (batch ``b``, query head ``h``), query row ``i`` and key column ``j``::
     S_ij += bias[b, h, i, j]                       additive bias, NumPy-broadcast
     S_ij -= slope[b, h] * |i + off - j|            ALiBi, if alibi_slopes given
     S_ij = -inf unless j is visible                window / causal / boolean mask
+                                                   (and where bias = -inf)
     P_ij = softmax_j(S_ij)                         rows with no finite S_ij give P = 0
     O_i  = sum_j P_ij Z_ij v_j                     Z: dropout keep-mask / (1 - p)
 
@@ -40,12 +41,25 @@ The backward pass follows FlashAttention-2's formulation::
 
     dV = (P o Z)^T dO
     dP = (dO V^T) o Z
-    D_i = sum_j P_ij dP_ij            (= rowsum(dO o O))
+    D_i = rowsum(dO o O)              (= sum_j P_ij dP_ij)
     dS = P o (dP - D)                 (this is also d bias, element-wise)
     dS_raw = dS o (1 - tanh^2(S_raw / softcap))    only if softcap > 0
     dQ = scale * dS_raw K,   dK = scale * dS_raw^T Q
 
 with dK and dV summed over the query heads that share a kv head.
+
+Non-finite inputs (NaN, +-inf): IEEE arithmetic throughout, except that
+  * an excluded pair (i, j) -- invisible, or given a -inf bias -- contributes
+    nothing to O, dV, dQ or dK, and a dropped pair (Z_ij = 0) nothing to O, dV
+    or dP, even against a non-finite q_i, k_j, v_j or dO_i (0 * NaN counts as
+    0 there);
+  * P_ij = 0 wherever S_ij = -inf (also in a row that is NaN elsewhere), and
+    dS_ij = 0 wherever P_ij = 0.
+  * a row whose lse is NaN has an all-NaN output (it is normalised by a NaN
+    sum), even where every pair it sees is dropped.
+So a NaN or Inf that reaches a score makes its row's output, lse and
+gradients non-finite, a non-finite v_j does the same to every row that gives
+it a nonzero weight, and nothing leaks through pairs that are masked out.
 """
 
 from __future__ import annotations
@@ -87,6 +101,7 @@ class _Intermediates:
     p: np.ndarray          # softmax probabilities, before dropout
     lse: np.ndarray        # (B, Hq, Sq)
     z: Optional[np.ndarray]  # dropout multiplier (keep / (1 - p)), None without dropout
+    excluded: np.ndarray   # (B, Hq, Sq, Sk) bool: invisible, or a -inf bias
 
 
 def _check_qkv(q, k, v):
@@ -179,18 +194,35 @@ def _masked_softmax(s: np.ndarray):
     """Row softmax of ``s`` (with -inf entries) and its log-sum-exp.
 
     A row whose entries are all -inf (or that is empty) gets P = 0 and
-    lse = -inf instead of NaN.
+    lse = -inf instead of NaN. Any other row follows IEEE arithmetic: a NaN
+    entry, or a +inf one, makes the whole row (and its lse) NaN.
     """
     row_max = np.max(s, axis=-1, initial=-np.inf)
-    has_any = np.isfinite(row_max)
+    has_any = row_max != -np.inf  # NaN counts as something seen
     safe_max = np.where(has_any, row_max, 0.0)
-    e = np.exp(s - safe_max[..., None])  # exp(-inf) = 0 for invisible keys
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - safe_max[..., None])  # exp(-inf) = 0 for invisible keys
     row_sum = e.sum(axis=-1)
     safe_sum = np.where(has_any, row_sum, 1.0)
     p = np.where(has_any[..., None], e / safe_sum[..., None], 0.0)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(has_any, safe_max + np.log(safe_sum), -np.inf)
     return p, lse
+
+
+def _weighted_sum(w: np.ndarray, x: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """``w @ x`` over the last two axes, where a pair with ``zero[..., i, j]`` true
+    contributes nothing even against a non-finite ``x[..., j, :]`` (0 * NaN = 0
+    there); every other product follows IEEE arithmetic. ``w`` is 0 wherever
+    ``zero`` is true."""
+    finite = np.isfinite(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if finite.all():
+            return w @ x
+        out = w @ np.where(finite, x, 0.0)
+        bad = np.where(finite, 0.0, x)[..., None, :, :]  # the non-finite entries only
+        take = ~zero[..., :, :, None] & ~finite[..., None, :, :]
+        return out + np.where(take, w[..., :, :, None] * bad, 0.0).sum(axis=-2)
 
 
 def _forward(
@@ -227,9 +259,13 @@ def _forward(
     visible = _visibility(seqlen_q, seqlen_k, causal, window, key_offset)[None, None]
     if mask is not None:
         visible = visible & np.broadcast_to(np.asarray(mask, dtype=bool), full_shape)
-    s = np.where(visible, s, -np.inf)
+    excluded = np.broadcast_to(~visible, full_shape)
+    if bias is not None:
+        excluded = excluded | np.broadcast_to(np.asarray(bias, dtype=np.float64) == -np.inf, full_shape)
+    s = np.where(excluded, -np.inf, s)  # a -inf bias masks its pair, whatever q.k is
 
     p, lse = _masked_softmax(s)
+    p = np.where(s == -np.inf, 0.0, p)  # also in a NaN row
 
     z = None
     if dropout_p > 0.0:
@@ -243,15 +279,28 @@ def _forward(
 
     return _Intermediates(
         q=qh, k=kh, v=vh, heads_kv=heads_kv, scale=scale, softcap=softcap,
-        s_raw=s_raw, p=p, lse=lse, z=z,
+        s_raw=s_raw, p=p, lse=lse, z=z, excluded=excluded,
     )
 
 
 def _output(it: _Intermediates) -> np.ndarray:
     """O = (P o Z) V in (B, Sq, Hq, Dv) layout."""
-    pz = it.p if it.z is None else it.p * it.z
-    out = np.einsum("bhij,bhjd->bhid", pz, it.v)
+    out = _weighted_sum(_pz(it), it.v, _skipped(it))
+    out = np.where(np.isnan(it.lse)[..., None], np.nan, out)  # normalised by a NaN sum
     return np.transpose(out, (0, 2, 1, 3))
+
+
+def _pz(it: _Intermediates) -> np.ndarray:
+    """P o Z, exactly 0 where dropped (also in a NaN row)."""
+    if it.z is None:
+        return it.p
+    with np.errstate(invalid="ignore"):
+        return np.where(it.z != 0, it.p * it.z, 0.0)
+
+
+def _skipped(it: _Intermediates) -> np.ndarray:
+    """The pairs that contribute nothing to (P o Z) V and dV: excluded or dropped."""
+    return it.excluded if it.z is None else it.excluded | (it.z == 0)
 
 
 def _backward(dout, it: _Intermediates, bias_shape):
@@ -262,23 +311,30 @@ def _backward(dout, it: _Intermediates, bias_shape):
         raise ValueError(f"dout must have shape {expected} (like out), got {np.shape(dout)}")
     do = np.transpose(np.asarray(dout, dtype=np.float64), (0, 2, 1, 3))  # (B, Hq, Sq, Dv)
     p, z = it.p, it.z
-    pz = p if z is None else p * z
+    pz = _pz(it)
+    none = p == 0  # dS = P o (dP - D) is 0 there, whatever dP and D are
+    excluded = it.excluded
 
-    dv = np.einsum("bhij,bhid->bhjd", pz, do)
-    dp = np.einsum("bhid,bhjd->bhij", do, it.v)
-    if z is not None:
-        dp = dp * z
-    d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = rowsum(dO o O)
-    ds = p * (dp - d)
+    dv = _weighted_sum(np.swapaxes(pz, -1, -2), do, np.swapaxes(_skipped(it), -1, -2))
+    with np.errstate(invalid="ignore"):
+        dp = np.einsum("bhid,bhjd->bhij", do, it.v)
+        if z is not None:
+            dp = np.where(z != 0, dp * z, 0.0)  # a dropped pair passes nothing back
+        # D_i = rowsum(dO o O) (= sum_j P_ij dP_ij for finite inputs), from O itself as the
+        # kernels do: a non-finite dO_i makes D_i non-finite even where O_i is 0.
+        out = np.transpose(_output(it), (0, 2, 1, 3))
+        d = np.sum(do * out, axis=-1, keepdims=True)
+        ds = np.where(none, 0.0, p * (dp - d))
 
     dbias = None if bias_shape is None else _sum_to_shape(ds, bias_shape)
 
     if it.softcap > 0:
-        t = np.tanh(it.s_raw / it.softcap)
-        ds = ds * (1.0 - t * t)
+        with np.errstate(invalid="ignore"):
+            t = np.tanh(it.s_raw / it.softcap)
+            ds = np.where(ds == 0, 0.0, ds * (1.0 - t * t))
 
-    dq = it.scale * np.einsum("bhij,bhjd->bhid", ds, it.k)
-    dk = it.scale * np.einsum("bhij,bhid->bhjd", ds, it.q)
+    dq = it.scale * _weighted_sum(ds, it.k, excluded)
+    dk = it.scale * _weighted_sum(np.swapaxes(ds, -1, -2), it.q, np.swapaxes(excluded, -1, -2))
 
     dq = np.transpose(dq, (0, 2, 1, 3))
     dk = _sum_heads_to_kv(dk, it.heads_kv)
