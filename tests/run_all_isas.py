@@ -14,7 +14,8 @@ import sys
 from fmha import _C
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
-KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py", "test_memory.py"]
+KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py", "test_memory.py",
+                 "test_nonfinite.py::test_nonfinite_cpu"]
 
 
 def main() -> int:

@@ -533,6 +533,30 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
       out[int64_t(out_r0 + r) * C + out_c0 + c] = t.acc[r * kBc + c];
 }
 
+// A bias constant along the keys gets dbias = Σ_j dS_ij = D_i - D_i = 0 without any pass;
+// but a row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN in IEEE
+// arithmetic (docs/semantics.md, non-finite inputs): its dbias entry is NaN.
+template <typename A>
+void mark_nonfinite_rows(const BwdParams& p, const A* D_all) {
+  A* out = static_cast<A*>(p.dbias);
+  for (int b = 0; b < p.batch; ++b) {
+    const Seq s = seq_of(p, b);
+    for (int h = 0; h < p.heads_q; ++h) {
+      const A* lse = static_cast<const A*>(p.lse) + h * p.lse_head_stride +
+                     (p.cu_seqlens_q ? s.q_first * p.lse_row_stride : b * p.lse_batch_stride);
+      const A* D = D_all + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+      for (int i = 0; i < s.sq; ++i) {
+        const A L = lse[int64_t(i) * p.lse_row_stride];
+        if (!(std::isnan(L) || (L != neg_inf<A>() && !std::isfinite(D[i])))) continue;
+        const int64_t at = (int64_t(p.dbias_batch == 1 ? 0 : b) * p.dbias_heads +
+                            (p.dbias_heads == 1 ? 0 : h)) * p.dbias_rows +
+                           (p.dbias_rows == 1 ? 0 : i);
+        out[at] = std::numeric_limits<A>::quiet_NaN();
+      }
+    }
+  }
+}
+
 // The single pass needs at least 4 (batch, kv head) tasks per thread to balance (causal rows
 // make tasks unequal only across sequences of different lengths) and a dQ accumulator that
 // fits comfortably. FMHA_CPU_BACKWARD=passes|single forces one (tests compare them: they
@@ -567,6 +591,7 @@ void backward_typed(const BwdParams& p) {
   if (dbias_is_zero(p)) {
     std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
                 A(0));
+    mark_nonfinite_rows(p, D.data());
   } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);

@@ -195,7 +195,20 @@ __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w
         sum += to_float(O[i * p.o_row_stride + c]) * to_float(dO[i * p.do_row_stride + c]);
 #pragma unroll
     for (int m = 16; m >= 1; m /= 2) sum += shfl_xor(sum, m);
-    if (lane == 0) w.d[bwd_detail::work_row(p, h, b, i)] = sum;
+    if (lane == 0) {
+      w.d[bwd_detail::work_row(p, h, b, i)] = sum;
+      // dbias of a bias constant along the keys is 0 (run_flash_bwd fills it), except that a
+      // row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN.
+      if (p.dbias && dbias_is_zero(p) && i < s.sq) {
+        const float L = static_cast<const float*>(p.lse)[
+            h * p.lse_head_stride + score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride) +
+            int64_t(i) * p.lse_row_stride];
+        if (L != L || (L != -INFINITY && !(fabsf(sum) < INFINITY)))
+          static_cast<float*>(p.dbias)[(int64_t(p.dbias_batch == 1 ? 0 : b) * p.dbias_heads +
+                                        (p.dbias_heads == 1 ? 0 : h)) * p.dbias_rows +
+                                       (p.dbias_rows == 1 ? 0 : i)] = NAN;
+      }
+    }
   }
 }
 
@@ -324,17 +337,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
         else
           x = acc_s[j][e] * scale_log2;
-        const float prob = visible ? exp2_approx(x - tLse[il]) : 0.0f;
+        // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
+        const float prob = visible && x != -INFINITY ? exp2_approx(x - tLse[il]) : 0.0f;
         float dp = acc_dp[j][e], pd = prob;
         if (kExtras && p.dropout_p > 0.0) {
           const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
           dp = keep ? dp * keep_scale : 0.0f;
           pd = keep ? prob * keep_scale : 0.0f;
         }
-        float ds = prob * (dp - tD[il]);
+        float ds = prob == 0.0f ? 0.0f : prob * (dp - tD[il]);
         if (kExtras && w.ds && visible && i < s.sq && key < s.sk)
           w.ds[b * w.ds_batch_stride + h * w.ds_head_stride + int64_t(i) * w.ds_row_stride + key] = ds;
-        if constexpr (kExtras) ds *= dcap;
+        if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
         acc_s[j][e] = pd;
         acc_dp[j][e] = ds;
       }
@@ -534,12 +548,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
           visible = i < s.sq && score::key_visible(s, left, right, i, key);
           x = acc_s[j][e] * scale_log2;
         }
-        const float prob = visible ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+        const float prob =
+            visible && x != -INFINITY ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
         float dp = acc_dp[j][e];
         if (kExtras && p.dropout_p > 0.0)
           dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
                                                                           : 0.0f;
-        acc_s[j][e] = prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
+        acc_s[j][e] = prob == 0.0f ? 0.0f : prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
       }
 
     // dQi += dS Kj.

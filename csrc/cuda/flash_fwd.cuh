@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   }
 
   // ---- epilogue: l over the quad, O /= l, lse. A row with no visible key has l = 0:
-  // out 0, lse -inf (never NaN).
+  // out 0, lse -inf; a NaN or Inf score made l NaN: out and lse NaN.
   const bool partial = launch.num_splits > 1;
   // Bases recomputed here rather than kept live through the key loop (registers).
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
@@ -406,8 +406,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
   for (int r = 0; r < 2; ++r) {
     l[r] += shfl_xor(l[r], 1);
     l[r] += shfl_xor(l[r], 2);
-    const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const float row_lse = l[r] > 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
+    const float inv_l = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;  // a NaN l makes the row NaN
+    const float row_lse = l[r] != 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
     const int i = rows[r];
     if (i < sq) {
       if (partial) {
@@ -452,10 +452,12 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const float* lse_s = launch.lse_partial + row;
 
+  // The largest lse, NaN if any split's is (fmaxf would drop it): a NaN row stays NaN.
+  auto max_nan = [](float a, float b) { return a != a || b != b ? a + b : fmaxf(a, b); };
   float mx = -INFINITY;
-  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, lse_s[s * split_stride]);
+  for (int s = lane; s < n; s += 32) mx = max_nan(mx, lse_s[s * split_stride]);
 #pragma unroll
-  for (int w = 16; w >= 1; w /= 2) mx = fmaxf(mx, shfl_xor(mx, w));
+  for (int w = 16; w >= 1; w /= 2) mx = max_nan(mx, shfl_xor(mx, w));
   // Every split empty / every key masked: out 0, lse -inf (exp(-inf - -inf) would be NaN).
   float sum = 0.0f;
   if (mx != -INFINITY)

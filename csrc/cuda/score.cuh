@@ -29,7 +29,7 @@ FMHA_DEVICE float bias_at(const Broadcast4& bias, int64_t index) {
 
 // The logit of (query i, key j) in the log2 domain from acc = q_i . k_j: scale, softcap,
 // bias, ALiBi (slope = alibi_slope(p, b, h), 0 without ALiBi), times log2 e. `visible`
-// (the window test) is narrowed by the boolean mask; bias and mask are read only where it
+// (the window test) is narrowed by the boolean mask and a -inf bias; bias and mask are read only where it
 // holds, so rows and keys past the sequence never touch memory. dcap receives d softcap /
 // ds (1 without softcap) for the backward's chain rule.
 FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b, int h, int i,
@@ -41,7 +41,11 @@ FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b,
     x = softcap(x, float(p.softcap), t);
     dcap = softcap_grad(t);
   }
-  if (visible && p.bias.ptr) x += bias_at(p.bias, offset_of(p.bias, b, h, i, j));
+  if (visible && p.bias.ptr) {
+    const float bias = bias_at(p.bias, offset_of(p.bias, b, h, i, j));
+    if (bias == -INFINITY) visible = false;  // a -inf bias masks the pair, whatever q.k is
+    x += bias;
+  }
   x += alibi(slope, s, i, j);
   if (visible && p.mask.ptr) visible = mask_allows(p.mask, b, h, i, j);
   return x * kLog2e;
