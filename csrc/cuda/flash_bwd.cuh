@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w
       w.d[bwd_detail::work_row(p, h, b, i)] = sum;
       // dbias of a bias constant along the keys is 0 (run_flash_bwd fills it), except that a
       // row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN.
-      if (p.dbias && dbias_is_zero(p) && i < s.sq) {
+      if (p.dbias && p.dbias_cols == 1 && i < s.sq) {  // dbias_is_zero(p), host-only
         const float L = static_cast<const float*>(p.lse)[
             h * p.lse_head_stride + score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride) +
             int64_t(i) * p.lse_row_stride];

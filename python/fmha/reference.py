@@ -252,7 +252,8 @@ def _forward(
     s_raw = scale * np.einsum("bhid,bhjd->bhij", qh, kh)
     s = softcap * np.tanh(s_raw / softcap) if softcap > 0 else s_raw
     if bias is not None:
-        s = s + np.broadcast_to(np.asarray(bias, dtype=np.float64), full_shape)
+        with np.errstate(invalid="ignore"):  # -inf bias + inf score: masked just below
+            s = s + np.broadcast_to(np.asarray(bias, dtype=np.float64), full_shape)
     if alibi_slopes is not None:
         s = s + _alibi_bias(alibi_slopes, batch, heads_q, seqlen_q, seqlen_k, key_offset)
 
