@@ -1,4 +1,6 @@
+#if __has_include(<sys/mman.h>)
 #include <sys/mman.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +27,48 @@ namespace {
 // Every CpuIsa, lowest first; isa_name spells each.
 constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
                                CpuIsa::kAvx512Bf16};
+
+// The entry points of one compiled level.
+struct IsaKernels {
+  void (*forward)(const FwdParams&);
+  void (*backward)(const BwdParams&);
+  double (*fma_peak_gflops)(int);
+  void (*exp_array)(const float*, float*, int64_t);
+};
+#define FMHA_ISA_KERNELS(ns) \
+  IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, cpu::ns::exp_array }
+
+// The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
+// the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
+// others, whose symbols do not exist in this build.
+const IsaKernels* compiled_kernels(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(scalar);
+      return &k;
+    }
+#if defined(FMHA_CPU_HAVE_AVX2)
+    case CpuIsa::kAvx2: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx2);
+      return &k;
+    }
+#endif
+#if defined(FMHA_CPU_HAVE_AVX512)
+    case CpuIsa::kAvx512: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx512);
+      return &k;
+    }
+#endif
+#if defined(FMHA_CPU_HAVE_AVX512BF16)
+    case CpuIsa::kAvx512Bf16: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx512bf16);
+      return &k;
+    }
+#endif
+    default: return nullptr;
+  }
+}
+#undef FMHA_ISA_KERNELS
 }  // namespace
 
 CpuIsa parse_cpu_isa(const std::string& name, const char* source) {
@@ -60,11 +104,15 @@ static bool has(const std::vector<std::string>& f, const char* name) {
 
 CpuIsa best_cpu_isa() {
   const auto f = cpu_features();
+  CpuIsa cpu = CpuIsa::kScalar;
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    return has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
-  if (has(f, "avx2") && has(f, "fma") && has(f, "f16c")) return CpuIsa::kAvx2;
-  return CpuIsa::kScalar;
+    cpu = has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  else if (has(f, "avx2") && has(f, "fma") && has(f, "f16c"))
+    cpu = CpuIsa::kAvx2;
+  // The compiled levels are a prefix of kCpuIsas: step down to the highest one built.
+  while (compiled_kernels(cpu) == nullptr) cpu = CpuIsa(int(cpu) - 1);
+  return cpu;
 }
 
 namespace {
@@ -84,8 +132,11 @@ void init_isa() {
     return;
   }
   if (int(wanted) > int(isa_value)) {
-    isa_error = concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
-                       isa_name(isa_value));
+    isa_error = compiled_kernels(wanted)
+                    ? concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
+                             isa_name(isa_value))
+                    : concat("FMHA_CPU_ISA=", env, ": this build has no ", env,
+                             " kernels (the best level here is ", isa_name(isa_value), ")");
     return;
   }
   isa_value = wanted;
@@ -101,8 +152,10 @@ CpuIsa active_cpu_isa() {
 void set_cpu_isa(CpuIsa isa) {
   std::call_once(isa_once, init_isa);
   if (int(isa) > int(best_cpu_isa()))
-    throw Unsupported(concat("CPU ISA ", isa_name(isa), " is not supported by this CPU (best: ",
-                             isa_name(best_cpu_isa()), ")"));
+    throw Unsupported(concat("CPU ISA ", isa_name(isa),
+                             compiled_kernels(isa) ? " is not supported by this CPU"
+                                                   : " has no kernels in this build",
+                             " (best: ", isa_name(best_cpu_isa()), ")"));
   isa_value = isa;
   isa_error.clear();
 }
@@ -129,6 +182,9 @@ void hint_huge_pages(const void* ptr, int64_t batch, int64_t rows, int64_t heads
 #endif
 }
 
+// The kernels of the active level (active_cpu_isa never returns a level that was not built).
+const IsaKernels& active_kernels() { return *compiled_kernels(active_cpu_isa()); }
+
 int64_t rows_of(const FwdParams& p, bool q_side) {
   if (!p.cu_seqlens_q) return q_side ? p.seqlen_q : p.seqlen_k;
   return q_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];  // packed totals
@@ -141,32 +197,12 @@ void cpu_forward(const FwdParams& p) {
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
                   p.o_row_stride, p.o_head_stride, p.dtype);
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::forward(p);
-    case CpuIsa::kAvx512: return cpu::avx512::forward(p);
-    case CpuIsa::kAvx2: return cpu::avx2::forward(p);
-    case CpuIsa::kScalar: return cpu::scalar::forward(p);
-  }
+  active_kernels().forward(p);
 }
 
-double cpu_fma_peak_gflops(int threads) {
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::fma_peak_gflops(threads);
-    case CpuIsa::kAvx512: return cpu::avx512::fma_peak_gflops(threads);
-    case CpuIsa::kAvx2: return cpu::avx2::fma_peak_gflops(threads);
-    case CpuIsa::kScalar: return cpu::scalar::fma_peak_gflops(threads);
-  }
-  return 0;
-}
+double cpu_fma_peak_gflops(int threads) { return active_kernels().fma_peak_gflops(threads); }
 
-void cpu_exp(const float* x, float* y, int64_t n) {
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::exp_array(x, y, n);
-    case CpuIsa::kAvx512: return cpu::avx512::exp_array(x, y, n);
-    case CpuIsa::kAvx2: return cpu::avx2::exp_array(x, y, n);
-    case CpuIsa::kScalar: return cpu::scalar::exp_array(x, y, n);
-  }
-}
+void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x, y, n); }
 
 void cpu_backward(const BwdParams& p) {
   check_params(p, Backend::kCpu);
@@ -177,12 +213,7 @@ void cpu_backward(const BwdParams& p) {
                   p.dk_head_stride, p.dtype);
   hint_huge_pages(p.dv, b, sk, p.heads_kv, p.head_dim_v, p.dv_batch_stride, p.dv_row_stride,
                   p.dv_head_stride, p.dtype);
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::backward(p);
-    case CpuIsa::kAvx512: return cpu::avx512::backward(p);
-    case CpuIsa::kAvx2: return cpu::avx2::backward(p);
-    case CpuIsa::kScalar: return cpu::scalar::backward(p);
-  }
+  active_kernels().backward(p);
 }
 
 }  // namespace fmha
