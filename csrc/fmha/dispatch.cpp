@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 
 #include "cpu/kernels.h"
@@ -190,10 +191,86 @@ int64_t rows_of(const FwdParams& p, bool q_side) {
   return q_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];  // packed totals
 }
 
+// ---- empty calls: the kernels' tiles assume at least one query row and one key row, so a
+// call without either is answered here, before any kernel (docs/errors.md, "Empty inputs").
+
+// Does the call have a query row (q_side) or a key row? (Varlen: in some sequence.)
+bool has_rows(const FwdParams& p, bool q_side) {
+  return p.batch > 0 && (q_side ? p.heads_q : p.heads_kv) > 0 && rows_of(p, q_side) > 0;
+}
+
+// One dimension of an array to fill: its extent and its element stride.
+struct Dim {
+  int64_t n, stride;
+};
+
+// Sets every element of the 4-D strided array at `base` to `value`.
+template <typename T>
+void fill(void* base, Dim d0, Dim d1, Dim d2, Dim d3, T value) {
+  for (int64_t a = 0; a < d0.n; ++a)
+    for (int64_t b = 0; b < d1.n; ++b)
+      for (int64_t c = 0; c < d2.n; ++c) {
+        T* row = static_cast<T*>(base) + a * d0.stride + b * d1.stride + c * d2.stride;
+        for (int64_t e = 0; e < d3.n; ++e) row[e * d3.stride] = value;
+      }
+}
+
+// Zeros of the input dtype: +0 has every bit clear in each float format, so the element
+// size is all that matters.
+void fill_zero(void* base, DType t, Dim d0, Dim d1, Dim d2, Dim d3) {
+  switch (element_size(t)) {
+    case 8: return fill<uint64_t>(base, d0, d1, d2, d3, 0);
+    case 4: return fill<uint32_t>(base, d0, d1, d2, d3, 0);
+    default: return fill<uint16_t>(base, d0, d1, d2, d3, 0);
+  }
+}
+
+// Zeros in a (batch, rows, heads, dim) tensor of the call (varlen: one packed batch).
+void zero_rows(const FwdParams& p, void* base, bool q_side, int heads, int dim, int64_t bs,
+               int64_t rs, int64_t hs) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  fill_zero(base, p.dtype, {varlen ? 1 : p.batch, bs}, {rows_of(p, q_side), rs}, {heads, hs},
+            {dim, 1});
+}
+
+// Query rows without a key row: each row sees no key, so out = 0 and lse = -inf.
+void forward_without_keys(const FwdParams& p) {
+  zero_rows(p, p.o, true, p.heads_q, p.head_dim_v, p.o_batch_stride, p.o_row_stride,
+            p.o_head_stride);
+  const Dim b{p.cu_seqlens_q ? 1 : p.batch, p.lse_batch_stride}, h{p.heads_q, p.lse_head_stride},
+      r{rows_of(p, true), p.lse_row_stride}, one{1, 1};
+  if (p.dtype == DType::kFloat64)
+    fill<double>(p.lse, b, h, r, one, -std::numeric_limits<double>::infinity());
+  else
+    fill<float>(p.lse, b, h, r, one, -std::numeric_limits<float>::infinity());
+}
+
+// No (query row, key row) pair: every gradient is zero -- dq where there are query rows,
+// dk and dv where there are key rows, and dbias (which may be non-empty even so: a bias
+// broadcast over an empty dimension).
+void backward_without_pairs(const BwdParams& p) {
+  if (has_rows(p, true))
+    zero_rows(p, p.dq, true, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
+              p.dq_head_stride);
+  if (has_rows(p, false)) {
+    zero_rows(p, p.dk, false, p.heads_kv, p.head_dim, p.dk_batch_stride, p.dk_row_stride,
+              p.dk_head_stride);
+    zero_rows(p, p.dv, false, p.heads_kv, p.head_dim_v, p.dv_batch_stride, p.dv_row_stride,
+              p.dv_head_stride);
+  }
+  if (p.dbias) {  // contiguous, float32 (float64 for float64 inputs)
+    const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
+    const DType t = p.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    fill_zero(p.dbias, t, {1, 0}, {1, 0}, {1, 0}, {n, 1});
+  }
+}
+
 }  // namespace
 
 void cpu_forward(const FwdParams& p) {
   check_params(p, Backend::kCpu);
+  if (!has_rows(p, true)) return;  // no query row: nothing to write
+  if (!has_rows(p, false)) return forward_without_keys(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
                   p.o_row_stride, p.o_head_stride, p.dtype);
@@ -206,6 +283,7 @@ void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x
 
 void cpu_backward(const BwdParams& p) {
   check_params(p, Backend::kCpu);
+  if (!has_rows(p, true) || !has_rows(p, false)) return backward_without_pairs(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch, sq = rows_of(p, true), sk = rows_of(p, false);
   hint_huge_pages(p.dq, b, sq, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
                   p.dq_head_stride, p.dtype);
