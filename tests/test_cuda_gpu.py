@@ -106,6 +106,44 @@ def test_varlen_device_offsets(rng):
     assert err_gpu <= 2 * err_cpu + 1e-3, (err_gpu, err_cpu)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_empty_inputs_cuda_tensors(deterministic):
+    """Empty calls with CUDA tensors (null data pointers, device offsets): no kernel is
+    launched with an empty grid; out 0 / lse -inf on rows without keys, zero gradients
+    (tests/test_empty.py has the same cases through the gpu backend)."""
+    cases = [((0, 5, 6, 4, 2), None), ((2, 0, 6, 4, 2), (1, 1, 1, 6)),
+             ((2, 5, 0, 4, 2), (1, 4, 5, 1)), ((2, 5, 6, 0, 2), None),
+             ((2, 5, 6, 0, 0), (1, 1, 5, 6))]
+    with _kernel_module(_C):
+        for (b, sq, sk, hq, hkv), bias_shape in cases:
+            q = torch.randn(b, sq, hq, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(b, sk, hkv, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(b, sk, hkv, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            bias = None if bias_shape is None else torch.randn(
+                *bias_shape, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            out, lse = fmha.attention(q, k, v, causal=True, bias=bias, return_lse=True,
+                                      deterministic=deterministic)
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            assert out.shape == (b, sq, hq, 64) and lse.shape == (b, hq, sq)
+            assert torch.all(out == 0) and torch.all(lse == -torch.inf)
+            for x in (q, k, v) + (() if bias is None else (bias,)):
+                assert x.grad.shape == x.shape and torch.count_nonzero(x.grad) == 0
+        for lens_q, lens_k in (([0, 0], [3, 4]), ([2, 3], [0, 0]), ([], [])):
+            cu_q = torch.tensor(np.r_[0, np.cumsum(lens_q)], dtype=torch.int32, device=DEV)
+            cu_k = torch.tensor(np.r_[0, np.cumsum(lens_k)], dtype=torch.int32, device=DEV)
+            q = torch.randn(sum(lens_q), 4, 64, device=DEV, dtype=torch.float16,
+                            requires_grad=True)
+            k = torch.randn(sum(lens_k), 2, 64, device=DEV, dtype=torch.float16,
+                            requires_grad=True)
+            out, lse = fmha.attention_varlen(q, k, k, cu_q, cu_k, return_lse=True,
+                                             deterministic=deterministic)
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+            assert torch.all(out == 0) and torch.all(lse == -torch.inf)
+            assert torch.count_nonzero(q.grad) == 0 and torch.count_nonzero(k.grad) == 0
+
+
 def test_deterministic_backward_bitwise_on_gpu(rng):
     q, k, v, do = (x.to(DEV) for x in make_inputs(rng, 2, 500, 700, 8, 2, 128, dtype="bfloat16",
                                                   lib="torch"))

@@ -29,6 +29,13 @@ struct View {
 
   int64_t size(int i) const { return shape[size_t(i)]; }
   int64_t stride(int i) const { return strides[size_t(i)]; }
+  // No element: nothing is read or written through it, so its strides (NumPy gives size-0
+  // arrays zero strides) and its data pointer (often null) do not matter.
+  bool empty() const {
+    for (int i = 0; i < ndim; ++i)
+      if (shape[size_t(i)] == 0) return true;
+    return false;
+  }
 };
 
 // Where a producer says its array lives (__dlpack_device__), without exporting it; kDLCPU

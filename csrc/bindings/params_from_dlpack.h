@@ -158,7 +158,7 @@ inline void expect_shape(const View& v, std::initializer_list<int64_t> shape) {
                    s);
     ++i;
   }
-  FMHA_CHECK_ARG(v.stride(v.ndim - 1) == 1 || v.size(v.ndim - 1) == 1, v.name,
+  FMHA_CHECK_ARG(v.stride(v.ndim - 1) == 1 || v.size(v.ndim - 1) == 1 || v.empty(), v.name,
                  ": the last dimension must be contiguous");
 }
 
@@ -242,8 +242,8 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
                      cu->name, ": expected a contiguous 1-D int32 array");
       expect_device(*cu, c.dev);
     }
-    FMHA_CHECK_ARG(c.cu_q->size(0) == c.cu_k->size(0) && c.cu_q->size(0) >= 2,
-                   "cu_seqlens_q, cu_seqlens_k: must have the same length batch + 1 >= 2, got ",
+    FMHA_CHECK_ARG(c.cu_q->size(0) == c.cu_k->size(0) && c.cu_q->size(0) >= 1,
+                   "cu_seqlens_q, cu_seqlens_k: must have the same length batch + 1 >= 1, got ",
                    c.cu_q->size(0), " and ", c.cu_k->size(0));
     p.batch = int(c.cu_q->size(0) - 1);
     const int64_t total_q = c.q.size(0), total_k = c.k.size(0);
@@ -262,9 +262,11 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
                      "max_seqlen_q, max_seqlen_k: expected >= 0, got ", p.seqlen_q, " and ",
                      p.seqlen_k);
     }
-    // A batch of empty sequences still has well-formed (1-row) tiles.
-    p.seqlen_q = std::max(p.seqlen_q, 1);
-    p.seqlen_k = std::max(p.seqlen_k, 1);
+    // No row at all (every sequence empty, or no sequence): seqlen 0, so that the backends
+    // take the empty call's path and never touch the (possibly null) data pointer. Rows in
+    // some sequence: at least one row per tile, whatever max_seqlen said.
+    p.seqlen_q = total_q == 0 ? 0 : std::max(p.seqlen_q, 1);
+    p.seqlen_k = total_k == 0 ? 0 : std::max(p.seqlen_k, 1);
     expect_shape(c.q, {total_q, p.heads_q, p.head_dim});
     expect_shape(c.k, {total_k, p.heads_kv, p.head_dim});
     expect_shape(c.v, {total_k, p.heads_kv, p.head_dim_v});
@@ -397,7 +399,7 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
       FMHA_CHECK_ARG(g.size(i) == like[t]->size(i), g.name, ": dimension ", i, " is ",
                      g.size(i), ", expected ", like[t]->size(i), " (", like[t]->name,
                      "'s shape)");
-    FMHA_CHECK_ARG(g.stride(g.ndim - 1) == 1 || g.size(g.ndim - 1) == 1, g.name,
+    FMHA_CHECK_ARG(g.stride(g.ndim - 1) == 1 || g.size(g.ndim - 1) == 1 || g.empty(), g.name,
                    ": the last dimension must be contiguous");
   }
   const Bshd sdo = bshd(*c.dout, varlen), sdq = bshd(*c.dq, varlen), sdk = bshd(*c.dk, varlen),
@@ -420,7 +422,8 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
     for (int i = 3; i >= 0; --i) {
       FMHA_CHECK_ARG(db.size(i) == 1 || db.size(i) == full[i], "dbias: dimension ", i, " is ",
                      db.size(i), ", expected 1 or ", full[i]);
-      FMHA_CHECK_ARG(db.size(i) == 1 || db.stride(i) == compact, "dbias: must be contiguous");
+      FMHA_CHECK_ARG(db.size(i) == 1 || db.stride(i) == compact || db.empty(),
+                     "dbias: must be contiguous");
       compact *= db.size(i);
     }
     p.dbias = db.data;

@@ -14,10 +14,12 @@ namespace fmha {
 // kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs.
 enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* isa_name(CpuIsa isa);
-CpuIsa best_cpu_isa();                   // what this CPU (and OS) supports
+// The best level this CPU (and OS) supports among those this build has: scalar always; the
+// x86 levels only in a build for x86-64 (cmake/cpu_core.cmake).
+CpuIsa best_cpu_isa();
 std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "avx512bf16"}
 // The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16) if set, else the
-// best supported. Forcing a level the CPU lacks is an error.
+// best supported. Forcing a level the CPU (or the build) lacks is an error.
 CpuIsa active_cpu_isa();
 // The CpuIsa that isa_name spells `name`; otherwise InvalidArgument "<source>: got '...',
 // expected one of scalar, avx2, avx512, avx512bf16". FMHA_CPU_ISA and fmha._C.set_cpu_isa

@@ -1,7 +1,10 @@
+#if __has_include(<sys/mman.h>)
 #include <sys/mman.h>
+#endif
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 
 #include "cpu/kernels.h"
@@ -25,6 +28,48 @@ namespace {
 // Every CpuIsa, lowest first; isa_name spells each.
 constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
                                CpuIsa::kAvx512Bf16};
+
+// The entry points of one compiled level.
+struct IsaKernels {
+  void (*forward)(const FwdParams&);
+  void (*backward)(const BwdParams&);
+  double (*fma_peak_gflops)(int);
+  void (*exp_array)(const float*, float*, int64_t);
+};
+#define FMHA_ISA_KERNELS(ns) \
+  IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, cpu::ns::exp_array }
+
+// The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
+// the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
+// others, whose symbols do not exist in this build.
+const IsaKernels* compiled_kernels(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(scalar);
+      return &k;
+    }
+#if defined(FMHA_CPU_HAVE_AVX2)
+    case CpuIsa::kAvx2: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx2);
+      return &k;
+    }
+#endif
+#if defined(FMHA_CPU_HAVE_AVX512)
+    case CpuIsa::kAvx512: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx512);
+      return &k;
+    }
+#endif
+#if defined(FMHA_CPU_HAVE_AVX512BF16)
+    case CpuIsa::kAvx512Bf16: {
+      static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx512bf16);
+      return &k;
+    }
+#endif
+    default: return nullptr;
+  }
+}
+#undef FMHA_ISA_KERNELS
 }  // namespace
 
 CpuIsa parse_cpu_isa(const std::string& name, const char* source) {
@@ -60,11 +105,15 @@ static bool has(const std::vector<std::string>& f, const char* name) {
 
 CpuIsa best_cpu_isa() {
   const auto f = cpu_features();
+  CpuIsa cpu = CpuIsa::kScalar;
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    return has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
-  if (has(f, "avx2") && has(f, "fma") && has(f, "f16c")) return CpuIsa::kAvx2;
-  return CpuIsa::kScalar;
+    cpu = has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  else if (has(f, "avx2") && has(f, "fma") && has(f, "f16c"))
+    cpu = CpuIsa::kAvx2;
+  // The compiled levels are a prefix of kCpuIsas: step down to the highest one built.
+  while (compiled_kernels(cpu) == nullptr) cpu = CpuIsa(int(cpu) - 1);
+  return cpu;
 }
 
 namespace {
@@ -84,8 +133,11 @@ void init_isa() {
     return;
   }
   if (int(wanted) > int(isa_value)) {
-    isa_error = concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
-                       isa_name(isa_value));
+    isa_error = compiled_kernels(wanted)
+                    ? concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
+                             isa_name(isa_value))
+                    : concat("FMHA_CPU_ISA=", env, ": this build has no ", env,
+                             " kernels (the best level here is ", isa_name(isa_value), ")");
     return;
   }
   isa_value = wanted;
@@ -101,8 +153,10 @@ CpuIsa active_cpu_isa() {
 void set_cpu_isa(CpuIsa isa) {
   std::call_once(isa_once, init_isa);
   if (int(isa) > int(best_cpu_isa()))
-    throw Unsupported(concat("CPU ISA ", isa_name(isa), " is not supported by this CPU (best: ",
-                             isa_name(best_cpu_isa()), ")"));
+    throw Unsupported(concat("CPU ISA ", isa_name(isa),
+                             compiled_kernels(isa) ? " is not supported by this CPU"
+                                                   : " has no kernels in this build",
+                             " (best: ", isa_name(best_cpu_isa()), ")"));
   isa_value = isa;
   isa_error.clear();
 }
@@ -129,47 +183,107 @@ void hint_huge_pages(const void* ptr, int64_t batch, int64_t rows, int64_t heads
 #endif
 }
 
+// The kernels of the active level (active_cpu_isa never returns a level that was not built).
+const IsaKernels& active_kernels() { return *compiled_kernels(active_cpu_isa()); }
+
 int64_t rows_of(const FwdParams& p, bool q_side) {
   if (!p.cu_seqlens_q) return q_side ? p.seqlen_q : p.seqlen_k;
   return q_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];  // packed totals
+}
+
+// ---- empty calls: the kernels' tiles assume at least one query row and one key row, so a
+// call without either is answered here, before any kernel (docs/errors.md, "Empty inputs").
+
+// Does the call have a query row (q_side) or a key row? (Varlen: in some sequence.)
+bool has_rows(const FwdParams& p, bool q_side) {
+  return p.batch > 0 && (q_side ? p.heads_q : p.heads_kv) > 0 && rows_of(p, q_side) > 0;
+}
+
+// One dimension of an array to fill: its extent and its element stride.
+struct Dim {
+  int64_t n, stride;
+};
+
+// Sets every element of the 4-D strided array at `base` to `value`.
+template <typename T>
+void fill(void* base, Dim d0, Dim d1, Dim d2, Dim d3, T value) {
+  for (int64_t a = 0; a < d0.n; ++a)
+    for (int64_t b = 0; b < d1.n; ++b)
+      for (int64_t c = 0; c < d2.n; ++c) {
+        T* row = static_cast<T*>(base) + a * d0.stride + b * d1.stride + c * d2.stride;
+        for (int64_t e = 0; e < d3.n; ++e) row[e * d3.stride] = value;
+      }
+}
+
+// Zeros of the input dtype: +0 has every bit clear in each float format, so the element
+// size is all that matters.
+void fill_zero(void* base, DType t, Dim d0, Dim d1, Dim d2, Dim d3) {
+  switch (element_size(t)) {
+    case 8: return fill<uint64_t>(base, d0, d1, d2, d3, 0);
+    case 4: return fill<uint32_t>(base, d0, d1, d2, d3, 0);
+    default: return fill<uint16_t>(base, d0, d1, d2, d3, 0);
+  }
+}
+
+// Zeros in a (batch, rows, heads, dim) tensor of the call (varlen: one packed batch).
+void zero_rows(const FwdParams& p, void* base, bool q_side, int heads, int dim, int64_t bs,
+               int64_t rs, int64_t hs) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  fill_zero(base, p.dtype, {varlen ? 1 : p.batch, bs}, {rows_of(p, q_side), rs}, {heads, hs},
+            {dim, 1});
+}
+
+// Query rows without a key row: each row sees no key, so out = 0 and lse = -inf.
+void forward_without_keys(const FwdParams& p) {
+  zero_rows(p, p.o, true, p.heads_q, p.head_dim_v, p.o_batch_stride, p.o_row_stride,
+            p.o_head_stride);
+  const Dim b{p.cu_seqlens_q ? 1 : p.batch, p.lse_batch_stride}, h{p.heads_q, p.lse_head_stride},
+      r{rows_of(p, true), p.lse_row_stride}, one{1, 1};
+  if (p.dtype == DType::kFloat64)
+    fill<double>(p.lse, b, h, r, one, -std::numeric_limits<double>::infinity());
+  else
+    fill<float>(p.lse, b, h, r, one, -std::numeric_limits<float>::infinity());
+}
+
+// No (query row, key row) pair: every gradient is zero -- dq where there are query rows,
+// dk and dv where there are key rows, and dbias (which may be non-empty even so: a bias
+// broadcast over an empty dimension).
+void backward_without_pairs(const BwdParams& p) {
+  if (has_rows(p, true))
+    zero_rows(p, p.dq, true, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
+              p.dq_head_stride);
+  if (has_rows(p, false)) {
+    zero_rows(p, p.dk, false, p.heads_kv, p.head_dim, p.dk_batch_stride, p.dk_row_stride,
+              p.dk_head_stride);
+    zero_rows(p, p.dv, false, p.heads_kv, p.head_dim_v, p.dv_batch_stride, p.dv_row_stride,
+              p.dv_head_stride);
+  }
+  if (p.dbias) {  // contiguous, float32 (float64 for float64 inputs)
+    const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
+    const DType t = p.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+    fill_zero(p.dbias, t, {1, 0}, {1, 0}, {1, 0}, {n, 1});
+  }
 }
 
 }  // namespace
 
 void cpu_forward(const FwdParams& p) {
   check_params(p, Backend::kCpu);
+  if (!has_rows(p, true)) return;  // no query row: nothing to write
+  if (!has_rows(p, false)) return forward_without_keys(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
                   p.o_row_stride, p.o_head_stride, p.dtype);
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::forward(p);
-    case CpuIsa::kAvx512: return cpu::avx512::forward(p);
-    case CpuIsa::kAvx2: return cpu::avx2::forward(p);
-    case CpuIsa::kScalar: return cpu::scalar::forward(p);
-  }
+  active_kernels().forward(p);
 }
 
-double cpu_fma_peak_gflops(int threads) {
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::fma_peak_gflops(threads);
-    case CpuIsa::kAvx512: return cpu::avx512::fma_peak_gflops(threads);
-    case CpuIsa::kAvx2: return cpu::avx2::fma_peak_gflops(threads);
-    case CpuIsa::kScalar: return cpu::scalar::fma_peak_gflops(threads);
-  }
-  return 0;
-}
+double cpu_fma_peak_gflops(int threads) { return active_kernels().fma_peak_gflops(threads); }
 
-void cpu_exp(const float* x, float* y, int64_t n) {
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::exp_array(x, y, n);
-    case CpuIsa::kAvx512: return cpu::avx512::exp_array(x, y, n);
-    case CpuIsa::kAvx2: return cpu::avx2::exp_array(x, y, n);
-    case CpuIsa::kScalar: return cpu::scalar::exp_array(x, y, n);
-  }
-}
+void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x, y, n); }
 
 void cpu_backward(const BwdParams& p) {
   check_params(p, Backend::kCpu);
+  if (!has_rows(p, true) || !has_rows(p, false)) return backward_without_pairs(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch, sq = rows_of(p, true), sk = rows_of(p, false);
   hint_huge_pages(p.dq, b, sq, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
                   p.dq_head_stride, p.dtype);
@@ -177,12 +291,7 @@ void cpu_backward(const BwdParams& p) {
                   p.dk_head_stride, p.dtype);
   hint_huge_pages(p.dv, b, sk, p.heads_kv, p.head_dim_v, p.dv_batch_stride, p.dv_row_stride,
                   p.dv_head_stride, p.dtype);
-  switch (active_cpu_isa()) {
-    case CpuIsa::kAvx512Bf16: return cpu::avx512bf16::backward(p);
-    case CpuIsa::kAvx512: return cpu::avx512::backward(p);
-    case CpuIsa::kAvx2: return cpu::avx2::backward(p);
-    case CpuIsa::kScalar: return cpu::scalar::backward(p);
-  }
+  active_kernels().backward(p);
 }
 
 }  // namespace fmha

@@ -14,31 +14,30 @@ constexpr int kCudaMaxHeadDim = 256;
 // Which tensors a call touches: the query side (q, out, lse; dout, dq) when some query row
 // exists, the key side (k, v; dk, dv) when some key row exists -- the backward writes dk, dv
 // (zeros) even without query rows. An empty array's data pointer may be null (it often is),
-// so only what is touched must be non-null.
+// so only what is touched must be non-null. Varlen: seqlen_q / seqlen_k are 0 exactly when
+// the packed batch has no query / key row (the bindings set them so).
 bool has_query_rows(const FwdParams& p) {
   return p.batch > 0 && p.heads_q > 0 && p.seqlen_q > 0;
 }
-bool has_key_rows(const FwdParams& p) { return p.batch > 0 && p.heads_q > 0 && p.seqlen_k > 0; }
+bool has_key_rows(const FwdParams& p) { return p.batch > 0 && p.heads_kv > 0 && p.seqlen_k > 0; }
 
 void check_sizes(const FwdParams& p, Backend backend) {
-  FMHA_CHECK_ARG(p.heads_kv > 0, "heads_kv must be > 0, got ", p.heads_kv);
-  FMHA_CHECK_ARG(p.heads_q % p.heads_kv == 0, "heads_q (", p.heads_q,
-                 ") must be a multiple of heads_kv (", p.heads_kv, ")");
+  // Empty calls are valid on every backend (docs/errors.md, "Empty inputs"): no query row
+  // writes nothing but the backward's zero dk, dv (and dbias); no key row writes out 0,
+  // lse -inf and a zero dq. Each backend's entry handles them before any kernel tile exists.
+  FMHA_CHECK_ARG(p.batch >= 0 && p.heads_q >= 0 && p.heads_kv >= 0,
+                 "batch, heads_q, heads_kv: must be >= 0, got ", p.batch, ", ", p.heads_q,
+                 " and ", p.heads_kv);
+  // heads_q = heads_kv = 0 is an empty call; otherwise each kv head serves heads_q / heads_kv
+  // query heads.
+  FMHA_CHECK_ARG(p.heads_kv > 0 ? p.heads_q % p.heads_kv == 0 : p.heads_q == 0, "heads_q (",
+                 p.heads_q, ") must be a multiple of heads_kv (", p.heads_kv, ")");
+  FMHA_CHECK_ARG(p.seqlen_q >= 0 && p.seqlen_k >= 0, "seqlen_q, seqlen_k: must be >= 0, got ",
+                 p.seqlen_q, " and ", p.seqlen_k);
   if (backend == Backend::kCpu) {
-    // The CPU kernels need every extent > 0. The CUDA launchers accept empty calls (a call
-    // that writes no row returns at once; seqlen_k == 0 writes out = 0, lse = -inf); the
-    // Python layer rejects empty arrays before either backend sees them.
-    FMHA_CHECK_ARG(p.batch > 0, "batch must be > 0, got ", p.batch);
-    FMHA_CHECK_ARG(p.heads_q > 0, "heads_q must be > 0, got ", p.heads_q);
-    FMHA_CHECK_ARG(p.seqlen_q > 0 && p.seqlen_k > 0, "seqlen_q, seqlen_k: must be > 0, got ",
-                   p.seqlen_q, " and ", p.seqlen_k);
     FMHA_CHECK_ARG(p.head_dim > 0 && p.head_dim_v > 0, "head_dim, head_dim_v: must be > 0, got ",
                    p.head_dim, " and ", p.head_dim_v);
   } else {
-    FMHA_CHECK_ARG(p.batch >= 0 && p.heads_q >= 0, "batch, heads_q: must be >= 0, got ",
-                   p.batch, " and ", p.heads_q);
-    FMHA_CHECK_ARG(p.seqlen_q >= 0 && p.seqlen_k >= 0, "seqlen_q, seqlen_k: must be >= 0, got ",
-                   p.seqlen_q, " and ", p.seqlen_k);
     FMHA_CHECK_ARG(p.head_dim >= 1 && p.head_dim <= kCudaMaxHeadDim && p.head_dim_v >= 1 &&
                        p.head_dim_v <= kCudaMaxHeadDim,
                    "head_dim, head_dim_v: expected 1..", kCudaMaxHeadDim,
@@ -53,7 +52,6 @@ void check_params(const FwdParams& p, Backend backend) {
     FMHA_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, "dtype ",
                    dtype_name(p.dtype), ": the CUDA kernels take float16/bfloat16");
   check_sizes(p, backend);
-  // (Empty calls reach here only on CUDA: check_sizes.)
   if (has_query_rows(p)) {
     FMHA_CHECK_ARG(p.q && p.o && p.lse, "q, out and lse must be non-null");
     if (has_key_rows(p)) FMHA_CHECK_ARG(p.k && p.v, "k and v must be non-null");
@@ -78,7 +76,10 @@ void check_params(const BwdParams& p, Backend backend) {
   if (has_query_rows(p)) FMHA_CHECK_ARG(p.dout && p.dq, "dout and dq must be non-null");
   if (has_key_rows(p))
     FMHA_CHECK_ARG(p.k && p.v && p.dk && p.dv, "k, v, dk and dv must be non-null");
-  FMHA_CHECK_ARG(!p.dbias || p.bias.ptr, "dbias: given without bias");
+  // An empty call reads no bias (whose empty view may well have a null pointer) and writes
+  // dbias = 0.
+  FMHA_CHECK_ARG(!p.dbias || p.bias.ptr || !(has_query_rows(p) && has_key_rows(p)),
+                 "dbias: given without bias");
 }
 
 }  // namespace fmha

@@ -66,6 +66,8 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     off = seqlen_k - seqlen_q for alignment="bottom_right" (flash-attn) or 0 for "top_left"
     (torch SDPA). bias: float, broadcastable to (batch, heads_q, seqlen_q, seqlen_k);
     mask: bool, same broadcasting, True = may attend. A row that sees no key gives 0.
+    Any size but head_dim may be 0 (as in torch): an empty batch, sequence or head count
+    gives outputs of that shape, seqlen_k = 0 out = 0 and lse = -inf, and zero gradients.
 
     dropout_p: dropout on the probabilities (Philox; torch's generator supplies the seed,
     NumPy users may pass ``seed``). The mask is a function of (seed, offset, b, h, i, j)

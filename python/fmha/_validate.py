@@ -201,10 +201,12 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
             raise ValueError(f"{name}: on device {device_of(x)}, expected q's device {device}")
     if device != "cpu":
         _check_cuda(device, dt)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if any(s == 0 for s in x.shape):
-            raise ValueError(f"{name}: every dimension must be non-empty, got shape "
-                             f"{tuple(x.shape)} (layout {layout})")
+    # Empty batches, sequences and heads are valid (empty outputs; no visible key gives out 0,
+    # lse -inf); an empty head dimension is not (there is no dot product to scale).
+    for name, x in (("q", q), ("v", v)):
+        if x.shape[-1] == 0:
+            raise ValueError(f"{name}: head_dim must be >= 1, got shape {tuple(x.shape)} "
+                             f"(layout {layout})")
     if varlen:
         total_q, heads_q, head_dim = q.shape
         total_k, heads_kv, head_dim_k = k.shape
@@ -223,7 +225,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     if v.shape[-2] != heads_kv:
         raise ValueError(f"v: {v.shape[-2]} heads, expected k's {heads_kv}")
     head_dim_v = v.shape[-1]
-    if heads_q % heads_kv:
+    if (heads_q % heads_kv) if heads_kv else heads_q:  # heads_q = heads_kv = 0 is empty
         raise ValueError(f"q, k: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
                          f"for grouped-query attention")
     limit = MAX_HEAD_DIM_CPU if device == "cpu" else MAX_HEAD_DIM_CUDA
@@ -350,13 +352,13 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
             _check_array(name, cu, kind, (1,))
             if dtype_name(cu) != "int32":
                 raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
-        if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 2:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected equal lengths batch + 1 >= 2")
+        if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 1:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected equal lengths batch + 1 >= 1")
         if max_q is None or max_k is None:
             raise ValueError("max_seqlen_q, max_seqlen_k: required under torch.compile (the "
                              "sequence lengths cannot be read while tracing)")
-        return (cu_q.shape[0] - 1, _check_int("max_seqlen_q", max_q, 1),
-                _check_int("max_seqlen_k", max_k, 1))
+        return (cu_q.shape[0] - 1, _check_int("max_seqlen_q", max_q, 0),
+                _check_int("max_seqlen_k", max_k, 0))
     lengths = []
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         if cu is None:
@@ -365,8 +367,8 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
         if dtype_name(cu) != "int32":
             raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
         host = to_host(cu)
-        if host.shape[0] < 2:
-            raise ValueError(f"{name}: expected batch + 1 >= 2 entries, got {host.shape[0]}")
+        if host.shape[0] < 1:
+            raise ValueError(f"{name}: expected batch + 1 >= 1 entries, got {host.shape[0]}")
         if host[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {int(host[0])}")
         if np.any(np.diff(host.astype(np.int64)) < 0):
@@ -377,14 +379,14 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
     if lengths[0].shape != lengths[1].shape:
         raise ValueError(f"cu_seqlens_q, cu_seqlens_k: lengths {lengths[0].shape[0] + 1} and "
                          f"{lengths[1].shape[0] + 1} differ")
-    longest = [int(x.max()) for x in lengths]
+    longest = [int(x.max()) if x.size else 0 for x in lengths]
     out = []
     for name, given, need in (("max_seqlen_q", max_q, longest[0]),
                               ("max_seqlen_k", max_k, longest[1])):
         if given is None:
-            out.append(max(need, 1))
+            out.append(need)
             continue
-        given = _check_int(name, given, 1)
+        given = _check_int(name, given, 0)
         if given < need:
             raise ValueError(f"{name}: {given} is smaller than the longest sequence ({need})")
         out.append(given)

@@ -343,7 +343,7 @@ class MultiheadAttention(Module):
         if attn_mask is not None:
             parts.append(attn_mask)                             # (1|N, 1|H, L, S)
         if key_padding_mask is not None:
-            parts.append(key_padding_mask.view(bsz, 1, 1, -1))  # (N, 1, 1, S)
+            parts.append(key_padding_mask[:, None, None, :])    # (N, 1, 1, S)
         mask = bias = None
         for m in parts:
             if extra_keys:

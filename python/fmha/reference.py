@@ -118,6 +118,8 @@ def _check_qkv(q, k, v):
     if k.shape[3] != head_dim:
         raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
     heads_kv = k.shape[2]
+    if heads_q == 0 and heads_kv == 0:  # no head at all: an empty call
+        return heads_kv
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(
             f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})"
@@ -128,7 +130,7 @@ def _check_qkv(q, k, v):
 def _repeat_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
     """(B, Sk, Hkv, D) -> (B, Hq, Sk, D), query head h reading kv head h // group."""
     heads_kv = x.shape[2]
-    group = heads_q // heads_kv
+    group = heads_q // heads_kv if heads_kv else 1  # no heads at all: any group
     kv_head_of = np.arange(heads_q) // group
     return np.transpose(x[:, :, kv_head_of, :], (0, 2, 1, 3))
 
@@ -136,7 +138,7 @@ def _repeat_kv(x: np.ndarray, heads_q: int) -> np.ndarray:
 def _sum_heads_to_kv(x: np.ndarray, heads_kv: int) -> np.ndarray:
     """(B, Hq, Sk, D) -> (B, Sk, Hkv, D), summing the query heads of each group."""
     batch, heads_q, seqlen, dim = x.shape
-    group = heads_q // heads_kv
+    group = heads_q // heads_kv if heads_kv else 1  # no heads at all: any group
     x = x.reshape(batch, heads_kv, group, seqlen, dim).sum(axis=2)
     return np.transpose(x, (0, 2, 1, 3))
 

@@ -8,6 +8,7 @@ accepts any strides), so nothing is copied on the way in or out.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -121,8 +122,9 @@ def _to_fmha_layout(x: Tensor, lead: Tuple[int, ...], heads: int) -> Tensor:
     x = x.expand(*lead, heads, *x.shape[-2:])
     if len(lead) != 1:
         # Merging several batch dimensions (or adding one) is a view for contiguous inputs;
-        # reshape copies only when their strides cannot be merged.
-        x = x.reshape(-1, *x.shape[-3:])
+        # reshape copies only when their strides cannot be merged. (The batch is spelt out:
+        # -1 is ambiguous for an empty tensor.)
+        x = x.reshape(math.prod(lead), *x.shape[-3:])
     return x.transpose(1, 2)
 
 
@@ -151,4 +153,4 @@ def _flatten_mask(attn_mask: Tensor, lead: Tuple[int, ...], weights: Tuple[int, 
         return m.reshape(1, *m.shape[nlead:])
     # Several batch dimensions that the mask does not all broadcast over: merging them needs
     # the expanded mask, which reshape materialises (as large as the mask broadcast to them).
-    return m.expand(*lead, *m.shape[nlead:]).reshape(-1, *m.shape[nlead:])
+    return m.expand(*lead, *m.shape[nlead:]).reshape(math.prod(lead), *m.shape[nlead:])
