@@ -29,9 +29,12 @@ void run(const BwdParams& p, int tile, Stream stream) {
   });
 }
 
+}  // namespace
+
 // ---- empty calls: the main kernels' tiles need a query row and a key row (and a grid
 // with a zero extent does not launch), so a backward without any (query row, key row) pair
-// writes its zero gradients here.
+// writes its zero gradients here. (Outside the anonymous namespace: nvcc's host stub of a
+// kernel there does not compile.)
 
 // Zeros `rows` x `dim` 16-bit elements from `t` (row stride `row_stride`), 128 threads.
 FMHA_DEVICE void zero_rows(uint16_t* t, int rows, int dim, int64_t row_stride) {
@@ -62,6 +65,8 @@ __global__ void __launch_bounds__(128) flash_bwd_zero_grads(BwdParams p, bool q_
                 h * p.dv_head_stride + int64_t(m0) * p.dv_row_stride,
             rows, p.head_dim_v, p.dv_row_stride);
 }
+
+namespace {
 
 // No pair: dq = 0 where there are query rows, dk = dv = 0 where there are key rows, and
 // dbias = 0 (it may have elements even so: a bias broadcast over an empty dimension).
