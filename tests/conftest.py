@@ -290,17 +290,38 @@ def _finite_err(actual, ref):
     return float(np.max(np.abs(actual[fin] - ref[fin])))
 
 
-def assert_close(name, actual, ref, dtype, naive=None, grad=False, result_dtype=None):
+def _check_nonfinite_pattern(name, actual, ref):
+    """Inputs holding NaN/Inf (docs/semantics.md): non-finite exactly where the reference is;
+    which non-finite value (NaN, +inf, -inf) is not asserted."""
+    fin_a, fin_r = np.isfinite(actual), np.isfinite(ref)
+    if not np.array_equal(fin_a, fin_r):
+        extra = np.argwhere(~fin_a & fin_r)
+        missing = np.argwhere(fin_a & ~fin_r)
+        raise AssertionError(
+            f"{name}: non-finite pattern differs from the reference: {len(extra)} entries "
+            f"non-finite only in the result (first {extra[:3].tolist()}), {len(missing)} "
+            f"non-finite only in the reference (first {missing[:3].tolist()})")
+
+
+def assert_close(name, actual, ref, dtype, naive=None, grad=False, result_dtype=None,
+                 nonfinite=False, naive_ref=None):
     """Assert ``actual`` (fmha's result) matches ``ref`` (float64 reference).
 
     dtype: the input dtype of the computation. For low precision, ``naive`` (the naive
     low-precision result) is required. result_dtype: dtype ``actual`` is stored in (for the
     rounding floor; lse is float32 even for 16-bit inputs); defaults to ``dtype``.
+    nonfinite: the inputs held NaN/Inf on purpose: the non-finite pattern must equal the
+    reference's (instead of "-inf where the reference has it, NaN nowhere") and the finite
+    entries follow the rule. naive_ref: the float64 result ``naive`` is measured against
+    (default ``ref``), for a naive baseline computed on other inputs than ``ref``.
     """
     actual = to_f64(actual)
     ref = to_f64(ref)
     assert actual.shape == ref.shape, f"{name}: shape {actual.shape} != reference {ref.shape}"
-    _check_inf_pattern(name, actual, ref)
+    if nonfinite:
+        _check_nonfinite_pattern(name, actual, ref)
+    else:
+        _check_inf_pattern(name, actual, ref)
     err = _finite_err(actual, ref)
     ref_max = max_abs(ref)
     if dtype in ("float64", "float32"):
@@ -311,7 +332,7 @@ def assert_close(name, actual, ref, dtype, naive=None, grad=False, result_dtype=
         assert naive is not None, f"{name}: low-precision check needs the naive result"
         naive = to_f64(naive)
         mult = 3.0 if grad else 2.0
-        naive_err = _finite_err(naive, ref)
+        naive_err = _finite_err(naive, ref if naive_ref is None else to_f64(naive_ref))
         # floor: rounding the exact answer to the stored dtype, plus float32-level error
         # (fmha accumulates in float32, so it carries that error even where the naive
         # low-precision result is exact, e.g. dS = P(dP - D) = 0 for a row with one key,
@@ -400,13 +421,24 @@ def naive_attention_torch(q, k, v, *, scale=None, causal=False, window=(-1, -1),
     return out, lse
 
 
+def leaf_copy(x, requires_grad=True):
+    """A leaf copy of tensor ``x`` with ``x``'s strides. Tensor.clone() keeps the strides of a
+    dense tensor only: a strided view (every other row, a slice of the heads) would come back
+    contiguous, and the kernels would never see the layout a test builds."""
+    import torch
+    y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        y.copy_(x)
+    return y.requires_grad_(requires_grad)
+
+
 def _autograd_results(attend, q, k, v, dout, bias, bias_grad):
-    """attend(q, k, v, bias) -> (out, lse) on fresh leaf copies, backward with dout; a dict of
-    out, lse and the gradients (dbias when bias_grad)."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    """attend(q, k, v, bias) -> (out, lse) on fresh leaf copies (same strides), backward with
+    dout; a dict of out, lse and the gradients (dbias when bias_grad)."""
+    leaves = [leaf_copy(x) for x in (q, k, v)]
     b = None
     if bias is not None:
-        b = bias.detach().clone().requires_grad_(bias_grad)
+        b = leaf_copy(bias, bias_grad)
     out, lse = attend(*leaves, b)
     out.backward(dout)
     res = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad,
@@ -452,13 +484,35 @@ def fmha_results(q, k, v, dout, *, bias=None, bias_grad=False, seed=None, **kw):
     return res
 
 
+def naive_baseline(q, k, v, dout, *, bias=None, bias_grad=False, ref_kw=None, **kw):
+    """naive_results for the arguments of a check_against_reference call (NumPy arrays become
+    torch tensors; dropout becomes the explicit multiplier of ref_kw's seed and offset)."""
+    import torch
+    tq = lambda x: None if x is None else (  # noqa: E731
+        x if is_torch(x) else torch.from_numpy(np.ascontiguousarray(x)))
+    nkw = {kk: vv for kk, vv in kw.items() if kk not in ("dropout_p",)}
+    if kw.get("mask") is not None:
+        nkw["mask"] = tq(kw["mask"])
+    if kw.get("dropout_p", 0.0) > 0:
+        from fmha._philox import dropout_keep_mask
+        p = kw["dropout_p"]
+        rk = ref_kw or {}
+        keep = dropout_keep_mask(rk.get("seed", 0), rk.get("offset", 0), q.shape[0],
+                                 q.shape[2], q.shape[1], k.shape[1], p)
+        nkw["dropout_z"] = torch.from_numpy(keep / (1.0 - p))
+    return naive_results(tq(q), tq(k), tq(v), tq(dout), bias=tq(bias), bias_grad=bias_grad,
+                         **nkw)
+
+
 def check_against_reference(q, k, v, dout, *, bias=None, bias_grad=False, seed=None,
-                            ref_kw=None, **kw):
+                            ref_kw=None, nonfinite=False, **kw):
     """fmha vs fmha.reference, forward and backward, with the dtype's tolerance rule.
 
     Low-precision inputs must be torch tensors (or NumPy float16, which is converted to
     torch for the naive baseline). ref_kw: extra keywords for the reference only
-    (e.g. seed/offset for dropout). Returns (fmha results, reference results).
+    (e.g. seed/offset for dropout). nonfinite: the inputs hold NaN/Inf on purpose
+    (assert_close's nonfinite; float32/float64 only: the naive 16-bit baseline is not defined
+    there). Returns (fmha results, reference results).
     """
     from fmha._validate import dtype_name
     dtype = dtype_name(q)
@@ -475,22 +529,11 @@ def check_against_reference(q, k, v, dout, *, bias=None, bias_grad=False, seed=N
         assert dtype_name(res[g]) == dtype, g
     if bias_grad:
         assert tuple(res["dbias"].shape) == tuple(bias.shape)
+    assert not (nonfinite and dtype in LOW_PRECISION), "nonfinite: float32/float64 inputs only"
     naive = None
     if dtype in LOW_PRECISION:
-        import torch
-        tq = lambda x: None if x is None else (x if is_torch(x) else torch.from_numpy(x))
-        nkw = {kk: vv for kk, vv in kw.items() if kk not in ("dropout_p",)}
-        if kw.get("mask") is not None:
-            nkw["mask"] = tq(kw["mask"])
-        if kw.get("dropout_p", 0.0) > 0:
-            from fmha._philox import dropout_keep_mask
-            p = kw["dropout_p"]
-            rk = ref_kw or {}
-            keep = dropout_keep_mask(rk.get("seed", 0), rk.get("offset", 0), q.shape[0],
-                                     q.shape[2], q.shape[1], k.shape[1], p)
-            nkw["dropout_z"] = torch.from_numpy(keep / (1.0 - p))
-        naive = naive_results(tq(q), tq(k), tq(v), tq(dout), bias=tq(bias),
-                              bias_grad=bias_grad, **nkw)
+        naive = naive_baseline(q, k, v, dout, bias=bias, bias_grad=bias_grad, ref_kw=ref_kw,
+                               **kw)
     for key in ("out", "lse", "dq", "dk", "dv", "dbias"):
         if key not in ref:
             continue
@@ -499,7 +542,7 @@ def check_against_reference(q, k, v, dout, *, bias=None, bias_grad=False, seed=N
             rdt = "float64" if dtype == "float64" else "float32"
         assert_close(key, res[key], ref[key], dtype,
                      naive=None if naive is None else naive[key],
-                     grad=key.startswith("d"), result_dtype=rdt)
+                     grad=key.startswith("d"), result_dtype=rdt, nonfinite=nonfinite)
     return res, ref
 
 

@@ -3,9 +3,10 @@
 dispatch picks. Exits non-zero if any level fails. Used by the README's test command.
 
 Lower levels run the suites that exercise the CPU kernels directly (KERNEL_SUITES: every
-feature, dtype, shape class and gradient of the kernels); the integration suites above them
-(nn, sdpa, transformers, the example, errors, the reference itself), the CUDA-emulator suites
-and the build checks do not depend on the CPU level and run once, in the main pass."""
+feature, dtype, shape class and gradient of the kernels, and the CPU fuzz); the integration
+suites above them (nn, sdpa, transformers, the example, errors, the reference itself), the
+CUDA-emulator suites and the build checks do not depend on the CPU level and run once, in the
+main pass."""
 
 import os
 import subprocess
@@ -15,7 +16,10 @@ from fmha import _C
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
 KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py", "test_memory.py",
-                 "test_nonfinite.py::test_nonfinite_cpu"]
+                 # the CPU half of the differential fuzz (the CUDA half does not depend on the
+                 # CPU level); ~30 s per level
+                 "test_fuzz.py::test_fuzz_cpu", "test_fuzz.py::test_fuzz_cpu_varlen",
+                 "test_fuzz.py::test_fuzz_cpu_nonfinite", "test_nonfinite.py::test_nonfinite_cpu"]
 
 
 def main() -> int:
