@@ -165,17 +165,41 @@ inline bool tile_may_zero(const FwdParams& p, const Seq& s, int i0, int nr, int 
   return p.bias.ptr || p.mask.ptr || p.dropout_p > 0 || !inside_window(p, s, i0, nr, j0, nc);
 }
 
+// Whether rows [0, n) x [0, dim) of x hold a NaN or Inf. Vectorised: it runs on every tile
+// that may hold excluded pairs (a boolean mask makes that every tile). x - x is 0 for a
+// finite x and NaN otherwise, so one sum per row tells.
+inline bool has_nonfinite(const float* x, int64_t stride, int n, int dim) {
+  const int dw = dim / kW * kW;
+  VecF acc = VecF::zero();
+  float tail = 0.f;
+  for (int r = 0; r < n; ++r) {
+    const float* row = x + r * stride;
+    for (int t = 0; t < dw; t += kW) {
+      const VecF v = VecF::load(row + t);
+      acc = acc + (v - v);
+    }
+    for (int t = dw; t < dim; ++t) tail += row[t] - row[t];
+  }
+  const float sum = hsum(acc) + tail;
+  return sum != sum;
+}
+inline bool has_nonfinite(const double* x, int64_t stride, int n, int dim) {
+  double acc = 0;
+  for (int r = 0; r < n; ++r)
+    for (int t = 0; t < dim; ++t) acc += x[r * stride + t] - x[r * stride + t];
+  return acc != acc;
+}
+// 16-bit floats: the exponent bits all set (Inf or NaN), checked on the bits.
 template <typename T>
 inline bool has_nonfinite(const T* x, int64_t stride, int n, int dim) {
-  using F = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  bool bad = false;
+  constexpr uint16_t exp = std::is_same_v<T, bf16_t> ? 0x7f80 : 0x7c00;
+  uint16_t top = 0;
   for (int r = 0; r < n; ++r) {
     const T* row = x + r * stride;
-#pragma omp simd reduction(| : bad)
-    for (int t = 0; t < dim; ++t)
-      bad |= !(std::fabs(to_acc<F>(row[t])) <= std::numeric_limits<F>::max());
+#pragma omp simd reduction(max : top)
+    for (int t = 0; t < dim; ++t) top = std::max<uint16_t>(top, row[t].bits & exp);
   }
-  return bad;
+  return top == exp;
 }
 
 inline double bias_value(const Broadcast4& bias, int b, int h, int i, int j) {
