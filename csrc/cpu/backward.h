@@ -304,6 +304,10 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
   // row-major S would cost more than the products, so work on Sᵀ with K and V read in
   // place, as the query-stationary pass does. Same products, same order: same bits.
   const bool few_rows = i_end - i_begin <= kSmallRows;
+  // K's tile feeds dQ = dS K: checked once for the strong zero (tile.h), where it matters.
+  const T* k_tile = static_cast<const T*>(p.k) + hk * p.k_head_stride +
+                    row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
+  const bool k_bad = dQ_all && has_nonfinite(k_tile, p.k_row_stride, nc, p.head_dim);
   typename BwdHead<T, A>::KRows kr{};
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BwdHead<T, A> head(p, b, h, D_all);
@@ -330,9 +334,8 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
         head.rebuild_rows(i0, nr, j0, nc, x, t);
       }
       if (tile_may_zero(p, s, i0, nr, j0, nc) &&
-          (has_nonfinite(head.do_at(i0), p.do_row_stride, nr, p.head_dim_v) ||
-           has_nonfinite(head.q_at(i0), p.q_row_stride, nr, p.head_dim) ||
-           (dQ && has_nonfinite(head.k_at(j0), p.k_row_stride, nc, p.head_dim)))) {
+          (k_bad || has_nonfinite(head.do_at(i0), p.do_row_stride, nr, p.head_dim_v) ||
+           has_nonfinite(head.q_at(i0), p.q_row_stride, nr, p.head_dim))) {
         // The three products with the strong zero (tile.h), from the float P∘Z and dS.
         const auto skip_kr = [&](bool or_dropped) {
           return [&, or_dropped](int c, int r) {
