@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -102,6 +103,12 @@ void set_max_dynamic_smem(Kernel kernel, size_t bytes) {
 // stream-ordered on the GPU (cudaMallocAsync / cudaFreeAsync on the caller's stream, served
 // from the device's memory pool, so no device-wide synchronisation), plain host memory
 // under the emulator. Zero-filled on request, also stream-ordered.
+//
+// Under the emulator (without AddressSanitizer, whose redzones do this job) the block sits
+// between two guard regions of a known byte, checked when it is freed: a kernel that wrote
+// past its scratch fails the call (std::runtime_error naming the size) instead of silently
+// corrupting the heap. The launches are synchronous there, so the check comes after the
+// last kernel that used the block.
 class Scratch {
  public:
   Scratch(size_t bytes, Stream stream, bool zero = false) : stream_(stream), bytes_(bytes) {
@@ -113,16 +120,27 @@ class Scratch {
       throw std::runtime_error(std::string("fmha scratch (") + std::to_string(bytes) +
                                " bytes): " + cudaGetErrorString(err));
 #else
-    ptr_ = zero ? std::calloc(bytes, 1) : std::malloc(bytes);
-    if (!ptr_) throw std::bad_alloc();
+    base_ = static_cast<unsigned char*>(std::malloc(bytes + 2 * kGuard));
+    if (!base_) throw std::bad_alloc();
+    ptr_ = base_ + kGuard;
+    std::memset(base_, kGuardByte, kGuard);
+    std::memset(base_ + kGuard + bytes, kGuardByte, kGuard);
+    if (zero) std::memset(ptr_, 0, bytes);
 #endif
   }
-  ~Scratch() {
+  // May throw under the emulator (a damaged guard), never while another exception unwinds.
+  ~Scratch() noexcept(false) {
     if (!ptr_) return;
 #if defined(__CUDACC__)
     cudaFreeAsync(ptr_, stream_);
 #else
-    std::free(ptr_);
+    bool intact = true;
+    for (size_t i = 0; i < kGuard; ++i)
+      intact = intact && base_[i] == kGuardByte && base_[kGuard + bytes_ + i] == kGuardByte;
+    std::free(base_);
+    if (!intact && std::uncaught_exceptions() == 0)
+      throw std::runtime_error("fmha scratch (" + std::to_string(bytes_) +
+                               " bytes): a kernel wrote outside it");
 #endif
   }
   Scratch(const Scratch&) = delete;
@@ -132,6 +150,15 @@ class Scratch {
   size_t bytes() const { return bytes_; }
 
  private:
+#if !defined(__CUDACC__)
+#if defined(__SANITIZE_ADDRESS__)
+  static constexpr size_t kGuard = 0;
+#else
+  static constexpr size_t kGuard = 64 * 1024;  // bytes on each side; a multiple of 16
+#endif
+  static constexpr unsigned char kGuardByte = 0xA5;
+  unsigned char* base_ = nullptr;
+#endif
   void* ptr_ = nullptr;
   Stream stream_;
   size_t bytes_;
