@@ -197,7 +197,8 @@ inline void host_cu_seqlens(FwdParams& p, const View& cu_q, const View& cu_k, in
 }
 
 // Everything but the gradients: q, k, v, out, lse, bias, mask, ALiBi, varlen offsets and the
-// settings. `host_only`: the caller can run host arrays only (the emulator).
+// settings. `host_only`: the caller can run host arrays only (the emulator), which stand for
+// the GPU's memory: varlen offsets are then handled as device offsets (not read here).
 template <typename Params>
 void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const py::object& k,
                   const py::object& v, const py::object& out, const py::object& lse,
@@ -247,13 +248,22 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
                    c.cu_q->size(0), " and ", c.cu_k->size(0));
     p.batch = int(c.cu_q->size(0) - 1);
     const int64_t total_q = c.q.size(0), total_k = c.k.size(0);
-    if (c.dev.mem == Memory::kHost) {
+    // The kernels clamp every sequence to these rows (fmha/params.h); no int32 offset
+    // reaches past INT32_MAX.
+    p.total_q = int(std::min<int64_t>(total_q, INT32_MAX));
+    p.total_k = int(std::min<int64_t>(total_k, INT32_MAX));
+    if (c.dev.mem == Memory::kHost && !host_only) {
       host_cu_seqlens(p, *c.cu_q, *c.cu_k, total_q, total_k, s);
     } else {
-      // Device offsets cannot be read here (no CUDA in the bindings): the Python layer has
-      // checked them on the host and passes the maxima.
+      // Offsets in device memory are not read: that would synchronise with the GPU (and
+      // could not be captured in a CUDA graph). The kernels clamp each sequence to the
+      // packed rows and to these maxima instead, so inconsistent offsets cannot make them
+      // access memory out of bounds (docs/semantics.md, "Variable-length batches"). The
+      // emulator (host_only) treats its host arrays as the GPU's memory: it runs exactly
+      // this path.
       FMHA_CHECK_ARG(s.has("max_seqlen_q") && s.has("max_seqlen_k"),
-                     "max_seqlen_q, max_seqlen_k: required with cu_seqlens in device memory");
+                     "max_seqlen_q, max_seqlen_k: required with cu_seqlens in device memory "
+                     "(the offsets are not read on the host)");
       p.cu_seqlens_q = static_cast<const int32_t*>(c.cu_q->data);
       p.cu_seqlens_k = static_cast<const int32_t*>(c.cu_k->data);
       p.seqlen_q = s.get<int>("max_seqlen_q");

@@ -9,8 +9,8 @@ namespace gpu {
 
 // out and lse of p: float16 or bfloat16; head_dim and head_dim_v each 1..256, equal or not
 // (run in the smallest built head-dim tile >= the larger of the two); causal / sliding window
-// in either alignment, GQA, any seqlen_q / seqlen_k, varlen (cu_seqlens_q/k on the device;
-// seqlen_q/k the maxima), softcap, bias, ALiBi, boolean mask, dropout; split-KV by
+// in either alignment, GQA, any seqlen_q / seqlen_k, varlen (cu_seqlens_q/k on the device,
+// never validated: each sequence is clamped to total_q/k and to seqlen_q/k, the maxima), softcap, bias, ALiBi, boolean mask, dropout; split-KV by
 // p.num_splits (0 = by occupancy). `stream`: a cudaStream_t on the GPU, ignored under
 // emulation. Returns the number of key splits used (1 = none). Throws InvalidArgument
 // (fmha/error.h) for params the validation contract (fmha/validate.h) rejects and for head

@@ -188,7 +188,7 @@ const IsaKernels& active_kernels() { return *compiled_kernels(active_cpu_isa());
 
 int64_t rows_of(const FwdParams& p, bool q_side) {
   if (!p.cu_seqlens_q) return q_side ? p.seqlen_q : p.seqlen_k;
-  return q_side ? p.cu_seqlens_q[p.batch] : p.cu_seqlens_k[p.batch];  // packed totals
+  return q_side ? p.total_q : p.total_k;  // packed rows
 }
 
 // ---- empty calls: the kernels' tiles assume at least one query row and one key row, so a

@@ -58,6 +58,12 @@ struct FwdParams {
   // packed (total, heads, dim) tensors and batch strides are unused. ---
   const int32_t* cu_seqlens_q = nullptr;  // (batch + 1)
   const int32_t* cu_seqlens_k = nullptr;  // (batch + 1)
+  // Rows of the packed q (and out, lse) and of the packed k (and v): required with
+  // cu_seqlens (-1 = not given; check_params refuses it). Offsets in device memory are never
+  // read on the host, so the kernels clamp each sequence to these rows and to the maxima
+  // seqlen_q / seqlen_k (score::seq_of): whatever the offsets hold, no access leaves the
+  // buffers. Saturated at INT32_MAX, which no int32 offset exceeds.
+  int total_q = -1, total_k = -1;
 
   // --- score pipeline: s = scale*q.k -> softcap -> + bias + alibi -> mask -> softmax ---
   double scale = 1.0;

@@ -34,13 +34,23 @@ struct Seq {
   int q_first = 0, k_first = 0;  // varlen: first packed row of q / k; else 0
 };
 
+FMHA_HD int clamp_to(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// Varlen: offsets in device memory are never validated (reading them on the host would
+// synchronise with the GPU), so each sequence is clamped here, once per CTA: first row into
+// [0, total], end into [first, total], length capped at the maximum (seqlen_q / seqlen_k).
+// Consistent offsets pass unchanged; with any others, every packed row a kernel touches
+// exists and every per-sequence position stays below the maxima that size the bias, mask
+// and scratch buffers. What the user gets: docs/semantics.md, "Variable-length batches".
 FMHA_HD Seq seq_of(const FwdParams& p, int b) {
   Seq s;
   if (p.cu_seqlens_q) {
-    s.q_first = p.cu_seqlens_q[b];
-    s.k_first = p.cu_seqlens_k[b];
-    s.sq = p.cu_seqlens_q[b + 1] - s.q_first;
-    s.sk = p.cu_seqlens_k[b + 1] - s.k_first;
+    s.q_first = clamp_to(p.cu_seqlens_q[b], 0, p.total_q);
+    s.k_first = clamp_to(p.cu_seqlens_k[b], 0, p.total_k);
+    const int q_end = clamp_to(p.cu_seqlens_q[b + 1], s.q_first, p.total_q);
+    const int k_end = clamp_to(p.cu_seqlens_k[b + 1], s.k_first, p.total_k);
+    s.sq = q_end - s.q_first < p.seqlen_q ? q_end - s.q_first : p.seqlen_q;
+    s.sk = k_end - s.k_first < p.seqlen_k ? k_end - s.k_first : p.seqlen_k;
   } else {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;

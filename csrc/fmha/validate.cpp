@@ -58,6 +58,11 @@ void check_params(const FwdParams& p, Backend backend) {
   }
   FMHA_CHECK_ARG(!p.cu_seqlens_q == !p.cu_seqlens_k,
                  "cu_seqlens_q, cu_seqlens_k: give both or neither");
+  // The kernels clamp every sequence to the packed rows (score::seq_of): they must be known.
+  if (p.cu_seqlens_q)
+    FMHA_CHECK_ARG(p.total_q >= 0 && p.total_k >= 0,
+                   "total_q, total_k: the packed row counts are required with cu_seqlens, got ",
+                   p.total_q, " and ", p.total_k);
   FMHA_CHECK_ARG(std::isfinite(p.scale), "scale: expected a finite number, got ", p.scale);
   FMHA_CHECK_ARG(p.softcap >= 0.0 && std::isfinite(p.softcap), "softcap: expected >= 0, got ",
                  p.softcap);

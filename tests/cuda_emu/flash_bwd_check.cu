@@ -63,6 +63,7 @@ Result flash_bwd_case(const BwdCase& c) {
   p.k_head_stride = p.v_head_stride = p.dk_head_stride = p.dv_head_stride = c.d;
   if (varlen) {
     p.cu_seqlens_q = q0.data(), p.cu_seqlens_k = k0.data();
+    p.total_q = tq, p.total_k = tk;
     p.lse_head_stride = tq, p.lse_row_stride = 1;
   } else {
     p.q_batch_stride = p.o_batch_stride = p.do_batch_stride = p.dq_batch_stride =

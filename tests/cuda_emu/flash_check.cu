@@ -65,6 +65,7 @@ Result flash_case(const Case& c) {
   p.k_row_stride = p.v_row_stride = int64_t(c.hkv) * c.d;
   if (varlen) {
     p.cu_seqlens_q = q0.data(), p.cu_seqlens_k = k0.data();
+    p.total_q = tq, p.total_k = tk;
     p.lse_head_stride = tq, p.lse_row_stride = 1;  // (heads, total_q)
   } else {
     p.q_batch_stride = p.o_batch_stride = int64_t(c.sq) * c.hq * c.d;

@@ -263,6 +263,8 @@ int flash_forward(const py::object& q_obj, const py::object& k_obj, const py::ob
                    ", below the longest sequences ", longest_q, ", ", longest_k);
     p.cu_seqlens_q = cq;
     p.cu_seqlens_k = ck;
+    p.total_q = int(total_q);
+    p.total_k = int(total_k);
   }
   p.num_splits = num_splits;
   p.dtype = dtype;
@@ -444,7 +446,9 @@ PYBIND11_MODULE(_cuda_emu, m) {
       m, &emu_forward, &emu_backward,
       "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "
       "run by the emulated CUDA forward (launch_flash_fwd). num_threads and stream are "
-      "accepted and ignored.",
+      "accepted and ignored. The arrays stand for GPU memory: cu_seqlens are not read on the "
+      "host (max_seqlen_q/k required), as with CUDA arrays in fmha._C.",
       "fmha._C.backward's signature and keyword settings (deterministic included), on host "
-      "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd).");
+      "float16/bfloat16 arrays, run by the emulated CUDA backward (launch_flash_bwd); "
+      "cu_seqlens as in forward.");
 }
