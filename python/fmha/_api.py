@@ -111,6 +111,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32, batch + 1 entries). bias and mask, if
     given, are indexed by (b, h, i, j) with i, j positions within the sequence, broadcastable
     to (batch, heads_q, max_seqlen_q, max_seqlen_k). lse is (heads_q, total_q).
+    max_seqlen_q/k: the longest sequences; read from the offsets when omitted on the CPU,
+    required on CUDA, where the offsets are never copied to the host (no synchronisation;
+    CUDA-graph capturable) and so are not validated: the kernels clamp each sequence to the
+    packed rows and the maxima (docs/semantics.md, "Variable-length batches").
     num_splits: as in :func:`attention` (CUDA forward only; validated and ignored on the CPU).
     NumPy/CuPy users get the gradients from :func:`attention_varlen_backward`.
     """

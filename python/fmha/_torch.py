@@ -183,7 +183,8 @@ def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=No
         # reproduces the mask, and reproduces the same one on CPU and GPU.
         rng = torch.randint(0, 2**62, (2,), dtype=torch.int64)
     if cu_q is not None:
-        # The kernels read the offsets where they read q (validated on the host already).
+        # The kernels read the offsets where they read q. (Host offsets were validated on the
+        # host; device offsets are never read there: the kernels clamp each sequence.)
         cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
     out, lse = fwd(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
                    rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,

@@ -343,32 +343,42 @@ def _compiling() -> bool:
 
 
 def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
-    if kind == "torch" and _compiling():
-        # Under torch.compile the offsets' values are not known while tracing: check what the
-        # trace can see and leave the values to the core, which checks them again (ValueError).
-        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-            if cu is None:
-                raise ValueError(f"{name}: required with varlen inputs (got None)")
-            _check_array(name, cu, kind, (1,))
-            if dtype_name(cu) != "int32":
-                raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
-        if cu_q.shape[0] != cu_k.shape[0] or cu_q.shape[0] < 1:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected equal lengths batch + 1 >= 1")
-        if max_q is None or max_k is None:
-            raise ValueError("max_seqlen_q, max_seqlen_k: required under torch.compile (the "
-                             "sequence lengths cannot be read while tracing)")
-        return (cu_q.shape[0] - 1, _check_int("max_seqlen_q", max_q, 0),
-                _check_int("max_seqlen_k", max_k, 0))
-    lengths = []
-    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+    """(batch, max_seqlen_q, max_seqlen_k) of a varlen call.
+
+    The offsets' kind, dtype and shape are metadata, checked always. Their values are read
+    (start 0, non-decreasing, end at the packed length, maxima) only where that is free: host
+    offsets outside torch.compile. With q on a CUDA device nothing is copied to the host -- a
+    copy would synchronise with the GPU and cannot be captured in a CUDA graph -- so the
+    maxima must be given, and the kernels clamp every sequence to the packed rows and the
+    maxima instead (docs/semantics.md, "Variable-length batches"). Under torch.compile the
+    values cannot be read while tracing; the bindings check host offsets when the op runs.
+    """
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if cu is None:
             raise ValueError(f"{name}: required with varlen inputs (got None)")
         _check_array(name, cu, kind, (1,))
         if dtype_name(cu) != "int32":
             raise TypeError(f"{name}: expected int32, got {dtype_name(cu)}")
+        if cu.shape[0] < 1:
+            raise ValueError(f"{name}: expected batch + 1 >= 1 entries, got {cu.shape[0]}")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: lengths {cu_q.shape[0]} and "
+                         f"{cu_k.shape[0]} differ")
+    batch = cu_q.shape[0] - 1
+    on_gpu = device_of(q) != "cpu"
+    tracing = kind == "torch" and _compiling()
+    if (on_gpu or tracing) and (max_q is None or max_k is None):
+        why = ("q is on a CUDA device and fmha does not read cu_seqlens on the host (that "
+               "would synchronise with the GPU)" if on_gpu else
+               "under torch.compile (the sequence lengths cannot be read while tracing)")
+        raise ValueError(f"max_seqlen_q, max_seqlen_k: required when {why}; pass the longest "
+                         f"sequence lengths, got {max_q} and {max_k}")
+    if tracing or (on_gpu and any(device_of(cu) != "cpu" for cu in (cu_q, cu_k))):
+        return (batch, _check_int("max_seqlen_q", max_q, 0),
+                _check_int("max_seqlen_k", max_k, 0))
+    lengths = []
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         host = to_host(cu)
-        if host.shape[0] < 1:
-            raise ValueError(f"{name}: expected batch + 1 >= 1 entries, got {host.shape[0]}")
         if host[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {int(host[0])}")
         if np.any(np.diff(host.astype(np.int64)) < 0):
@@ -376,9 +386,6 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
         if int(host[-1]) != total:
             raise ValueError(f"{name}: must end at the packed length {total}, got {int(host[-1])}")
         lengths.append(np.diff(host.astype(np.int64)))
-    if lengths[0].shape != lengths[1].shape:
-        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: lengths {lengths[0].shape[0] + 1} and "
-                         f"{lengths[1].shape[0] + 1} differ")
     longest = [int(x.max()) if x.size else 0 for x in lengths]
     out = []
     for name, given, need in (("max_seqlen_q", max_q, longest[0]),
@@ -390,4 +397,4 @@ def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
         if given < need:
             raise ValueError(f"{name}: {given} is smaller than the longest sequence ({need})")
         out.append(given)
-    return len(lengths[0]), out[0], out[1]
+    return batch, out[0], out[1]
