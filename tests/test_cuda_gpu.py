@@ -87,16 +87,27 @@ def test_dropout_same_mask_on_cpu_and_gpu():
         assert torch.equal(keep(DEV), keep("cpu"))
 
 
-def test_varlen_device_offsets(rng):
-    lens_q, lens_k = [300, 1, 77, 513], [250, 40, 77, 1]
+def _varlen_inputs(lens_q, lens_k, hq=4, hkv=2, d=64):
+    """Packed bfloat16 q, k, v, dout and int32 offsets, on the CPU."""
     cu_q = torch.tensor(np.r_[0, np.cumsum(lens_q)], dtype=torch.int32)
     cu_k = torch.tensor(np.r_[0, np.cumsum(lens_k)], dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), 4, 64, dtype=torch.bfloat16)
-    k = torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16)
-    v = torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.bfloat16)
+    q = torch.randn(int(cu_q[-1]), hq, d, dtype=torch.bfloat16)
+    k = torch.randn(int(cu_k[-1]), hkv, d, dtype=torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), hkv, d, dtype=torch.bfloat16)
+    do = torch.randn(int(cu_q[-1]), hq, d, dtype=torch.bfloat16)
+    return q, k, v, do, cu_q, cu_k
+
+
+def test_varlen_device_offsets(rng):
+    lens_q, lens_k = [300, 1, 77, 513], [250, 40, 77, 1]
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(lens_q, lens_k)
     with _kernel_module(_C):
+        # Offsets on the GPU are not read on the host: the maxima are required.
+        with pytest.raises(ValueError, match="max_seqlen_q, max_seqlen_k: required when q is "
+                                             "on a CUDA device"):
+            fmha.attention_varlen(q.to(DEV), k.to(DEV), v.to(DEV), cu_q.to(DEV), cu_k.to(DEV))
         out_gpu = fmha.attention_varlen(q.to(DEV), k.to(DEV), v.to(DEV), cu_q.to(DEV),
-                                        cu_k.to(DEV), causal=True)
+                                        cu_k.to(DEV), max(lens_q), max(lens_k), causal=True)
         out_cpu = fmha.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
     from fmha import reference
     ref, _ = reference.attention_varlen_forward(to_f64(q), to_f64(k), to_f64(v), cu_q.numpy(),
@@ -136,12 +147,108 @@ def test_empty_inputs_cuda_tensors(deterministic):
                             requires_grad=True)
             k = torch.randn(sum(lens_k), 2, 64, device=DEV, dtype=torch.float16,
                             requires_grad=True)
-            out, lse = fmha.attention_varlen(q, k, k, cu_q, cu_k, return_lse=True,
+            out, lse = fmha.attention_varlen(q, k, k, cu_q, cu_k, max(lens_q, default=0),
+                                             max(lens_k, default=0), return_lse=True,
                                              deterministic=deterministic)
             out.backward(torch.ones_like(out))
             torch.cuda.synchronize()
             assert torch.all(out == 0) and torch.all(lse == -torch.inf)
             assert torch.count_nonzero(q.grad) == 0 and torch.count_nonzero(k.grad) == 0
+
+
+def test_varlen_offsets_never_copied_to_host(monkeypatch):
+    """With the offsets on the GPU, a varlen forward and backward neither copy them to the
+    host (fmha._validate.to_host would) nor run any synchronising CUDA operation (torch's
+    sync debug mode raises on one); the results match the CPU path's, which reads them."""
+    import fmha._validate as validate
+
+    def refuse(x):
+        raise AssertionError("cu_seqlens copied to the host")
+
+    lens_q, lens_k = [130, 1, 64, 0, 77], [100, 40, 64, 3, 77]
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(lens_q, lens_k)
+    leaves = [x.to(DEV).requires_grad_(True) for x in (q, k, v)]
+    cu_q_d, cu_k_d, do_d = cu_q.to(DEV), cu_k.to(DEV), do.to(DEV)
+    torch.cuda.synchronize()
+    with _kernel_module(_C):
+        monkeypatch.setattr(validate, "to_host", refuse)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fmha.attention_varlen(*leaves, cu_q_d, cu_k_d, max(lens_q), max(lens_k),
+                                        causal=True, deterministic=True)
+            out.backward(do_d)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            monkeypatch.undo()
+        cpu = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out_cpu = fmha.attention_varlen(*cpu, cu_q, cu_k, causal=True)
+        out_cpu.backward(do)
+    from fmha import reference
+    args = [to_f64(x) for x in (q, k, v)]
+    refs = [reference.attention_varlen_forward(*args, cu_q.numpy(), cu_k.numpy(), causal=True)[0],
+            *reference.attention_varlen_backward(to_f64(do), *args, cu_q.numpy(), cu_k.numpy(),
+                                                 causal=True)]
+    for name, got, want, ref in zip(("out", "dq", "dk", "dv"), [out] + [x.grad for x in leaves],
+                                    [out_cpu] + [x.grad for x in cpu], refs):
+        err_gpu = np.abs(to_f64(got) - ref).max()
+        err_cpu = np.abs(to_f64(want) - ref).max()
+        assert err_gpu <= 3 * err_cpu + 1e-3, (name, err_gpu, err_cpu)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_varlen_cuda_graph_capture(deterministic):
+    """A varlen forward + backward captured in a CUDA graph (which refuses any host
+    synchronisation while capturing), then replayed on new values and new offsets of the
+    same maxima, gives what an eager call gives: the bits, except dQ summed by atomics in
+    an unspecified order."""
+    lens_q, lens_k = [130, 1, 64, 0, 77], [100, 40, 64, 3, 77]
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(lens_q, lens_k)
+    mq, mk = max(lens_q), max(lens_k)
+    static = [x.to(DEV).requires_grad_(True) for x in (q, k, v)]
+    s_do, s_cu_q, s_cu_k = do.to(DEV), cu_q.to(DEV), cu_k.to(DEV)
+
+    def step():
+        out = fmha.attention_varlen(*static, s_cu_q, s_cu_k, mq, mk, causal=True,
+                                    deterministic=deterministic)
+        out.backward(s_do)
+        return out
+
+    with _kernel_module(_C):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as torch advises
+            for _ in range(2):
+                for x in static:
+                    x.grad = None
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        for x in static:
+            x.grad = None  # allocated from the graph's pool when captured
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out = step()
+
+        # New values, and offsets that regroup the same rows (same maxima).
+        new_q, new_k = [0, 77, 130, 1, 64, 0], [0, 77, 100, 40, 64, 3]
+        with torch.no_grad():
+            for x in static + [s_do]:
+                x.copy_(torch.randn_like(x))
+            s_cu_q.copy_(torch.tensor(np.cumsum(new_q), dtype=torch.int32))
+            s_cu_k.copy_(torch.tensor(np.cumsum(new_k), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [g_out.clone()] + [x.grad.clone() for x in static]
+
+        eager = [x.detach().clone().requires_grad_(True) for x in static]
+        out = fmha.attention_varlen(*eager, s_cu_q.clone(), s_cu_k.clone(), mq, mk, causal=True,
+                                    deterministic=deterministic)
+        out.backward(s_do)
+        want = [out] + [x.grad for x in eager]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        if name == "dq" and not deterministic:
+            torch.testing.assert_close(a, b)
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_deterministic_backward_bitwise_on_gpu(rng):

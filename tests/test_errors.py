@@ -752,3 +752,41 @@ def test_python_layer_cuda_checks_without_gpu():
         _validate._CUDA_USABLE.clear()
         with pytest.raises(NotImplementedError, match="q: on cuda:0, but .*no GPU"):
             _validate._check_cuda("cuda:0", "float16")
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_cuda_varlen_offsets_never_read_without_gpu(monkeypatch):
+    """With q on a CUDA device, cu_seqlens are never copied to the host (a copy would
+    synchronise with the GPU): max_seqlen_q/k are required, and with them the whole torch
+    path, forward and backward, runs without reading the offsets. Faked without a GPU: torch
+    'meta' tensors (shapes, no data: reading a value raises) stand for CUDA tensors once the
+    device check lets them through, and the torch ops run their fake implementations."""
+    monkeypatch.setattr(_validate, "_check_cuda", lambda device, dtype: None)
+
+    def refuse(x):
+        raise AssertionError("cu_seqlens copied to the host")
+
+    monkeypatch.setattr(_validate, "to_host", refuse)
+    meta = dict(dtype=torch.float16, device="meta")
+    q, k, v = (torch.empty(n, h, D, **meta) for n, h in ((TOTAL_Q, HQ), (TOTAL_K, HKV),
+                                                        (TOTAL_K, HKV)))
+    cu_q, cu_k = (torch.empty(len(CU_Q), dtype=torch.int32, device="meta") for _ in range(2))
+    for maxima in ({}, dict(max_seqlen_q=4), dict(max_seqlen_k=5)):
+        with pytest.raises(ValueError, match=r"^max_seqlen_q, max_seqlen_k: required when q is "
+                                             r"on a CUDA device .*synchronise with the GPU"):
+            fmha.attention_varlen(q, k, v, cu_q, cu_k, **maxima)
+    # Metadata is still checked.
+    with pytest.raises(TypeError, match=r"^cu_seqlens_k: expected int32"):
+        fmha.attention_varlen(q, k, v, cu_q, cu_k.to(torch.int64), 4, 5)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q, cu_seqlens_k: lengths 3 and 4"):
+        fmha.attention_varlen(q, k, v, cu_q, torch.empty(4, dtype=torch.int32, device="meta"),
+                              4, 5)
+    spec = _validate.prepare(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4,
+                             max_seqlen_k=5)
+    assert (spec.batch, spec.seqlen_q, spec.seqlen_k) == (2, 4, 5)
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    out, lse = fmha.attention_varlen(*leaves, cu_q, cu_k, 4, 5, causal=True, return_lse=True)
+    assert out.device.type == "meta" and out.shape == (TOTAL_Q, HQ, D)
+    assert lse.shape == (HQ, TOTAL_Q)
+    out.backward(torch.empty_like(out))
+    assert all(x.grad.shape == x.shape for x in leaves)
