@@ -159,6 +159,8 @@ class Case:
                         bottom_right=int(s.get("alignment", "bottom_right") == "bottom_right"))
         left, right = s.get("window", (-1, -1))
         settings.update(window_left=left, window_right=0 if s.get("causal") else right)
+        if self.varlen:  # the packed row counts, which bound every sequence (score::seq_of)
+            settings.update(total_q=lead_q[0], total_k=lead_k[0])
         lines = [f"{key} {value}" for key, value in settings.items()]
 
         def array(field, x64, prefix, layout):

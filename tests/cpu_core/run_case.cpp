@@ -94,7 +94,7 @@ struct Scalars {
            {"window_right", &p.window_right}, {"num_threads", &p.num_threads},
            {"num_splits", &p.num_splits}, {"dbias_batch", &p.dbias_batch},
            {"dbias_heads", &p.dbias_heads}, {"dbias_rows", &p.dbias_rows},
-           {"dbias_cols", &p.dbias_cols}};
+           {"dbias_cols", &p.dbias_cols}, {"total_q", &p.total_q}, {"total_k", &p.total_k}};
     i64 = {{"q_batch_stride", &p.q_batch_stride}, {"q_row_stride", &p.q_row_stride},
            {"q_head_stride", &p.q_head_stride}, {"k_batch_stride", &p.k_batch_stride},
            {"k_row_stride", &p.k_row_stride}, {"k_head_stride", &p.k_head_stride},
