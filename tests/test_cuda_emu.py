@@ -56,6 +56,7 @@ KATS = {
     "kat.shfl_xor": "§9.7.9.6 shfl.sync .bfly",
     "kat.shfl_xor_reduce": "§9.7.9.6 shfl.sync .bfly on f32",
     "kat.ballot": "§9.7.13.9 vote.sync .ballot",
+    "kat.syncthreads_or": "§9.7.13.1 bar.red.or.pred (__syncthreads_or)",
     "kat.cp_async": "§9.7.9.25.3.1-3 cp.async, commit_group, wait_group",
     "kat.cvt_f16": "§9.7.9.21 cvt .rn.f16.f32, .rn.f16x2.f32",
     "kat.cvt_bf16": "§9.7.9.21 cvt .rn.bf16.f32, .rn.bf16x2.f32",

@@ -1,6 +1,6 @@
 // Every hardware-specific operation of fmha's CUDA kernels, as small device functions:
 // inline PTX under __CUDA_ARCH__, the SIMT emulator (cuda/emu/cuda_emu.h) in host builds.
-// Kernels use only these, plain CUDA C++, __syncthreads, __syncwarp and __shared__ -- so
+// Kernels use only these, plain CUDA C++, __syncthreads(_or), __syncwarp and __shared__ -- so
 // the same source runs on an sm_80+ GPU and, in CI, on the CPU.
 //
 // Every warp-level function here is full-warp (.sync.aligned, membermask 0xffffffff): all

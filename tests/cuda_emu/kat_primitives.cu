@@ -389,6 +389,26 @@ EMU_TEST("kat.ballot", "PTX ISA 9.0 §9.7.13.9 vote.sync (.ballot.b32)") {
   return pass();
 }
 
+// ------------------------------------------------------------------------- __syncthreads_or
+// PTX ISA 9.0 §9.7.13.1 bar.red.or.pred (CUDA's __syncthreads_or): a block barrier that
+// returns nonzero to every thread iff some thread's predicate was nonzero. Rounds back to
+// back, so a result must not leak into the next round.
+__global__ void syncthreads_or_kernel(int* out) {
+  const int tid = threadIdx.x;
+  out[4 * tid + 0] = __syncthreads_or(tid == 95);  // only the last thread: true
+  out[4 * tid + 1] = __syncthreads_or(0);          // nobody: false right after a true
+  out[4 * tid + 2] = __syncthreads_or(tid % 7 == 3 ? 5 : 0);
+  out[4 * tid + 3] = __syncthreads_or(0);
+}
+EMU_TEST("kat.syncthreads_or", "PTX ISA 9.0 §9.7.13.1 bar.red.or.pred (__syncthreads_or)") {
+  int out[4 * 96];
+  FMHA_LAUNCH(syncthreads_or_kernel, dim3(1), dim3(96), 0, nullptr, out);
+  for (int tid = 0; tid < 96; ++tid)
+    if (!out[4 * tid] || out[4 * tid + 1] || !out[4 * tid + 2] || out[4 * tid + 3])
+      return fail("thread " + std::to_string(tid) + ": wrong __syncthreads_or result");
+  return pass();
+}
+
 // ------------------------------------------------------------------------------ cp.async
 // PTX ISA 9.0 §9.7.9.25.3.1 cp.async: cp-size bytes to shared memory, of which src-size are
 // read from global memory and the rest zero-filled. §9.7.9.25.3.2 cp.async.commit_group: the

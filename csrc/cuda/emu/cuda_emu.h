@@ -7,8 +7,8 @@
 //  * A launch runs its blocks one after another, in CUDA's linear order (x fastest). Each
 //    block's threads are real OS threads, one per CUDA thread, whose threadIdx / blockIdx /
 //    blockDim / gridDim are thread-local. Warp w of a block is linear threads 32w..32w+31.
-//  * __syncthreads and __syncwarp are barriers (mutex + condition variables, which
-//    ThreadSanitizer understands). Every barrier checks CUDA's rules instead of hanging:
+//  * __syncthreads (and __syncthreads_or) and __syncwarp are barriers (mutex + condition
+//    variables, which ThreadSanitizer understands). Every barrier checks CUDA's rules instead of hanging:
 //    all threads of a block must reach the same __syncthreads (same file:line), no thread
 //    may exit while others wait at, or will later reach, a __syncthreads, and a deadlock
 //    (every live thread waiting on a barrier that cannot complete) is reported as an error.
@@ -96,6 +96,7 @@ inline const ThreadState& self() {
 
 // ---- barriers ----
 void syncthreads(const char* file, int line);
+int syncthreads_or(int predicate, const char* file, int line);
 void syncwarp(unsigned mask, const char* file, int line);
 
 // ---- warp collectives (full warp); each follows the PTX ISA section cited in runtime.cpp ----
@@ -206,6 +207,10 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
 
 inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   ::emu::syncthreads(file, line);
+}
+inline int __syncthreads_or(int predicate, const char* file = __builtin_FILE(),
+                            int line = __builtin_LINE()) {
+  return ::emu::syncthreads_or(predicate, file, line);
 }
 inline void __syncwarp(unsigned mask = 0xFFFFFFFFu, const char* file = __builtin_FILE(),
                        int line = __builtin_LINE()) {

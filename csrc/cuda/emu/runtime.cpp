@@ -85,6 +85,8 @@ struct BlockState {
   int live = 0;                // threads that have not exited
   int exited = 0;
   int arrived = 0;  // threads waiting at the __syncthreads in progress
+  int vote = 0;     // __syncthreads_or: the OR of the predicates that have arrived so far
+  int vote_result = 0;  // ... and of all of them, once the barrier completed
   int blocked = 0;  // threads waiting at any barrier that has not completed
   uint64_t generation = 0;
   const char* file = "";
@@ -428,7 +430,11 @@ void not_in_kernel(const char* what) {
 // ---------------------------------------------------------------------------- barriers
 
 // __syncthreads (bar.sync 0; PTX ISA 9.0 §9.7.13.1 "bar, barrier"): all threads of the block.
-void syncthreads(const char* file, int line) {
+// __syncthreads_or (bar.red.or.pred) is the same barrier that also returns whether any
+// thread's predicate was nonzero; the two may not meet at one barrier (file:line differs).
+void syncthreads(const char* file, int line) { syncthreads_or(0, file, line); }
+
+int syncthreads_or(int predicate, const char* file, int line) {
   ThreadImpl& t = detail::me();
   BlockState& b = *t.block;
   std::unique_lock<std::mutex> lk(b.m);
@@ -449,9 +455,14 @@ void syncthreads(const char* file, int line) {
                                detail::where(b.file, b.line));
   }
   detail::bump(detail::s_block_barriers);
+  b.vote |= predicate != 0;
   if (++b.arrived == b.live) {
     b.blocked -= b.arrived - 1;
     b.arrived = 0;
+    // Every waiter reads the result before it can arrive at the next barrier, which
+    // cannot complete without it: one result slot suffices.
+    b.vote_result = b.vote;
+    b.vote = 0;
     ++b.generation;
     b.cv.notify_all();
   } else {
@@ -462,6 +473,7 @@ void syncthreads(const char* file, int line) {
     if (b.generation == g) throw detail::Abort{};
   }
   ++t.block_epoch;
+  return b.vote_result;
 }
 
 // __syncwarp (bar.warp.sync; PTX ISA 9.0 §9.7.13.2): the live lanes of the warp.
