@@ -306,8 +306,9 @@ def _skipped(it: _Intermediates) -> np.ndarray:
     return it.excluded if it.z is None else it.excluded | (it.z == 0)
 
 
-def _backward(dout, it: _Intermediates, bias_shape):
-    """Gradients (dq, dk, dv, dbias) from the forward intermediates."""
+def _backward(dout, it: _Intermediates, bias_shape, out=None):
+    """Gradients (dq, dk, dv, dbias) from the forward intermediates; D from ``out`` when
+    given (batch, seqlen_q, heads_q, head_dim_v), else from the exact output."""
     batch, heads_q, seqlen_q, _ = it.q.shape
     expected = (batch, seqlen_q, heads_q, it.v.shape[-1])
     if np.shape(dout) != expected:
@@ -325,7 +326,11 @@ def _backward(dout, it: _Intermediates, bias_shape):
             dp = np.where(z != 0, dp * z, 0.0)  # a dropped pair passes nothing back
         # D_i = rowsum(dO o O) (= sum_j P_ij dP_ij for finite inputs), from O itself as the
         # kernels do: a non-finite dO_i makes D_i non-finite even where O_i is 0.
-        out = np.transpose(_output(it), (0, 2, 1, 3))
+        if out is None:
+            out = _output(it)
+        elif np.shape(out) != expected:
+            raise ValueError(f"out must have shape {expected}, got {np.shape(out)}")
+        out = np.transpose(np.asarray(out, dtype=np.float64), (0, 2, 1, 3))
         d = np.sum(do * out, axis=-1, keepdims=True)
         ds = np.where(none, 0.0, p * (dp - d))
 
@@ -392,11 +397,15 @@ def attention_forward(
 def attention_backward(
     dout, q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
     bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+    out=None,
 ):
     """Reference attention backward pass.
 
     Recomputes the forward pass with the same arguments as
     :func:`attention_forward` and returns the gradients of ``sum(out * dout)``.
+    ``out``, when given, is the forward output that ``D = rowsum(dout o out)`` is taken
+    from (say, the rounded one a 16-bit kernel stored: the kernels take D from their stored
+    out); by default the exact one.
 
     Returns
     -------
@@ -412,7 +421,7 @@ def attention_backward(
         dropout_p=dropout_p, seed=seed, offset=offset,
     )
     bias_shape = None if bias is None else np.shape(bias)
-    return _backward(dout, it, bias_shape)
+    return _backward(dout, it, bias_shape, out)
 
 
 def attention_probs(
