@@ -112,14 +112,15 @@ struct FlashBwdDqConfig {
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "whole chunks");
 };
 
-// The dbias kernel: the dQ kernel's orientation (4 warps x 16 query rows, S = Qi Kj^T), one
-// tile of kBlockM x kBlockN of dbias per CTA. It keeps S, dP and the tile's dbias sums in
-// registers (kBlockN/2 floats each), so the key block is as wide as shared memory allows:
-// Qi, dOi, Kj, Vj at d = 256 with 64 keys would be 135 KiB.
+// The dbias kernel: the dQ kernel's orientation and tile (4 warps x 16 query rows, S = Qi
+// Kj^T), one kBlockM x kBlockN tile of dbias per CTA. A thread keeps S, dP and the tile's
+// dbias sums in registers (kBlockN/2 floats each) next to the score pipeline's state: with
+// 64 keys that spilled at d = 128 (ptxas 13.0, sm_80: 12 bytes) and took 252 registers at
+// d = 96, hence 32 keys from d = 96 (twice the CTAs for a one-row bias, too).
 template <int kHeadDim_>
 struct FlashBwdDbiasConfig {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ > 128 ? 32 : 64;
+  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
@@ -645,7 +646,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2)
   const int g = lane / 4, t = lane % 4;
   const int rows = p.dbias_rows, cols = p.dbias_cols;
   const bool one_row = rows == 1;  // every query row lands on dbias row 0
-  const int col_tiles = bwd_detail::ceil_div(cols, Cfg::kBlockN);
+  const int col_tiles = (cols + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int m_tile = blockIdx.x / col_tiles, n0 = (blockIdx.x % col_tiles) * Cfg::kBlockN;
   const int hh = blockIdx.y, bb = blockIdx.z;
   const int b_lo = p.dbias_batch == 1 ? 0 : bb, b_hi = p.dbias_batch == 1 ? p.batch : bb + 1;
