@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 
 
 def emu_grads(q, k, v, dout, *, bias=None, bias_grad=False, deterministic=False, **kw):
-    """Forward and backward by the emulated CUDA kernels; a dict like naive_results."""
+    """Forward and backward by the emulated CUDA kernels; a dict like naive_results, plus
+    the most device scratch the backward held at once (scratch_peak_bytes)."""
     b, sq, hq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32)
@@ -37,9 +38,11 @@ def emu_grads(q, k, v, dout, *, bias=None, bias_grad=False, deterministic=False,
     dbias = None
     if bias_grad:
         dbias = torch.full(bias.shape, float("nan"), dtype=torch.float32)
+    emu.reset_stats()
     emu.flash_backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
                        deterministic=deterministic, bias=bias, **kw)
-    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv,
+               scratch_peak_bytes=emu.stats()["scratch_peak_bytes"])
     if bias_grad:
         res["dbias"] = dbias
     return res
@@ -55,15 +58,25 @@ def window_args(causal, window, alignment):
 def run_case(*, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype=torch.float16, causal=False,
              window=(-1, -1), alignment="bottom_right", scale=None, softcap=0.0, bias=None,
              bias_grad=False, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0,
-             deterministic=False, seed_data=0):
+             deterministic=False, seed_data=0, runs=1):
+    """The emulated gradients against the reference; runs > 1 repeats the backward, which
+    must then give the same bits (deterministic=True)."""
     gen = torch.Generator().manual_seed(seed_data)
     q = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
     k = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
     v = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
     dout = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
-    got = emu_grads(q, k, v, dout, bias=bias, bias_grad=bias_grad, scale=scale, softcap=softcap,
-                    mask=mask, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                    deterministic=deterministic, **window_args(causal, window, alignment))
+    emu_kw = dict(bias=bias, bias_grad=bias_grad, scale=scale, softcap=softcap, mask=mask,
+                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                  deterministic=deterministic, **window_args(causal, window, alignment))
+    got = emu_grads(q, k, v, dout, **emu_kw)
+    for _ in range(runs - 1):  # the backward again, from the same out and lse
+        again = [torch.empty_like(got[key]) for key in ("dq", "dk", "dv")]
+        dbias = torch.empty_like(got["dbias"]) if bias_grad else None
+        kw = {n: x for n, x in emu_kw.items() if n != "bias_grad"}
+        emu.flash_backward(dout, q, k, v, got["out"], got["lse"], *again, dbias=dbias, **kw)
+        for key, x in zip(("dq", "dk", "dv", "dbias"), again + [dbias]):
+            assert x is None or torch.equal(x, got[key]), f"{key}: differs between runs"
     sem = dict(scale=scale, causal=causal, window=window, alignment=alignment, softcap=softcap)
     ref = reference_results(q, k, v, dout, bias=bias, bias_grad=bias_grad, mask=mask,
                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, **sem)
@@ -131,6 +144,36 @@ def test_bias_and_dbias(shape, d):
     bias = torch.randn(*shape, generator=gen, dtype=torch.float32)
     got = run_case(batch=2, sq=33, sk=70, hq=2, d=d, bias=bias, bias_grad=True)
     assert got["dbias"].shape == bias.shape
+
+
+# The broadcast shapes test_bias_and_dbias leaves out, so that together they cover every
+# (b or 1, h or 1, sq or 1, sk): in deterministic mode, run twice for the same bits, with the
+# whole score pipeline the dbias kernel recomputes (causal, softcap: dbias is dS before its
+# factor, dropout, GQA). (A single-row bias summing several query blocks:
+# test_dbias_scratch_is_o_of_bias.)
+@pytest.mark.parametrize("shape,d", [((2, 2, 1, 70), 32), ((1, 2, 1, 70), 32),
+                                     ((2, 1, 33, 70), 32), ((1, 1, 1, 70), 32)])
+def test_dbias_broadcast_shapes_deterministic(shape, d):
+    gen = torch.Generator().manual_seed(4)
+    bias = torch.randn(*shape, generator=gen, dtype=torch.float32)
+    got = run_case(batch=2, sq=33, sk=70, hq=2, hkv=1, d=d, bias=bias, bias_grad=True,
+                   causal=True, softcap=5.0, dropout_p=0.2, seed=7, deterministic=True, runs=2)
+    assert got["dbias"].shape == bias.shape
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dbias_scratch_is_o_of_bias(deterministic):
+    # A key-padding bias (1, 1, 1, sk) reduces b * h * sq * sk scores; the backward's device
+    # scratch must not grow with that product: D (and, with atomics, the float32 dQ
+    # accumulator) is all it may hold, O(b * h * sq * d), whatever the bias's shape.
+    b, h, sq, sk, d = 2, 2, 80, 64, 32  # two query blocks sum into the one row
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(1, 1, 1, sk, generator=gen, dtype=torch.float32)
+    got = run_case(batch=b, sq=sq, sk=sk, hq=h, d=d, bias=bias, bias_grad=True,
+                   deterministic=deterministic)
+    rows = b * h * sq
+    assert got["scratch_peak_bytes"] == 4 * rows * (1 if deterministic else 1 + d), (
+        f"{got['scratch_peak_bytes']} bytes of scratch; dS in full would be {4 * rows * sk}")
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 33, 1), (1, 2, 1, 1)])

@@ -333,7 +333,7 @@ def test_ptxas_no_spills_or_stack(nvcc):
     names = " ".join(k.name for k in kernels)
     for kernel in ("flash_fwd_kernel", "flash_fwd_combine", "flash_bwd_kernel",
                    "flash_bwd_dq_kernel", "flash_bwd_dot_do_o", "flash_bwd_convert_dq",
-                   "flash_bwd_reduce_dbias"):
+                   "flash_bwd_dbias_kernel"):
         assert kernel in names, kernel
     for arch in ("sm_80", "sm_90"):
         assert sum(k.arch == arch for k in kernels) >= 10

@@ -21,9 +21,12 @@
 //                          sweeps the key blocks and sums dQ in registers in a fixed order
 //                          (recomputing S and dP: two more GEMMs, no atomics), else
 //                          flash_bwd_convert_dq scales the float32 accumulator into dq.
-//  4. with a broadcast dbias: flash_bwd_reduce_dbias sums the full-size dS over the broadcast
-//                          dimensions, in a fixed order (a bias constant along the keys gets
-//                          zeros instead: fmha/params.h, dbias_is_zero).
+//  4. with dbias: flash_bwd_dbias_kernel, one CTA per tile of dbias, recomputes S, P, dP
+//                          and dS for every (batch, head[, query row]) the bias broadcasts
+//                          onto the tile and sums them in registers in a fixed order: no
+//                          scratch but D, no atomics, so memory stays O(size of the bias)
+//                          (a bias constant along the keys gets zeros instead:
+//                          fmha/params.h, dbias_is_zero).
 //
 // The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does): each
 // of its 4 warps owns 16 keys, so its rows of dK and dV are mma accumulators of its own, and
@@ -109,13 +112,30 @@ struct FlashBwdDqConfig {
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "whole chunks");
 };
 
+// The dbias kernel: the dQ kernel's orientation and tile (4 warps x 16 query rows, S = Qi
+// Kj^T), one kBlockM x kBlockN tile of dbias per CTA. A thread keeps S, dP and the tile's
+// dbias sums in registers (kBlockN/2 floats each) next to the score pipeline's state: with
+// 64 keys that spilled at d = 128 (ptxas 13.0, sm_80: 12 bytes) and took 252 registers at
+// d = 96, hence 32 keys from d = 96 (twice the CTAs for a one-row bias, too).
+template <int kHeadDim_>
+struct FlashBwdDbiasConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kPad = 8, kStride = kHeadDim + kPad;
+  static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
+  static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;
+  static constexpr int kNTilesS = kBlockN / 8, kKStepsD = kHeadDim / 16;
+  static_assert(kBlockM == 16 * kWarps && kNTilesS % 2 == 0, "layout");
+  // The one-row reduction's kWarps x kBlockN floats fit where Qi was.
+  static_assert(kWarps * kBlockN * sizeof(float) <= kTileQ * 2, "reduction buffer");
+};
+
 // Scratch of one backward launch (flash_bwd.cu owns it). Rows of a query head are
 // indexed b * seqlen_q + i (seqlen_q the maximum when varlen).
 struct BwdWork {
   float* d = nullptr;         // (heads_q, batch * seqlen_q): rowsum(dO o O)
   float* dq_accum = nullptr;  // (heads_q, batch * seqlen_q, head_dim), unscaled; atomics mode
-  float* ds = nullptr;        // dS for dbias: (batch, heads_q, seqlen_q, seqlen_k), or nullptr
-  int64_t ds_batch_stride = 0, ds_head_stride = 0, ds_row_stride = 0;
 };
 
 namespace bwd_detail {
@@ -143,7 +163,8 @@ FMHA_DEVICE void query_range(const FwdParams& p, const score::Seq& s, int n0, in
 // S and dP of one block, in either kernel's orientation: acc_s = As Bs^T, acc_dp = Adp Bdp^T.
 // The A tiles give the warp's 16 rows, the B tiles kNTilesS * 8 rows, all stored row-major
 // over the head dim -- B's rows are its mma columns, so both load with plain ldmatrix. The
-// main kernel passes (Kj, Vj) and (Qi, dOi) for S^T, dP^T; the dQ kernel the reverse for S, dP.
+// main kernel passes (Kj, Vj) and (Qi, dOi) for S^T, dP^T; the dQ and dbias kernels the
+// reverse for S, dP.
 template <typename T, typename Cfg>
 FMHA_DEVICE void s_and_dp(float (&acc_s)[Cfg::kNTilesS][4], float (&acc_dp)[Cfg::kNTilesS][4],
                           const T* a_s, const T* a_dp, const T* b_s, const T* b_dp, int warp,
@@ -346,8 +367,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           pd = keep ? prob * keep_scale : 0.0f;
         }
         float ds = prob == 0.0f ? 0.0f : prob * (dp - tD[il]);
-        if (kExtras && w.ds && visible && i < s.sq && key < s.sk)
-          w.ds[b * w.ds_batch_stride + h * w.ds_head_stride + int64_t(i) * w.ds_row_stride + key] = ds;
         if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
         acc_s[j][e] = pd;
         acc_dp[j][e] = ds;
@@ -600,30 +619,165 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq(BwdParams p, BwdWork
 
 // ---------------------------------------------------------------------------- 4. dbias
 
-// dbias[o] = sum of dS over the broadcast dimensions of the bias, in a fixed order (the
-// same every run): dS is full-size (batch, heads_q, seqlen_q, seqlen_k) in float32.
-// (A template only so that every instantiation file may define it: see run_flash_bwd.)
-template <typename T>
-__global__ void __launch_bounds__(128) flash_bwd_reduce_dbias(BwdParams p, BwdWork w) {
-  const int64_t total = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
-  float* out = static_cast<float*>(p.dbias);
-  for (int64_t o = int64_t(blockIdx.x) * 128 + threadIdx.x; o < total;
-       o += int64_t(gridDim.x) * 128) {
-    int64_t rest = o;
-    const int jj = int(rest % p.dbias_cols); rest /= p.dbias_cols;
-    const int ii = int(rest % p.dbias_rows); rest /= p.dbias_rows;
-    const int hh = int(rest % p.dbias_heads); rest /= p.dbias_heads;
-    const int bb = int(rest);
-    const int nb = p.dbias_batch == 1 ? p.batch : 1, nh = p.dbias_heads == 1 ? p.heads_q : 1;
-    const int ni = p.dbias_rows == 1 ? p.seqlen_q : 1, nj = p.dbias_cols == 1 ? p.seqlen_k : 1;
+// dbias = dS (before the softcap factor) summed over the bias's broadcast dimensions, with
+// memory O(size of dbias): nothing is stored between kernels but D. One CTA per (tile of
+// kBlockM rows x kBlockN keys of dbias, dbias head hh, dbias batch bb); dbias_cols is
+// seqlen_k here (a bias constant along the keys never comes here: dbias_is_zero). The CTA
+// sweeps, in a fixed order, every (b, h) the bias broadcasts onto (bb, hh) -- all batches
+// when dbias_batch is 1, all query heads when dbias_heads is 1 -- and per (b, h) its own
+// query block, or every query block that sees its keys when the bias has a single row
+// (dbias_rows = 1). For each it recomputes S = Qi Kj^T and dP = dOi Vj^T with the score
+// pipeline of the other kernels, forms dS = P o (dP o Z - D) and adds it to a register
+// accumulator; a single-row bias then sums the tile's rows: within the thread, across the
+// 8 lanes of a column (butterfly), across the warps in warp order. Every sum has a fixed
+// order, so the result is bitwise the same every run.
+// Cost: two GEMMs per (b, h, query block, key block) visited, i.e. another 2/5 of the main
+// kernel's GEMMs when dbias is asked for.
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 2)
+    flash_bwd_dbias_kernel(BwdParams p, BwdWork w, bool vec) {
+  FMHA_DYNAMIC_SHARED(T, smem);
+  T* sQ = smem;
+  T* sdO = sQ + Cfg::kTileQ;
+  T* sK = sdO + Cfg::kTileQ;
+  T* sV = sK + Cfg::kTileKV;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int rows = p.dbias_rows, cols = p.dbias_cols;
+  const bool one_row = rows == 1;  // every query row lands on dbias row 0
+  const int col_tiles = (cols + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int m_tile = blockIdx.x / col_tiles, n0 = (blockIdx.x % col_tiles) * Cfg::kBlockN;
+  const int hh = blockIdx.y, bb = blockIdx.z;
+  const int b_lo = p.dbias_batch == 1 ? 0 : bb, b_hi = p.dbias_batch == 1 ? p.batch : bb + 1;
+  const int h_lo = p.dbias_heads == 1 ? 0 : hh, h_hi = p.dbias_heads == 1 ? p.heads_q : hh + 1;
+  const int group = p.heads_q / p.heads_kv;
+  const int d = p.head_dim, dv = p.head_dim_v;
+  const uint32_t threshold = dropout_threshold(p.dropout_p);
+  const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
+
+  // dbias of this thread's elements (j, e): row m_tile * kBlockM + warp * 16 + g + 8 (e / 2)
+  // (or the single row), key n0 + j * 8 + 2t + e % 2.
+  float acc_db[Cfg::kNTilesS][4];
+#pragma unroll
+  for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_db[j][e] = 0.0f;
+
+  for (int b = b_lo; b < b_hi; ++b) {
+    const score::Seq s = score::seq_of(p, b);
+    if (n0 >= s.sk) continue;  // varlen: no key of this sequence lands on the tile
+    int m_begin, m_end;  // the query blocks that see a key of [n0, n0 + kBlockN)
+    bwd_detail::query_range<Cfg::kBlockM, Cfg::kBlockN>(p, s, n0, m_begin, m_end);
+    if (!one_row) {  // ... and land on this tile's rows
+      m_begin = max(m_begin, m_tile);
+      m_end = min(m_end, m_tile + 1);
+    }
+    if (m_begin >= m_end) continue;
+    for (int h = h_lo; h < h_hi; ++h) {
+      const int h_kv = h / group;
+      const T* Q = static_cast<const T*>(p.q) +
+                   score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
+      const T* dO = static_cast<const T*>(p.dout) +
+                    score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) +
+                    h * p.do_head_stride;
+      const T* K = static_cast<const T*>(p.k) +
+                   score::k_base(p, s, b, p.k_batch_stride, p.k_row_stride) + h_kv * p.k_head_stride;
+      const T* V = static_cast<const T*>(p.v) +
+                   score::k_base(p, s, b, p.v_batch_stride, p.v_row_stride) + h_kv * p.v_head_stride;
+      const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
+                         score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
+      const float slope = float(score::alibi_slope(p, b, h));
+      // Every warp finished with the previous (b, h)'s tiles at the loop's trailing barrier.
+      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+          sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
+      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+          sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
+
+      for (int m_block = m_begin; m_block < m_end; ++m_block) {
+        const int m0 = m_block * Cfg::kBlockM;
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+            sQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+            sdO, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
+        cp_async_commit();
+
+        // This thread's rows row_lo, row_lo + 8: lse in the log2 domain (+inf for rows with
+        // no visible key or past the sequence, so that P = 0 there) and D.
+        const int row_lo = m0 + warp * 16 + g;
+        float lse_lo = INFINITY, lse_hi = INFINITY, d_lo = 0.0f, d_hi = 0.0f;
+        auto lse_l2 = [&](int i) {
+          const float l = lse[int64_t(i) * p.lse_row_stride];
+          return l == -INFINITY ? INFINITY : l * score::kLog2e;
+        };
+        if (row_lo < s.sq) {
+          lse_lo = lse_l2(row_lo);
+          d_lo = w.d[bwd_detail::work_row(p, h, b, row_lo)];
+        }
+        if (row_lo + 8 < s.sq) {
+          lse_hi = lse_l2(row_lo + 8);
+          d_hi = w.d[bwd_detail::work_row(p, h, b, row_lo + 8)];
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+
+        float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
+        bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp, lane);
+
+        // dS = P o (dP o Z - D), as the dQ kernel forms it but before the softcap factor.
+        // P = 0 (hidden, dropped-out or -inf pairs, rows without keys) gives dS = 0 even
+        // against a non-finite dP; a NaN lse or D of a row that sees keys gives NaN.
+#pragma unroll
+        for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
+            bool visible = score::visible(p, s, i, key);
+            float dcap;
+            const float x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible,
+                                              dcap);
+            const float prob =
+                visible && x != -INFINITY ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+            float dp = acc_dp[j][e];
+            if (p.dropout_p > 0.0)
+              dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
+                                                                              : 0.0f;
+            if (prob != 0.0f) acc_db[j][e] += prob * (dp - (e < 2 ? d_lo : d_hi));
+          }
+        __syncthreads();  // every warp is done with Qi, dOi (and Kj, Vj) before the next load
+      }
+    }
+  }
+
+  float* out = static_cast<float*>(p.dbias) + (int64_t(bb) * p.dbias_heads + hh) * rows * cols;
+  if (!one_row) {
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = m_tile * Cfg::kBlockM + warp * 16 + g + 8 * (e / 2);
+        const int key = n0 + j * 8 + 2 * t + (e % 2);
+        if (i < rows && key < cols) out[int64_t(i) * cols + key] = acc_db[j][e];
+      }
+    return;
+  }
+  // One row: sum the CTA's 64 rows of each key. The sweep's last barrier freed shared memory.
+  float* red = reinterpret_cast<float*>(smem);  // [kWarps][kBlockN]
+#pragma unroll
+  for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float v = acc_db[j][c] + acc_db[j][c + 2];
+#pragma unroll
+      for (int m = 4; m <= 16; m *= 2) v += shfl_xor(v, m);  // the 8 lanes of equal t
+      if (g == 0) red[warp * Cfg::kBlockN + j * 8 + 2 * t + c] = v;
+    }
+  __syncthreads();
+  if (tid < Cfg::kBlockN && n0 + tid < cols) {
     float sum = 0.0f;
-    for (int b = 0; b < nb; ++b)
-      for (int h = 0; h < nh; ++h)
-        for (int i = 0; i < ni; ++i)
-          for (int j = 0; j < nj; ++j)
-            sum += w.ds[(nb == 1 ? bb : b) * w.ds_batch_stride + (nh == 1 ? hh : h) * w.ds_head_stride +
-                        int64_t(ni == 1 ? ii : i) * w.ds_row_stride + (nj == 1 ? jj : j)];
-    out[o] = sum;
+#pragma unroll
+    for (int r = 0; r < Cfg::kWarps; ++r) sum += red[r * Cfg::kBlockN + tid];
+    out[n0 + tid] = sum;
   }
 }
 
@@ -646,19 +800,9 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
   Scratch dq_buf(p.deterministic ? 0 : size_t(p.heads_q) * rows * p.head_dim * sizeof(float),
                  stream, /*zero=*/true);
   w.dq_accum = dq_buf.as<float>();
-  // dbias: dS of every visible (b, h, i, j), zero elsewhere, then reduced to dbias's shape;
-  // a bias constant along the keys has exactly zero gradient (fmha/params.h).
+  // dbias: zeros for a bias constant along the keys (fmha/params.h), else its own kernel below.
   if (dbias_is_zero(p))
     zero_fill(p.dbias, size_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * sizeof(float), stream);
-  const bool with_dbias = kExtras && p.dbias != nullptr && !dbias_is_zero(p);
-  Scratch ds_buf(with_dbias ? size_t(p.batch) * p.heads_q * p.seqlen_q * p.seqlen_k * sizeof(float) : 0,
-                 stream, /*zero=*/true);
-  if (with_dbias) {
-    w.ds = ds_buf.as<float>();
-    w.ds_row_stride = p.seqlen_k;
-    w.ds_head_stride = int64_t(p.seqlen_q) * p.seqlen_k;
-    w.ds_batch_stride = int64_t(p.heads_q) * w.ds_head_stride;
-  }
 
   const dim3 row_grid(bwd_detail::ceil_div(p.seqlen_q, 64), p.heads_q, p.batch);
   FMHA_LAUNCH(flash_bwd_dot_do_o<T>, row_grid, dim3(128), 0, stream, p, w);
@@ -682,10 +826,16 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
     launch_main(std::true_type{});
     FMHA_LAUNCH(flash_bwd_convert_dq<T>, row_grid, dim3(128), 0, stream, p, w);
   }
-  if (with_dbias) {
-    const int64_t total = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
-    const int blocks = int(std::min<int64_t>(bwd_detail::ceil_div(total, 128), 65535));
-    FMHA_LAUNCH(flash_bwd_reduce_dbias<T>, dim3(blocks), dim3(128), 0, stream, p, w);
+  if constexpr (kExtras) {  // a bias is one of the extras
+    if (p.dbias && !dbias_is_zero(p)) {
+      using Cfg = FlashBwdDbiasConfig<kHeadDim>;
+      auto kernel = &flash_bwd_dbias_kernel<T, Cfg>;
+      if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
+      const int tiles = bwd_detail::ceil_div(p.dbias_rows, Cfg::kBlockM) *
+                        bwd_detail::ceil_div(p.dbias_cols, Cfg::kBlockN);
+      FMHA_LAUNCH(kernel, dim3(tiles, p.dbias_heads, p.dbias_batch), dim3(Cfg::kThreads),
+                  Cfg::kSmemBytes, stream, p, w, vec);
+    }
   }
 }
 

@@ -126,6 +126,7 @@ class Scratch {
     std::memset(base_, kGuardByte, kGuard);
     std::memset(base_ + kGuard + bytes, kGuardByte, kGuard);
     if (zero) std::memset(ptr_, 0, bytes);
+    ::emu::scratch_taken(bytes);
 #endif
   }
   // May throw under the emulator (a damaged guard), never while another exception unwinds.
@@ -138,6 +139,7 @@ class Scratch {
     for (size_t i = 0; i < kGuard; ++i)
       intact = intact && base_[i] == kGuardByte && base_[kGuard + bytes_ + i] == kGuardByte;
     std::free(base_);
+    ::emu::scratch_returned(bytes_);
     if (!intact && std::uncaught_exceptions() == 0)
       throw std::runtime_error("fmha scratch (" + std::to_string(bytes_) +
                                " bytes): a kernel wrote outside it");

@@ -1,7 +1,8 @@
 // The FlashAttention-2 backward kernels (csrc/cuda/flash_bwd.cuh) against a float64
 // reference, built plainly, with AddressSanitizer and with the race checker: exactly sized
 // buffers (tails, padded head dims, varlen packing), the cp.async double buffer of Q/dO, the
-// dS^T tile shared between warps for dQ, float32 atomics and the deterministic dQ kernel.
+// dS^T tile shared between warps for dQ, float32 atomics, the deterministic dQ kernel and the
+// dbias kernel (its one-row reduction through shared memory).
 // The numerical sweep against fmha.reference is tests/test_cuda_backward_emu.py and
 // tests/test_cuda_emu_cases.py; these cases cover the code paths under the sanitizers.
 #include <algorithm>
@@ -31,6 +32,9 @@ struct BwdCase {
   int left, right;
   bool deterministic;
   std::vector<int> seqlens_q = {}, seqlens_k = {};  // varlen (packed, exactly sized)
+  // An additive float32 bias with dbias: 0 none, 1 shaped (1, 1, 1, sk) (every batch, head
+  // and row sums onto one row), 2 shaped (batch, 1, sq, sk).
+  int bias = 0;
 };
 
 template <typename T>
@@ -53,6 +57,9 @@ Result flash_bwd_case(const BwdCase& c) {
   };
   fill(q), fill(k), fill(v), fill(dout);
   std::vector<float> lse(size_t(tq) * c.hq);
+  const int bias_b = c.bias == 2 ? c.batch : 1, bias_r = c.bias == 2 ? c.sq : 1;
+  std::vector<float> bias(c.bias ? size_t(bias_b) * bias_r * c.sk : 0), dbias(bias.size(), NAN);
+  for (float& e : bias) e = normal(rng);
 
   fmha::BwdParams p;
   p.q = q.data(), p.k = k.data(), p.v = v.data(), p.o = o.data(), p.lse = lse.data();
@@ -79,6 +86,13 @@ Result flash_bwd_case(const BwdCase& c) {
   p.window_left = c.left, p.window_right = c.right, p.bottom_right = true;
   p.num_splits = 1;
   p.deterministic = c.deterministic;
+  if (c.bias) {
+    p.bias.ptr = bias.data(), p.bias.dtype = fmha::DType::kFloat32;
+    p.bias.batch_stride = bias_b == 1 ? 0 : int64_t(bias_r) * c.sk;
+    p.bias.row_stride = bias_r == 1 ? 0 : c.sk, p.bias.col_stride = 1;
+    p.dbias = dbias.data();
+    p.dbias_batch = bias_b, p.dbias_heads = 1, p.dbias_rows = bias_r, p.dbias_cols = c.sk;
+  }
   launch_flash_fwd(p, nullptr);
   emu::reset_stats();
   launch_flash_bwd(p, nullptr);
@@ -91,7 +105,10 @@ Result flash_bwd_case(const BwdCase& c) {
     return y;
   };
   const std::vector<double> fq = f(q), fk = f(k), fv = f(v), fo = f(o), fdo = f(dout);
-  std::vector<double> rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0);
+  std::vector<double> rdq(nq, 0.0), rdk(nk, 0.0), rdv(nk, 0.0), rdbias(bias.size(), 0.0);
+  auto bias_at = [&](int b, int i, int j) {
+    return (size_t(bias_b == 1 ? 0 : b) * bias_r + (bias_r == 1 ? 0 : i)) * c.sk + j;
+  };
   for (int b = 0; b < c.batch; ++b)
     for (int h = 0; h < c.hq; ++h) {
       const int hk = h / (c.hq / c.hkv), sq = lq[size_t(b)], sk = lk[size_t(b)], off = sk - sq;
@@ -105,7 +122,7 @@ Result flash_bwd_case(const BwdCase& c) {
             continue;
           double dot = 0;
           for (int x = 0; x < c.d; ++x) dot += fq[qi(i, x)] * fk[kj(j, x)];
-          srow[size_t(j)] = dot * p.scale;
+          srow[size_t(j)] = dot * p.scale + (c.bias ? bias[bias_at(b, i, j)] : 0.0);
           mx = std::max(mx, srow[size_t(j)]);
         }
         double sum = 0;
@@ -117,6 +134,7 @@ Result flash_bwd_case(const BwdCase& c) {
           if (pj == 0.0) continue;
           double dp = 0;
           for (int x = 0; x < c.d; ++x) dp += fdo[qi(i, x)] * fv[kj(j, x)];
+          if (c.bias) rdbias[bias_at(b, i, j)] += pj * (dp - dd);
           const double ds = pj * (dp - dd) * p.scale;
           for (int x = 0; x < c.d; ++x) {
             rdq[qi(i, x)] += ds * fk[kj(j, x)];
@@ -148,6 +166,12 @@ Result flash_bwd_case(const BwdCase& c) {
     const std::string err = check(name, *got, *ref);
     if (!err.empty()) return fail(err);
   }
+  if (c.bias) {
+    std::vector<T> got(dbias.size());  // through T, so that check() reads it as the others
+    for (size_t i = 0; i < got.size(); ++i) got[i] = from_float<T>(dbias[i]);
+    const std::string err = check("dbias", got, rdbias);
+    if (!err.empty()) return fail(err);
+  }
   char buf[160];
   std::snprintf(buf, sizeof buf, "%llu launches, %llu blocks, %llu mma.sync, %llu cp.async",
                 (unsigned long long)s.launches, (unsigned long long)s.blocks,
@@ -168,6 +192,12 @@ EMU_TEST("flash_bwd.f16.d59.varlen", FLASH_BWD_CITE) {
 }
 EMU_TEST("flash_bwd.f16.d256.gqa", FLASH_BWD_CITE) {
   return flash_bwd_case<half_t>({1, 20, 33, 2, 1, 256, -1, -1, false});
+}
+EMU_TEST("flash_bwd.f16.d64.varlen.dbias_full", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({3, 70, 70, 1, 1, 64, -1, -1, false, {17, 0, 70}, {70, 5, 9}, 2});
+}
+EMU_TEST("flash_bwd.bf16.d160.causal.dbias_one_row", FLASH_BWD_CITE) {
+  return flash_bwd_case<bf16_t>({2, 20, 40, 1, 1, 160, -1, 0, false, {}, {}, 1});
 }
 
 }  // namespace

@@ -123,6 +123,10 @@ void* dynamic_smem();
 size_t dynamic_smem_bytes();
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
 void set_max_dynamic_smem(const void* kernel, size_t bytes);
+// Device scratch (cuda/primitives.cuh, Scratch) taken and given back, for the live and peak
+// byte counts of emu::stats().
+void scratch_taken(size_t bytes);
+void scratch_returned(size_t bytes);
 
 [[noreturn]] void trap(const char* message, const char* file, int line);
 

@@ -104,6 +104,8 @@ namespace {
 std::atomic<uint64_t> s_launches{0}, s_blocks{0}, s_threads{0}, s_block_barriers{0},
     s_warp_barriers{0}, s_mma{0}, s_ldmatrix{0}, s_shfl{0}, s_ballot{0}, s_cp_async{0},
     s_cp_async_zero_filled{0}, s_max_groups{0};
+// Device scratch in use now, and the most in use at once since the last reset_stats().
+std::atomic<uint64_t> s_scratch_live{0}, s_scratch_peak{0};
 
 void bump(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
 
@@ -731,6 +733,18 @@ void set_max_dynamic_smem(const void* kernel, size_t bytes) {
   detail::g_smem_optin[kernel] = bytes;
 }
 
+void scratch_taken(size_t bytes) {
+  const uint64_t live = detail::s_scratch_live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  uint64_t seen = detail::s_scratch_peak.load(std::memory_order_relaxed);
+  while (live > seen &&
+         !detail::s_scratch_peak.compare_exchange_weak(seen, live, std::memory_order_relaxed)) {
+  }
+}
+
+void scratch_returned(size_t bytes) {
+  detail::s_scratch_live.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
 void trap(const char* message, const char* file, int line) {
   detail::fail(std::string(message) + " at " + detail::where(file, line));
 }
@@ -833,7 +847,7 @@ Stats stats() {
   auto g = [](const std::atomic<uint64_t>& c) { return c.load(std::memory_order_relaxed); };
   return {g(s_launches), g(s_blocks), g(s_threads), g(s_block_barriers), g(s_warp_barriers),
           g(s_mma), g(s_ldmatrix), g(s_shfl), g(s_ballot), g(s_cp_async),
-          g(s_cp_async_zero_filled), g(s_max_groups)};
+          g(s_cp_async_zero_filled), g(s_max_groups), g(s_scratch_peak)};
 }
 
 void reset_stats() {
@@ -842,6 +856,7 @@ void reset_stats() {
                   &s_ldmatrix, &s_shfl, &s_ballot, &s_cp_async, &s_cp_async_zero_filled,
                   &s_max_groups})
     c->store(0, std::memory_order_relaxed);
+  s_scratch_peak.store(s_scratch_live.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 }  // namespace emu

@@ -20,6 +20,7 @@ struct Stats {
   uint64_t launches, blocks, threads, block_barriers, warp_barriers;
   uint64_t mma, ldmatrix, shfl, ballot, cp_async, cp_async_zero_filled;
   uint64_t max_cp_async_groups_pending;  // the most committed, unretired groups of a thread
+  uint64_t scratch_peak_bytes;  // the most device scratch (Scratch) held at once
 };
 Stats stats();
 void reset_stats();

@@ -434,7 +434,7 @@ PYBIND11_MODULE(_cuda_emu, m) {
         FMHA_EMU_STAT(block_barriers), FMHA_EMU_STAT(warp_barriers), FMHA_EMU_STAT(mma),
         FMHA_EMU_STAT(ldmatrix), FMHA_EMU_STAT(shfl), FMHA_EMU_STAT(ballot),
         FMHA_EMU_STAT(cp_async), FMHA_EMU_STAT(cp_async_zero_filled),
-        FMHA_EMU_STAT(max_cp_async_groups_pending)};
+        FMHA_EMU_STAT(max_cp_async_groups_pending), FMHA_EMU_STAT(scratch_peak_bytes)};
 #undef FMHA_EMU_STAT
     const emu::Stats s = emu::stats();
     py::dict d;
