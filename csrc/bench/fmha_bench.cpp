@@ -9,6 +9,9 @@
 //                                      head_dim 64/128, causal or not), f16 and bf16,
 //                                      fwd, bwd and fwd+bwd
 //   fmha-bench --cuda --case 4,16,8192,128 --causal --dtype bf16 --pass fwd --reps 50
+//   fmha-bench --latency               per-call time of cpu_forward on the small shapes of
+//                                      `python -m fmha.bench --latency` (the C++ floor under
+//                                      the bindings), 1 thread and --threads
 //
 // FLOPs: forward 4·b·h·sq·sk·d (halved for causal); backward 2.5× that; fwd+bwd 3.5×.
 #include <algorithm>
@@ -113,10 +116,49 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
   std::fflush(stdout);
 }
 
+// The small shapes of python/fmha/bench_latency.py (LATENCY_SHAPES): decode against 16, 256
+// and 4096 keys, a 16-token call, a ViT-B/16 batch and a 128-token batch.
+const Case kLatencySuite[] = {
+    {1, 8, 8, 1, 16, 64, false},   {1, 8, 8, 1, 256, 64, false},  {1, 8, 8, 1, 4096, 64, false},
+    {1, 8, 8, 16, 16, 64, false},  {8, 12, 12, 197, 197, 64, false},
+    {32, 12, 12, 128, 128, 64, false},
+};
+
+// Median per-call time of cpu_forward over batches of back-to-back calls (what a layer loop
+// sees: the pool's helpers spin between calls).
+void run_latency(const Case& c, fmha::DType dt, int threads) {
+  std::mt19937 gen(0);
+  const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
+  Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
+         v = random_tensor(nk, dt, gen), o = random_tensor(nq, dt, gen);
+  std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
+  fmha::BwdParams p;
+  fmha_bench::set_shape(p, c, dt);
+  p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
+  p.num_threads = threads;
+  const double one = seconds_of([&] { fmha::cpu_forward(p); }, 3, 0.05);
+  const int per_batch = std::max(1, int(0.02 / one));
+  std::vector<double> us;
+  for (int batch = 0; batch < 7; ++batch) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < per_batch; ++i) fmha::cpu_forward(p);
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                     .count() / per_batch);
+  }
+  std::sort(us.begin(), us.end());
+  std::printf("%-5s b=%-2d hq=%-2d sq=%-3d sk=%-4d d=%-3d threads %d: %10.2f us per call "
+              "(helpers used: %d)\n",
+              dt == fmha::DType::kFloat32 ? "f32" : "bf16", c.b, c.hq, c.sq, c.sk, c.d, threads,
+              us[us.size() / 2],
+              fmha::pool_helpers_for(1 << 30, threads, fmha::cpu_work_estimate_ns(p)));
+  std::fflush(stdout);
+}
+
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: fmha-bench [--case b,hq,sq,d[,hkv,sk]] [--causal] [--dtype f32|bf16|all]\n"
                "                  [--pass fwd|fwd+bwd|all] [--threads N]\n"
+               "       fmha-bench --latency [--dtype f32|bf16|all] [--threads N]\n"
                "       fmha-bench --cuda [--case b,hq,sq,d[,hkv,sk]] [--causal]\n"
                "                  [--dtype f16|bf16|all] [--pass fwd|bwd|fwd+bwd|all]\n"
                "                  [--device N] [--reps N]\n");
@@ -130,7 +172,7 @@ int main(int argc, char** argv) {
   std::string dtype = "all", pass = "all";
   int threads = fmha::hardware_threads();
   int device = 0, reps = 20;
-  bool causal = false, custom = false, cuda = false;
+  bool causal = false, custom = false, cuda = false, latency = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
@@ -151,6 +193,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(next().c_str());
     } else if (a == "--cuda") {
       cuda = true;
+    } else if (a == "--latency") {
+      latency = true;
     } else if (a == "--device") {
       device = std::atoi(next().c_str());
     } else if (a == "--reps") {
@@ -173,6 +217,18 @@ int main(int argc, char** argv) {
   }
   if (custom) cases[0].causal = causal;
   try {
+    if (latency) {
+      if (!custom) cases.assign(std::begin(kLatencySuite), std::end(kLatencySuite));
+      std::printf("fmha-bench --latency | CPU ISA %s | threads 1 and %d\n",
+                  fmha::isa_name(fmha::active_cpu_isa()), threads);
+      for (const Case& c : cases)
+        for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
+          if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
+          for (int t : {1, threads})
+            if (t == 1 || threads > 1) run_latency(c, dt, t);
+        }
+      return 0;
+    }
     const double peak = fmha::cpu_fma_peak_gflops(threads);
     std::printf("fmha-bench | CPU ISA %s | threads %d | measured FMA peak %.1f GFLOP/s (fp32)\n",
                 fmha::isa_name(fmha::active_cpu_isa()), threads, peak);

@@ -49,31 +49,11 @@ inline DLDevice dlpack_device(const py::handle& obj) {
   return d;
 }
 
-// `cuda_stream`: the stream the kernels will run on (a cudaStream_t as an integer, 0 = the
-// legacy default stream), or -1 for none. A CUDA producer is then asked to make the array
-// ready on that stream (DLPack's `stream` argument, where 1 names the legacy default stream
-// because 0 is reserved), so work still queued on the producer's stream is ordered before
-// ours.
-inline View import(const std::string& name, const py::handle& obj, bool writable,
-                   intptr_t cuda_stream = -1) {
-  if (!py::hasattr(obj, "__dlpack__"))
-    throw py::type_error(concat(name, ": expected an array with __dlpack__, got ",
-                                std::string(py::str(py::type::of(obj).attr("__name__")))));
+// The view of an exported capsule ("dltensor_versioned" or "dltensor"), named `name` in
+// errors; the view holds the capsule, and so the producer's memory.
+inline View view_of(const std::string& name, py::object cap, bool writable) {
   View v;
   v.name = name;
-  py::dict kw;
-  if (cuda_stream >= 0) {
-    const DLDevice d = dlpack_device(obj);
-    if (d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged)
-      kw["stream"] = py::int_(cuda_stream == 0 ? intptr_t(1) : cuda_stream);
-  }
-  py::object cap;
-  try {
-    cap = obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 0), **kw);
-  } catch (py::error_already_set& e) {
-    if (!e.matches(PyExc_TypeError)) throw;
-    cap = obj.attr("__dlpack__")(**kw);  // a producer from before DLPack 1.0
-  }
   const DLTensor* t = nullptr;
   if (PyCapsule_IsValid(cap.ptr(), "dltensor_versioned")) {
     auto* m = static_cast<DLManagedTensorVersioned*>(
@@ -83,7 +63,7 @@ inline View import(const std::string& name, const py::handle& obj, bool writable
   } else if (PyCapsule_IsValid(cap.ptr(), "dltensor")) {
     t = &static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"))->dl_tensor;
   } else {
-    throw py::type_error(concat(name, ": __dlpack__ did not return a DLPack capsule"));
+    throw py::type_error(concat(name, ": not a DLPack capsule (or one already consumed)"));
   }
   FMHA_CHECK_ARG(t->ndim >= 1 && t->ndim <= 4, name, ": expected 1 to 4 dimensions, got ",
                  t->ndim);
@@ -100,6 +80,50 @@ inline View import(const std::string& name, const py::handle& obj, bool writable
     compact *= t->shape[i];
   }
   return v;
+}
+
+// `cuda_stream`: the stream the kernels will run on (a cudaStream_t as an integer, 0 = the
+// legacy default stream), or -1 for none. A CUDA producer is then asked to make the array
+// ready on that stream (DLPack's `stream` argument, where 1 names the legacy default stream
+// because 0 is reserved), so work still queued on the producer's stream is ordered before
+// ours.
+inline View import(const std::string& name, const py::handle& obj, bool writable,
+                   intptr_t cuda_stream = -1) {
+  // A DLPack capsule already exported by the caller (fmha's torch layer passes
+  // torch.utils.dlpack.to_dlpack's, which costs far less than Tensor.__dlpack__): borrowed
+  // as it is, with no stream handshake -- the caller exported it on the stream it launches
+  // on. It is not renamed "used_dltensor": the producer's destructor still owns it.
+  if (PyCapsule_CheckExact(obj.ptr()))
+    return view_of(name, py::reinterpret_borrow<py::object>(obj), writable);
+  // obj.__dlpack__(max_version=(1, 0)[, stream=s]) through the vectorcall protocol: no
+  // keyword dictionary is built (the export is on every call's path).
+  static PyObject* const method = PyUnicode_InternFromString("__dlpack__");
+  if (!PyObject_HasAttr(obj.ptr(), method))
+    throw py::type_error(concat(name, ": expected an array with __dlpack__, got ",
+                                std::string(py::str(py::type::of(obj).attr("__name__")))));
+  static PyObject* const version = py::make_tuple(1, 0).release().ptr();
+  static PyObject* const kw_version = py::make_tuple("max_version").release().ptr();
+  static PyObject* const kw_version_stream =
+      py::make_tuple("max_version", "stream").release().ptr();
+  static PyObject* const kw_stream = py::make_tuple("stream").release().ptr();
+  py::object stream;
+  if (cuda_stream >= 0) {
+    const DLDevice d = dlpack_device(obj);
+    if (d.device_type == kDLCUDA || d.device_type == kDLCUDAManaged)
+      stream = py::int_(cuda_stream == 0 ? intptr_t(1) : cuda_stream);
+  }
+  PyObject* args[3] = {obj.ptr(), version, stream.ptr()};
+  py::object cap = py::reinterpret_steal<py::object>(PyObject_VectorcallMethod(
+      method, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, stream ? kw_version_stream : kw_version));
+  if (!cap) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+    PyErr_Clear();  // a producer from before DLPack 1.0: no max_version
+    args[1] = stream.ptr();
+    cap = py::reinterpret_steal<py::object>(PyObject_VectorcallMethod(
+        method, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, stream ? kw_stream : nullptr));
+    if (!cap) throw py::error_already_set();
+  }
+  return view_of(name, std::move(cap), writable);
 }
 
 }  // namespace fmha

@@ -88,6 +88,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("isa"), "Forces the CPU kernels' instruction set (scalar, avx2, avx512, "
         "avx512bf16); NotImplementedError when this CPU lacks it.");
   m.def("hardware_threads", &hardware_threads);
+  m.def("pool_helpers_for", &pool_helpers_for, py::arg("n_tasks"), py::arg("n_threads"),
+        py::arg("work_ns"),
+        "How many helper threads the CPU thread pool wakes for a region of n_tasks tasks and "
+        "work_ns nanoseconds of estimated single-thread work (for tests and benchmarks).");
   // The kernels' own Philox, exposed so tests can hold it to the published vectors.
   m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
     const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);

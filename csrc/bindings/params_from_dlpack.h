@@ -14,6 +14,9 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <stdexcept>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -68,35 +71,44 @@ inline void expect_device(const View& v, const Device& dev) {
 // ------------------------------------------------------------------------------ keywords
 
 // The keyword settings of forward/backward. Unknown names are errors, so that a misspelt
-// setting cannot silently fall back to its default.
+// setting cannot silently fall back to its default. The keywords are matched once, against
+// the allowed names (a call's cost is a few string compares, not a dictionary lookup per
+// setting).
 class Settings {
  public:
+  static constexpr int kMax = 16;
+
   Settings(const char* fn, const py::kwargs& kw, std::initializer_list<const char*> allowed)
-      : fn_(fn), kw_(kw) {
+      : fn_(fn), n_(int(allowed.size())) {
+    if (n_ > kMax) throw std::logic_error("Settings: too many keywords");
+    std::copy(allowed.begin(), allowed.end(), names_.begin());
     for (auto item : kw) {
-      const std::string key = py::str(item.first);
-      bool known = false;
-      std::string list;
-      for (const char* a : allowed) {
-        known = known || key == a;
-        list += concat(list.empty() ? "" : ", ", a);
+      int i = 0;
+      while (i < n_ && PyUnicode_CompareWithASCIIString(item.first.ptr(), names_[i]) != 0) ++i;
+      if (i == n_) {
+        std::string list;
+        for (int j = 0; j < n_; ++j) list += concat(j ? ", " : "", names_[j]);
+        throw py::type_error(concat(fn, ": unknown keyword argument '",
+                                    std::string(py::str(item.first)), "' (expected ", list,
+                                    ")"));
       }
-      if (!known)
-        throw py::type_error(concat(fn, ": unknown keyword argument '", key, "' (expected ",
-                                    list, ")"));
+      values_[i] = item.second;
     }
   }
-  bool has(const char* name) const { return kw_.contains(name) && !kw_[name].is_none(); }
+  bool has(const char* name) const {
+    const py::handle v = values_[index(name)];
+    return v && !v.is_none();
+  }
   template <typename T>
   T get(const char* name) const {
     if (!has(name))
       throw py::type_error(concat(fn_, ": missing keyword argument '", name, "'"));
+    const py::handle v = values_[index(name)];
     try {
-      return kw_[name].cast<T>();
+      return v.cast<T>();
     } catch (const py::cast_error&) {
       throw py::type_error(concat(fn_, ": keyword argument '", name, "' has the wrong type (",
-                                  std::string(py::str(py::type::of(kw_[name]).attr("__name__"))),
-                                  ")"));
+                                  std::string(py::str(py::type::of(v).attr("__name__"))), ")"));
     }
   }
   template <typename T>
@@ -105,8 +117,16 @@ class Settings {
   }
 
  private:
+  int index(const char* name) const {
+    for (int i = 0; i < n_; ++i)
+      if (std::strcmp(names_[i], name) == 0) return i;
+    throw std::logic_error(concat("Settings: '", name, "' is not an allowed keyword"));
+  }
+
   const char* fn_;
-  const py::kwargs& kw_;
+  int n_;
+  std::array<const char*, kMax> names_{};
+  std::array<py::handle, kMax> values_{};  // borrowed from the call's kwargs
 };
 
 #define FMHA_FORWARD_KEYWORDS                                                                  \
@@ -122,6 +142,10 @@ struct Call {
   Params p;
   Device dev;
   intptr_t stream = 0;  // cudaStream_t of the launch (CUDA arrays only; 0 = legacy default)
+  // What import() takes after q: the launch stream when q is a CUDA array, -1 when it is a
+  // host array (no CUDA producer to order: the other arrays' devices are not queried, and
+  // one on another device is refused by expect_device after its export).
+  intptr_t import_stream = -1;
   View q, k, v, o, lse;
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
   std::optional<View> dout, dq, dk, dv, dbias;  // backward only
@@ -211,13 +235,14 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
                  c.stream);
   c.q = import("q", q, false, c.stream);
   c.dev = device_of("q", c.q.device);
+  c.import_stream = c.dev.mem == Memory::kCuda ? c.stream : -1;
   if (host_only)
     FMHA_CHECK_ARG(c.dev.mem == Memory::kHost, "q: on device ", device_name(c.dev),
                    "; the emulator runs the CUDA kernels on host arrays only");
-  c.k = import("k", k, false, c.stream);
-  c.v = import("v", v, false, c.stream);
-  c.o = import("out", out, outputs_writable, c.stream);
-  c.lse = import("lse", lse, outputs_writable, c.stream);
+  c.k = import("k", k, false, c.import_stream);
+  c.v = import("v", v, false, c.import_stream);
+  c.o = import("out", out, outputs_writable, c.import_stream);
+  c.lse = import("lse", lse, outputs_writable, c.import_stream);
   for (View* t : {&c.k, &c.v, &c.o, &c.lse}) expect_device(*t, c.dev);
 
   const bool varlen = !cu_q.is_none() || !cu_k.is_none();
@@ -235,8 +260,8 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   if (varlen) {
     FMHA_CHECK_ARG(!cu_q.is_none() && !cu_k.is_none(),
                    "cu_seqlens_q, cu_seqlens_k: give both or neither");
-    c.cu_q = import("cu_seqlens_q", cu_q, false, c.stream);
-    c.cu_k = import("cu_seqlens_k", cu_k, false, c.stream);
+    c.cu_q = import("cu_seqlens_q", cu_q, false, c.import_stream);
+    c.cu_k = import("cu_seqlens_k", cu_k, false, c.import_stream);
     for (View* cu : {&*c.cu_q, &*c.cu_k}) {
       FMHA_CHECK_ARG(cu->ndim == 1 && cu->dtype.code == kDLInt && cu->dtype.bits == 32 &&
                          cu->dtype.lanes == 1 && (cu->stride(0) == 1 || cu->size(0) == 1),
@@ -317,7 +342,7 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   // the Python layer expands them as views, so only the extents are checked here.
   auto broadcast4 = [&](std::optional<View>& slot, const char* name, const py::object& obj,
                         Broadcast4& b, bool is_mask) {
-    slot = import_opt(name, obj, false, c.stream);
+    slot = import_opt(name, obj, false, c.import_stream);
     if (!slot) return;
     View& t = *slot;
     expect_device(t, c.dev);
@@ -341,7 +366,7 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   broadcast4(c.bias, "bias", bias, p.bias, false);
   broadcast4(c.mask, "mask", mask, p.mask, true);
 
-  c.alibi = import_opt("alibi_slopes", alibi, false, c.stream);
+  c.alibi = import_opt("alibi_slopes", alibi, false, c.import_stream);
   if (c.alibi) {
     View& a = *c.alibi;
     FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
@@ -393,10 +418,10 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
   BwdParams& p = c.p;
   p.deterministic = s.get<bool>("deterministic", false);
   const bool varlen = c.cu_q.has_value();
-  c.dout = import("dout", dout, false, c.stream);
-  c.dq = import("dq", dq, true, c.stream);
-  c.dk = import("dk", dk, true, c.stream);
-  c.dv = import("dv", dv, true, c.stream);
+  c.dout = import("dout", dout, false, c.import_stream);
+  c.dq = import("dq", dq, true, c.import_stream);
+  c.dk = import("dk", dk, true, c.import_stream);
+  c.dv = import("dv", dv, true, c.import_stream);
   const View* like[4] = {&c.o, &c.q, &c.k, &c.v};
   View* grads[4] = {&*c.dout, &*c.dq, &*c.dk, &*c.dv};
   for (int t = 0; t < 4; ++t) {
@@ -420,7 +445,7 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
   p.dk_batch_stride = sdk.batch; p.dk_row_stride = sdk.row; p.dk_head_stride = sdk.head;
   p.dv_batch_stride = sdv.batch; p.dv_row_stride = sdv.row; p.dv_head_stride = sdv.head;
 
-  c.dbias = import_opt("dbias", dbias, true, c.stream);
+  c.dbias = import_opt("dbias", dbias, true, c.import_stream);
   if (c.dbias) {
     View& db = *c.dbias;
     const bool f64 = p.dtype == DType::kFloat64;

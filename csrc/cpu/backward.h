@@ -33,6 +33,7 @@
 #include "cpu/forward.h"  // rows_as_acc
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
+#include "fmha/api.h"
 #include "fmha/threads.h"
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
@@ -582,14 +583,22 @@ void backward_typed(const BwdParams& p) {
   const int64_t n_kblocks = (p.seqlen_k + kBc - 1) / kBc;
   std::vector<A> D(size_t(p.batch) * p.heads_q * p.seqlen_q);  // O(n): one value per row
   const int64_t q_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
-  parallel_for(q_tasks, p.num_threads, [&](int64_t t) { d_task<T, A>(p, t, D.data()); });
+  // The passes over the keys repeat the forward's S (and P) and add dP, dS and three more
+  // GEMMs: about twice its work; D is a row-wise dot product of dO and O.
+  const int64_t work = cpu_work_estimate_ns(p, 2.0);
+  const int64_t d_work =
+      int64_t(double(p.cu_seqlens_q ? p.total_q : int64_t(p.batch) * p.seqlen_q) * p.heads_q *
+              p.head_dim_v * 0.1);
+  parallel_for(q_tasks, p.num_threads, [&](int64_t t) { d_task<T, A>(p, t, D.data()); },
+               d_work);
   if (use_single_pass(p)) {
     parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
-                 [&](int64_t t) { single_pass_task<T, A>(p, t, D.data()); });
+                 [&](int64_t t) { single_pass_task<T, A>(p, t, D.data()); }, work);
   } else {
     parallel_for(int64_t(p.batch) * p.heads_kv * n_kblocks, p.num_threads,
-                 [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); });
-    parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); });
+                 [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); }, work);
+    parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); },
+                 work);
   }
   if (dbias_is_zero(p)) {
     std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
@@ -598,7 +607,7 @@ void backward_typed(const BwdParams& p) {
   } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);
-    parallel_for(n, p.num_threads, [&](int64_t t) { dbias_task<T, A>(p, t, D.data()); });
+    parallel_for(n, p.num_threads, [&](int64_t t) { dbias_task<T, A>(p, t, D.data()); }, work);
   }
 }
 

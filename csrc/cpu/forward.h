@@ -12,6 +12,7 @@
 #include "cpu/bf16_pairs.h"
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
+#include "fmha/api.h"
 #include "fmha/threads.h"
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
@@ -266,14 +267,15 @@ void forward_small_task(const FwdParams& p, int64_t task) {
 
 template <typename T>
 void forward_typed(const FwdParams& p) {
+  const int64_t work = cpu_work_estimate_ns(p);
   if (use_small_rows(p)) {
     parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
-                 [&](int64_t t) { forward_small_task<T>(p, t); });
+                 [&](int64_t t) { forward_small_task<T>(p, t); }, work);
     return;
   }
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
-  parallel_for(n_tasks, p.num_threads, [&](int64_t t) { forward_task<T>(p, t); });
+  parallel_for(n_tasks, p.num_threads, [&](int64_t t) { forward_task<T>(p, t); }, work);
 }
 
 void forward(const FwdParams& p) {

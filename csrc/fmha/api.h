@@ -33,6 +33,10 @@ double cpu_fma_peak_gflops(int threads);
 // y = exp(x) as the active ISA's softmax computes it (for accuracy tests).
 void cpu_exp(const float* x, float* y, int64_t n);
 void cpu_backward(const BwdParams& p);
+// What a CPU call would take on one thread, in nanoseconds (`passes` times the forward's
+// work; the backward is about 2): an estimate for the thread pool, which uses it to decide
+// how many helpers are worth waking (fmha/threads.h), never which task runs where.
+int64_t cpu_work_estimate_ns(const FwdParams& p, double passes = 1.0);
 
 // cpu_forward, cpu_backward, cuda_forward and cuda_backward check their params against the
 // validation contract first (fmha/validate.h).

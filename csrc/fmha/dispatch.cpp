@@ -10,6 +10,7 @@
 #include "cpu/kernels.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/threads.h"
 #include "fmha/validate.h"
 
 namespace fmha {
@@ -275,6 +276,20 @@ void cpu_forward(const FwdParams& p) {
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
                   p.o_row_stride, p.o_head_stride, p.dtype);
   active_kernels().forward(p);
+}
+
+// Every (query, key) pair costs 2·(d + dv) flops at ~50 GFLOP/s per thread (small tiles are
+// far from peak), and each K/V byte ~0.1 ns (decode reads far more than it computes).
+// Causal and window masks, and varlen sequences shorter than the longest, are ignored: the
+// estimate errs towards more helpers.
+int64_t cpu_work_estimate_ns(const FwdParams& p, double passes) {
+  const double rows = p.cu_seqlens_q ? double(p.total_q) : double(p.batch) * p.seqlen_q;
+  const double keys = p.cu_seqlens_q ? double(p.total_k) : double(p.batch) * p.seqlen_k;
+  const double pairs = rows * p.heads_q * p.seqlen_k;  // varlen: seqlen_k is the longest
+  const double flops = 2.0 * pairs * (p.head_dim + p.head_dim_v);
+  const double bytes = keys * p.heads_kv * (p.head_dim + p.head_dim_v) * element_size(p.dtype);
+  const double ns = passes * (flops / 50.0 + bytes / 10.0);
+  return ns >= 9e18 ? kUnknownWork : int64_t(ns);
 }
 
 double cpu_fma_peak_gflops(int threads) { return active_kernels().fma_peak_gflops(threads); }

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._core import _last_contiguous, _xp, core_args, dbias_shape, get_num_threads, stream_of
+from ._core import _last_contiguous, _xp, core_args, dbias_shape, kernel_settings, stream_of
 from ._validate import Spec, device_of, kind_of, prepare
 
 # ---------------------------------------------------------------- NumPy / CuPy arrays
@@ -29,8 +29,9 @@ def _array_seed(seed) -> int:
     return int(seed)
 
 
-def _array_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
-    """NumPy or CuPy arrays (outputs allocated by the same module, on q's device)."""
+def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None):
+    """NumPy or CuPy arrays (outputs allocated by the same module, on q's device); extra:
+    core_args' (bias, mask, alibi_slopes)."""
     xp = _xp(q)
     q, k, v = (_last_contiguous(x) for x in (q, k, v))
     lse_dtype = xp.float64 if spec.dtype == "float64" else xp.float32
@@ -40,10 +41,25 @@ def _array_forward(spec: Spec, q, k, v, extra: dict, seed: int, cu=None):
             lse = xp.empty((spec.heads_q, q.shape[0]), dtype=lse_dtype)
         else:
             lse = xp.empty((spec.batch, spec.heads_q, spec.seqlen_q), dtype=lse_dtype)
-    _core._kernels.forward(q, k, v, out, lse, **extra, **(cu or {}), **spec.settings(),
-                           seed=seed, offset=0, num_threads=get_num_threads(),
-                           num_splits=spec.num_splits, stream=stream_of(q))
+    offsets = (None, None) if cu is None else (cu["cu_seqlens_q"], cu["cu_seqlens_k"])
+    maxima = {} if cu is None else dict(max_seqlen_q=cu["max_seqlen_q"],
+                                        max_seqlen_k=cu["max_seqlen_k"])
+    _core._kernels.forward(q, k, v, out, lse, *extra, *offsets, **maxima,
+                           **kernel_settings(spec.settings(), seed, 0, spec.num_splits,
+                                             stream_of(q)))
     return out, lse
+
+
+_torch = None
+
+
+def _torch_module():
+    """fmha._torch, imported on the first torch call (NumPy users never import torch)."""
+    global _torch
+    if _torch is None:
+        from . import _torch as module
+        _torch = module
+    return _torch
 
 
 def _device_of_array(x):
@@ -92,9 +108,8 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
     if spec.kind == "torch":
-        from . import _torch
-        return _torch.attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
-                                deterministic=deterministic)
+        return _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
+                                         deterministic=deterministic)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
                               _array_seed(seed) if spec.dropout_p > 0 else 0)
     return (out, lse) if return_lse else out
@@ -124,9 +139,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, num_splits=num_splits)
     if spec.kind == "torch":
-        from . import _torch
-        return _torch.attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
-                                cu_seqlens_q, cu_seqlens_k, deterministic=deterministic)
+        return _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
+                                         cu_seqlens_q, cu_seqlens_k,
+                                         deterministic=deterministic)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
                               _array_seed(seed) if spec.dropout_p > 0 else 0,
                               _array_cu(spec, q, cu_seqlens_q, cu_seqlens_k))
@@ -208,11 +223,12 @@ def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, al
         dbias = (xp.empty(dbias_shape(spec.bias_shape, spec.full), dtype=lse_dtype)
                  if bias_grad else None)
     varlen = _array_cu(spec, q, *cu) if cu is not None else {}
-    _core._kernels.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
-                            **core_args(spec.full, bias, mask, alibi_slopes), **varlen,
-                            **spec.settings(),
-                            seed=_array_seed(seed) if spec.dropout_p > 0 else 0, offset=0,
-                            num_threads=get_num_threads(), stream=stream_of(q),
+    offsets = (varlen.pop("cu_seqlens_q", None), varlen.pop("cu_seqlens_k", None))
+    _core._kernels.backward(dout, q, k, v, out, lse, dq, dk, dv, dbias,
+                            *core_args(spec.full, bias, mask, alibi_slopes), *offsets, **varlen,
+                            **kernel_settings(spec.settings(),
+                                              _array_seed(seed) if spec.dropout_p > 0 else 0,
+                                              stream=stream_of(q)),
                             deterministic=bool(deterministic))
     if bias_grad:
         return dq, dk, dv, dbias.reshape(spec.bias_shape).astype(bias.dtype, copy=False)

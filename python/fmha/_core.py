@@ -93,6 +93,20 @@ def _last_contiguous(x):
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+def kernel_settings(settings: dict, seed: int = 0, offset: int = 0, num_splits: int = 0,
+                    stream: int = 0) -> dict:
+    """The keyword settings of one fmha._C.forward/backward call: `settings` (scale, softcap,
+    window, alignment, dropout_p), the thread count, and seed, offset, num_splits and stream
+    only where they differ from the core's default 0 (a small call pays for every keyword
+    the binding reads)."""
+    kw = dict(settings, num_threads=get_num_threads())
+    for name, value in (("seed", seed), ("offset", offset), ("num_splits", num_splits),
+                        ("stream", stream)):
+        if value:
+            kw[name] = value
+    return kw
+
+
 def stream_of(x) -> int:
     """The stream (a cudaStream_t as an int) a call on x's device is ordered on: the current
     torch / CuPy stream of a CUDA array, 0 for host arrays."""
@@ -107,25 +121,25 @@ def stream_of(x) -> int:
     return 0
 
 
-def core_args(full, bias=None, mask=None, alibi_slopes=None) -> dict:
-    """bias / mask / alibi_slopes in the form fmha._C takes (views, no copies of size n²);
+def core_args(full, bias=None, mask=None, alibi_slopes=None) -> tuple:
+    """(bias, mask, alibi_slopes) in the form fmha._C takes them (views, no copies of size
+    n²; None where absent), in the binding's positional order after lse;
     full = (batch, heads_q, seqlen_q, seqlen_k)."""
-    out = {}
     if bias is not None:
-        out["bias"] = _as_4d(bias, full)
+        bias = _as_4d(bias, full)
     if mask is not None:
-        out["mask"] = _as_4d(mask, full)
+        mask = _as_4d(mask, full)
     if alibi_slopes is not None:
         a = alibi_slopes
         if kind_of(a) != "torch":
             xp = _xp(a)
             a = xp.asarray(a, dtype=xp.float64)
-            out["alibi_slopes"] = xp.broadcast_to(a if a.ndim == 2 else a[None], full[:2])
+            alibi_slopes = xp.broadcast_to(a if a.ndim == 2 else a[None], full[:2])
         else:
             import torch
             a = a.detach().to(dtype=torch.float64)
-            out["alibi_slopes"] = (a if a.ndim == 2 else a.unsqueeze(0)).expand(*full[:2])
-    return out
+            alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(*full[:2])
+    return bias, mask, alibi_slopes
 
 
 def dbias_shape(bias_shape, full) -> Tuple[int, int, int, int]:

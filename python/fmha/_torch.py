@@ -18,9 +18,10 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack
 
 from . import _core
-from ._core import _last_contiguous, core_args, dbias_shape, get_num_threads, stream_of
+from ._core import core_args, dbias_shape, get_num_threads
 from ._validate import Spec
 
 
@@ -35,12 +36,20 @@ def _lse_shape(q: Tensor, full, varlen: bool):
     return (full[1], q.shape[0]) if varlen else full[:3]
 
 
-def _detached(*xs):
-    """DLPack refuses tensors that require grad; the op's own autograd formula handles them.
-    The kernels also need a unit stride in the last dimension (copied only when missing)."""
-    return tuple(None if x is None else
-                 (_last_contiguous(x.detach()) if x.dtype != torch.bool else x.detach())
-                 for x in xs)
+def _ready(*xs):
+    """The tensors as the kernels read them: a unit stride in the last dimension (copied
+    only when missing; bool masks are read with any strides). Tensors that require grad are
+    passed as they are: the DLPack export below does not check requires_grad, and the op's
+    own autograd formula handles their gradients."""
+    return [x if x is None or x.dtype == torch.bool or x.stride(-1) == 1 or x.shape[-1] == 1
+            else x.contiguous() for x in xs]
+
+
+def _offsets(cu_q: Optional[Tensor], cu_k: Optional[Tensor]):
+    """The varlen offsets as the kernels read them (contiguous; None when dense)."""
+    if cu_q is None:
+        return None, None
+    return cu_q.contiguous(), cu_k.contiguous()
 
 
 def _rng_pair(rng: Optional[Tensor]):
@@ -50,39 +59,56 @@ def _rng_pair(rng: Optional[Tensor]):
     return seed % 2**64, offset % 2**64
 
 
-def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng, cu_q,
-              cu_k, max_q, max_k, num_splits=0) -> dict:
-    seed, offset = _rng_pair(rng)
+def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
+              max_q=None, max_k=None, num_splits=0) -> dict:
+    """fmha._C's keyword settings (see _core.kernel_settings: zeros are left out)."""
     kw = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
-              bottom_right=bottom_right, dropout_p=dropout_p, seed=seed, offset=offset,
-              num_threads=get_num_threads(), num_splits=num_splits, stream=stream_of(q))
-    if cu_q is not None:
-        kw.update(cu_seqlens_q=cu_q.contiguous(), cu_seqlens_k=cu_k.contiguous(),
-                  max_seqlen_q=max_q, max_seqlen_k=max_k)
+              bottom_right=bottom_right, dropout_p=dropout_p, num_threads=get_num_threads())
+    if rng is not None:
+        kw["seed"], kw["offset"] = _rng_pair(rng)
+    if num_splits:
+        kw["num_splits"] = num_splits
+    if q.is_cuda:
+        kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
+    if max_q is not None:
+        kw.update(max_seqlen_q=max_q, max_seqlen_k=max_k)
     return kw
 
 
-# device_types: the CPU and CUDA kernels behind one device-generic implementation.
-@torch.library.custom_op("fmha::fwd", mutates_args=(), device_types=("cpu", "cuda"))
-def fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-        alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-        cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-        rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
-        window_right: int, bottom_right: bool, dropout_p: float,
-        deterministic: bool = False, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
+def _exported(*xs):
+    """The arrays as DLPack capsules (None stays None): torch.utils.dlpack.to_dlpack costs a
+    tenth of Tensor.__dlpack__, whose checks (requires_grad, conjugate bit, stream) the
+    caller has already made. The kernels run on torch's current stream, the stream the
+    tensors are ready on, so no stream handshake is needed."""
+    return [None if x is None else to_dlpack(x) for x in xs]
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+         alibi_slopes: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+         cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+         rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
+         window_right: int, bottom_right: bool, dropout_p: float,
+         deterministic: bool = False, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
     """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout.
     deterministic only travels to the backward (see _setup_context); num_splits: key splits
-    of the CUDA forward (0 = by occupancy), ignored by the CPU kernels."""
-    q, k, v, bias, mask, alibi_slopes = _detached(q, k, v, bias, mask, alibi_slopes)
+    of the CUDA forward (0 = by occupancy), ignored by the CPU kernels. The body of the
+    fmha::fwd op, and what eager calls that need no op (see _direct) run."""
+    q, k, v, bias = _ready(q, k, v, bias)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, full, cu_seqlens_q is not None), device=q.device,
                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    _core._kernels.forward(q, k, v, out, lse, **core_args(full, bias, mask, alibi_slopes),
-                           **_settings(q, scale, softcap, window_left, window_right,
-                                       bottom_right, dropout_p, rng, cu_seqlens_q,
-                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_splits))
+    varlen = cu_seqlens_q is not None
+    _core._kernels.forward(
+        *_exported(q, k, v, out, lse, *core_args(full, bias, mask, alibi_slopes),
+                   *_offsets(cu_seqlens_q, cu_seqlens_k)),
+        **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
+                    max_seqlen_q if varlen else None, max_seqlen_k, num_splits))
     return out, lse
+
+
+# device_types: the CPU and CUDA kernels behind one device-generic implementation.
+fwd = torch.library.custom_op("fmha::fwd", _fwd, mutates_args=(), device_types=("cpu", "cuda"))
 
 
 @fwd.register_fake
@@ -106,18 +132,19 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
     deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
     bitwise-reproducible CUDA gradients."""
-    dout, q, k, v, out, lse, bias, mask, alibi_slopes = _detached(
-        dout, q, k, v, out, lse, bias, mask, alibi_slopes)
+    dout, q, k, v, out, lse, bias = _ready(dout, q, k, v, out, lse, bias)
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = None
     if bias_grad:
         dbias = torch.empty(dbias_shape(bias.shape, full), dtype=lse.dtype, device=q.device)
+    varlen = cu_seqlens_q is not None
     _core._kernels.backward(
-        dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
-        **core_args(full, bias, mask, alibi_slopes),
+        *_exported(dout, q, k, v, out, lse, dq, dk, dv, dbias,
+                   *core_args(full, bias, mask, alibi_slopes),
+                   *_offsets(cu_seqlens_q, cu_seqlens_k)),
         **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                    max_seqlen_q if varlen else None, max_seqlen_k),
         deterministic=bool(deterministic or torch.are_deterministic_algorithms_enabled()))
     if dbias is None:
         dbias = q.new_empty((0,))
@@ -174,6 +201,25 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _direct(*tensors) -> bool:
+    """Can an eager call run the op's body directly? It can when no layer of the op has
+    anything to do: no gradient can flow (grad mode off, or no input requires grad), the
+    inputs are plain tensors (not FakeTensors or other subclasses), and no torch.compile
+    trace, functorch transform (vmap, grad) or dispatch/function mode is active, each of
+    which must see the op. The outputs are the same tensors the op would return; the
+    dispatcher, autograd wrapper and custom-op layers are what is skipped: tens of
+    microseconds per call (benchmarks/latency_*.md)."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for x in tensors:
+        if x is not None and (type(x) is not Tensor or (grad and x.requires_grad)):
+            return False
+    return not (torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None,
               deterministic=False):
     """fmha.attention / attention_varlen for torch tensors (arguments already validated)."""
@@ -186,7 +232,8 @@ def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=No
         # The kernels read the offsets where they read q. (Host offsets were validated on the
         # host; device offsets are never read there: the kernels clamp each sequence.)
         cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
-    out, lse = fwd(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
-                   rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
-                   spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits)
+    op = _fwd if _direct(q, k, v, bias, mask, alibi_slopes) else fwd
+    out, lse = op(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
+                  rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
+                  spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits)
     return (out, lse) if return_lse else out

@@ -138,7 +138,7 @@ def _broadcastable(shape, target) -> bool:
     return True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Spec:
     """Normalised arguments of one call (what the params struct needs)."""
 
@@ -173,11 +173,66 @@ class Spec:
                     dropout_p=self.dropout_p)
 
 
+#: Specs of dense calls without bias, mask or ALiBi (the calls a model's layer loop repeats)
+#: by everything :func:`prepare` reads of them: validating such a call again gives the same
+#: Spec, so a repeated call costs a dictionary lookup. Bounded; cleared when full.
+_SPEC_CACHE: dict = {}
+_SPEC_CACHE_SIZE = 256
+
+
+def _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap, num_splits):
+    """The cache key of a plain dense call, or None when the call is not one whose every
+    argument has its plain type (anything else takes the full validation, which also names
+    what is wrong). Types are part of the key: True == 1 must not find a Spec made for 1."""
+    tq = type(q)
+    if type(k) is not tq or type(v) is not tq:
+        return None
+    if tq is np.ndarray:
+        devices = ()
+    elif tq.__module__ == "torch" and tq.__name__ == "Tensor":
+        devices = (q.device, k.device, v.device)
+    else:
+        return None
+    if (type(causal) is not bool
+            or type(window) is not tuple or len(window) != 2 or type(window[0]) is not int
+            or type(window[1]) is not int or type(alignment) is not str
+            or not (scale is None or type(scale) is float) or type(dropout_p) is not float
+            or type(softcap) is not float or type(num_splits) is not int):
+        return None
+    return (tq, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+            devices, causal, window, alignment, scale, dropout_p, softcap, num_splits)
+
+
 def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right", scale=None,
             bias=None, mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
             num_splits=0) -> Spec:
-    """Validates every argument of an attention call; returns the normalised :class:`Spec`."""
+    """Validates every argument of an attention call; returns the normalised :class:`Spec`
+    (shared between equal calls: treat it as read-only)."""
+    key = None
+    if (bias is None and mask is None and alibi_slopes is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
+            and not _compiling()):
+        key = _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap,
+                         num_splits)
+        spec = _SPEC_CACHE.get(key) if key is not None else None
+        if spec is not None:
+            return spec
+    spec = _prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
+                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
+                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+    if key is not None:
+        if len(_SPEC_CACHE) >= _SPEC_CACHE_SIZE:
+            _SPEC_CACHE.clear()
+        _SPEC_CACHE[key] = spec
+    return spec
+
+
+def _prepare(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p, softcap,
+             alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             num_splits) -> Spec:
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     kind = kind_of(q)
     if not kind and _is_jax(q):

@@ -150,11 +150,8 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     measure("total", lambda: fmha.attention(q, k, v))
     measure("prepare", lambda: prepare(q, k, v))
     measure("op_call", lambda: _torch.fwd(*op_args))
-    # The op's implementation body without the dispatch around it. _init_fn is a private
-    # attribute of torch's CustomOpDef; without it the dispatch cost stays folded in.
-    impl = getattr(_torch.fwd, "_init_fn", None)
-    if impl is not None:
-        measure("impl_body", lambda: impl(*op_args))
+    # The op's implementation body: what an eager call that needs no autograd runs directly.
+    measure("impl_body", lambda: _torch._fwd(*op_args))
     measure("c_forward", c_forward(default_threads))
     measure("c_forward_1t", c_forward(1))
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
@@ -170,17 +167,19 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     m = measured
     add("total", m["total"], "measured", "fmha.attention(q, k, v) under torch.no_grad()")
     add("_validate.prepare", m["prepare"], "measured", "argument validation -> Spec")
-    add("_api/_torch glue", m["total"] - m["prepare"] - m["op_call"], "difference",
-        "total - prepare - op call (kind dispatch, _torch.attention, rng/kw setup)")
+    add("_api/_torch glue", m["total"] - m["prepare"] - m["impl_body"], "difference",
+        "total - prepare - implementation body (kind dispatch, _torch.attention, the "
+        "direct-call checks)")
     add("op call (torch.ops.fmha.fwd)", m["op_call"], "measured",
-        "the custom op called directly with validated arguments (dispatch + implementation)")
-    if impl is not None:
-        add("custom-op dispatch", m["op_call"] - m["impl_body"], "difference",
-            "op call - implementation body (custom_op -> autograd -> redispatch -> impl)")
-        add("implementation body", m["impl_body"], "measured",
-            "fmha::fwd's Python body alone (detach, allocate out/lse, kwargs, _C.forward)")
-        add("body glue (allocation, kwargs)", m["impl_body"] - m["c_forward"], "difference",
-            "implementation body - _C.forward")
+        "the custom op called with validated arguments: what a call that records autograd "
+        "pays instead of the body alone")
+    add("custom-op dispatch", m["op_call"] - m["impl_body"], "difference",
+        "op call - implementation body (custom_op -> autograd -> redispatch -> impl); "
+        "skipped by eager calls without autograd")
+    add("implementation body", m["impl_body"], "measured",
+        "fmha::fwd's Python body alone (allocate out/lse, kwargs, _C.forward)")
+    add("body glue (allocation, kwargs)", m["impl_body"] - m["c_forward"], "difference",
+        "implementation body - _C.forward")
     add(f"_C.forward, {default_threads} threads", m["c_forward"], "measured",
         "the binding with preallocated out/lse (includes the 5 DLPack exports)")
     add("_C.forward, 1 thread", m["c_forward_1t"], "measured",

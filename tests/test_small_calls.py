@@ -1,0 +1,142 @@
+"""What keeps a small call cheap, held to its contract (benchmarks/latency_*.md has the
+timings; a test here never times anything):
+
+- the thread pool wakes no helper for a call too small to pay for one, and the result does
+  not depend on how many it wakes (csrc/fmha/threads.cpp);
+- an eager torch call that records no autograd runs the op's body directly, but every
+  layer that must see the op (torch.compile, a dispatch mode, FakeTensors, autograd) still
+  does (fmha/_torch.py, _direct);
+- a repeated call's validation is a cache lookup that can never let through what the full
+  validation refuses (fmha/_validate.py, _SPEC_CACHE).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fmha
+from fmha import _C
+from fmha._validate import _SPEC_CACHE, prepare
+
+torch = pytest.importorskip("torch")
+
+MIN_WORK_PER_THREAD_NS = 20000  # kMinWorkPerThreadNs in csrc/fmha/threads.cpp
+
+
+@pytest.mark.parametrize("n_tasks,threads,work,helpers", [
+    (8, 2, 1000, 0),                              # a decode step on a short cache
+    (8, 2, 2 * MIN_WORK_PER_THREAD_NS - 1, 0),    # not enough for two threads
+    (8, 2, 2 * MIN_WORK_PER_THREAD_NS, 1),
+    (8, 4, 3 * MIN_WORK_PER_THREAD_NS, 2),        # as many as the work pays for
+    (2, 8, 10**12, 1),                            # never more than the tasks
+    (100, 3, 2**63 - 1, 2),                       # unknown work: every thread
+    (5, 1, 10**12, 0),
+])
+def test_pool_helpers_for(n_tasks, threads, work, helpers):
+    assert _C.pool_helpers_for(n_tasks, threads, work) == helpers
+
+
+@pytest.mark.parametrize("sk", [16, 256, 700, 4096])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_same_bits_whatever_helpers_join(sk, dtype):
+    """Around the threshold the pool may use one thread or several, and a helper may join a
+    region late or not at all: the bits stay those of one thread."""
+    g = torch.Generator().manual_seed(sk)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, s, 8, 64, generator=g).to(dt) for s in (3, sk, sk))
+    outs = []
+    for threads in (1, 2, 4, 1):
+        fmha.set_num_threads(threads)
+        try:
+            outs.append([fmha.attention(q, k, v, causal=c) for c in (False, True)
+                         for _ in range(3)])
+        finally:
+            fmha.set_num_threads(None)
+    for got in outs[1:]:
+        for a, b in zip(outs[0], got):
+            assert torch.equal(a.view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                               b.view(torch.int16 if dtype == "bfloat16" else torch.int32))
+
+
+def _qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, s, 4, 16, generator=g).requires_grad_(requires_grad)
+            for s in (2, 5, 5)]
+
+
+def test_direct_call_equals_the_op():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        direct = fmha.attention(q, k, v, return_lse=True)
+    via_op = torch.ops.fmha.fwd(q, k, v, None, None, None, None, None, 2, 5, None, 0.25, 0.0,
+                                -1, -1, True, 0.0, False, 0)
+    for a, b in zip(direct, via_op):
+        assert torch.equal(a, b)
+
+
+def test_grad_still_recorded():
+    q, k, v = _qkv(requires_grad=True)
+    out = fmha.attention(q, k, v)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    with torch.no_grad():
+        assert fmha.attention(q, k, v).grad_fn is None
+
+
+def test_dispatch_mode_sees_the_op():
+    """A TorchDispatchMode (profilers, FLOP counters, tracers) must see fmha::fwd even when
+    no autograd is recorded."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    with torch.no_grad(), Log() as log:
+        fmha.attention(q, k, v)
+    assert any("fmha.fwd" in op for op in log.ops), log.ops
+
+
+def test_fake_tensors_take_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, torch.no_grad():
+        q, k, v = (mode.from_tensor(x) for x in _qkv())
+        out = fmha.attention(q, k, v)
+    assert out.shape == (1, 2, 4, 16)
+
+
+def test_compiled_call_is_unchanged():
+    q, k, v = _qkv()
+    compiled = torch.compile(lambda q, k, v: fmha.attention(q, k, v, causal=True),
+                             fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(q, k, v), fmha.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_spec_cache_never_admits_what_validation_refuses(lib):
+    q, k, v = (x.detach() for x in _qkv())
+    if lib == "numpy":
+        q, k, v = (x.numpy() for x in (q, k, v))
+    a = prepare(q, k, v, causal=True)
+    assert prepare(q, k, v, causal=True) is a  # the repeated call is a lookup
+    with pytest.raises(TypeError, match="causal"):
+        prepare(q, k, v, causal=1)  # 1 == True, but not a bool
+    with pytest.raises(TypeError, match="scale"):
+        prepare(q, k, v, scale=True)
+    with pytest.raises(ValueError, match="window"):
+        prepare(q, k, v, window=(-2, -1))
+    assert prepare(q, k, v, scale=0.5).scale == 0.5
+    assert prepare(q, k, v).scale == 0.25
+    with pytest.raises(ValueError, match="k"):
+        prepare(q, k[:, :4], v)  # a different shape is validated afresh
+    assert len(_SPEC_CACHE) <= 256
