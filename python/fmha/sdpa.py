@@ -92,12 +92,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 
 def _batch_and_heads(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool):
     """The broadcast leading batch shape and the head counts (q's, k's, v's) fmha will see."""
-    try:
-        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    except RuntimeError:
-        raise ValueError(f"query, key, value: batch dimensions {tuple(q.shape[:-3])}, "
-                         f"{tuple(k.shape[:-3])} and {tuple(v.shape[:-3])} do not broadcast"
-                         ) from None
+    lead = q.shape[:-3]
+    if k.shape[:-3] != lead or v.shape[:-3] != lead:  # equal: no broadcast_shapes to pay
+        try:
+            lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        except RuntimeError:
+            raise ValueError(f"query, key, value: batch dimensions {tuple(q.shape[:-3])}, "
+                             f"{tuple(k.shape[:-3])} and {tuple(v.shape[:-3])} do not "
+                             f"broadcast") from None
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
     if hk != hv:
         raise ValueError(f"key, value: {hk} and {hv} heads differ")
@@ -119,7 +121,8 @@ def _batch_and_heads(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool):
 
 def _to_fmha_layout(x: Tensor, lead: Tuple[int, ...], heads: int) -> Tensor:
     """(..., H, S, E) -> (B, S, H, E), B = prod(lead): views unless batch dims must merge."""
-    x = x.expand(*lead, heads, *x.shape[-2:])
+    if x.shape[:-2] != (*lead, heads):
+        x = x.expand(*lead, heads, *x.shape[-2:])
     if len(lead) != 1:
         # Merging several batch dimensions (or adding one) is a view for contiguous inputs;
         # reshape copies only when their strides cannot be merged. (The batch is spelt out:
