@@ -135,9 +135,12 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
                spec.bottom_right, spec.dropout_p, False, spec.num_splits)
     default_threads = fmha.get_num_threads()
 
+    from torch.utils.dlpack import to_dlpack
+
     def c_forward(threads):
-        return lambda: _C.forward(q, k, v, out, lse, **spec.settings(), seed=0, offset=0,
-                                  num_threads=threads, num_splits=0, stream=0)
+        # As the implementation body calls it: the arrays as to_dlpack capsules.
+        return lambda: _C.forward(*_torch._exported(q, k, v, out, lse), **spec.settings(),
+                                  num_threads=threads)
 
     measured = {}
 
@@ -155,8 +158,8 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     measure("c_forward", c_forward(default_threads))
     measure("c_forward_1t", c_forward(1))
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        # What the binding does for each array: one versioned DLPack export.
-        measure(f"dlpack_{name}", lambda x=x: x.__dlpack__(max_version=(1, 0)))
+        # What the implementation body does for each array: one DLPack export.
+        measure(f"dlpack_{name}", lambda x=x: to_dlpack(x))
     dlpack = sum(measured[f"dlpack_{n}"] for n in ("q", "k", "v", "out", "lse"))
 
     rows = []
@@ -187,9 +190,9 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     add("thread-pool wake", m["c_forward"] - m["c_forward_1t"], "difference",
         f"_C.forward {default_threads} threads - 1 thread (wake-up net of any work shared)")
     for n in ("q", "k", "v", "out", "lse"):
-        add(f"__dlpack__ {n}", m[f"dlpack_{n}"], "measured",
-            f"{n}.__dlpack__(max_version=(1, 0)) alone")
-    add("__dlpack__ x5", dlpack, "sum", "sum of the five exports above (part of _C.forward)")
+        add(f"to_dlpack {n}", m[f"dlpack_{n}"], "measured",
+            f"torch.utils.dlpack.to_dlpack({n}) alone")
+    add("to_dlpack x5", dlpack, "sum", "sum of the five exports above (part of _C.forward)")
     add("C++ floor, 1 thread", m["c_forward_1t"] - dlpack, "difference",
         "_C.forward 1 thread - DLPack exports (argument parsing, params, kernel)")
     return rows
