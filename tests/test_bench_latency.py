@@ -64,3 +64,17 @@ def test_latency_json(tmp_path, capsys):
 def test_latency_unknown_case():
     with pytest.raises(SystemExit):
         bench.main(["--latency", "--cases", "no-such-case"])
+
+
+def test_e2e_small(tmp_path):
+    """python -m fmha.bench --e2e end to end on two-layer stand-ins: both implementations
+    timed, the same greedy tokens, the JSON written (the real models only differ in size)."""
+    pytest.importorskip("transformers")
+    from fmha import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    result = bench_e2e.run(str(out), None, reps=1, small=True)
+    assert json.loads(out.read_text())["decode"]["same_tokens"] is True
+    assert set(result["vit"]["seconds"]) == {"fmha", "sdpa"}
+    for key in ("first_token_seconds", "per_token_seconds"):
+        assert all(t > 0 for t in result["decode"][key].values())

@@ -82,9 +82,16 @@ class Settings {
       : fn_(fn), n_(int(allowed.size())) {
     if (n_ > kMax) throw std::logic_error("Settings: too many keywords");
     std::copy(allowed.begin(), allowed.end(), names_.begin());
+    for (int i = 0; i < n_; ++i) interned_[i] = interned(names_[i]);
     for (auto item : kw) {
+      // Keyword names are interned strings: pointer equality finds them; the compare is
+      // for a name built at run time.
       int i = 0;
-      while (i < n_ && PyUnicode_CompareWithASCIIString(item.first.ptr(), names_[i]) != 0) ++i;
+      while (i < n_ && item.first.ptr() != interned_[i]) ++i;
+      if (i == n_) {
+        i = 0;
+        while (i < n_ && PyUnicode_CompareWithASCIIString(item.first.ptr(), names_[i]) != 0) ++i;
+      }
       if (i == n_) {
         std::string list;
         for (int j = 0; j < n_; ++j) list += concat(j ? ", " : "", names_[j]);
@@ -101,9 +108,9 @@ class Settings {
   }
   template <typename T>
   T get(const char* name) const {
-    if (!has(name))
-      throw py::type_error(concat(fn_, ": missing keyword argument '", name, "'"));
     const py::handle v = values_[index(name)];
+    if (!v || v.is_none())
+      throw py::type_error(concat(fn_, ": missing keyword argument '", name, "'"));
     try {
       return v.cast<T>();
     } catch (const py::cast_error&) {
@@ -113,11 +120,29 @@ class Settings {
   }
   template <typename T>
   T get(const char* name, T fallback) const {
-    return has(name) ? get<T>(name) : fallback;
+    const py::handle v = values_[index(name)];
+    return v && !v.is_none() ? get<T>(name) : fallback;
   }
 
  private:
+  // The interned Python string of a keyword name, made once per name (held for the life of
+  // the module; the names are string literals).
+  static PyObject* interned(const char* name) {
+    static std::array<std::pair<const char*, PyObject*>, 32> made{};
+    for (auto& [n, s] : made) {
+      if (n == name) return s;
+      if (n == nullptr) {
+        n = name;
+        s = PyUnicode_InternFromString(name);
+        return s;
+      }
+    }
+    return nullptr;  // more names than slots: the string compare still finds them
+  }
+
   int index(const char* name) const {
+    for (int i = 0; i < n_; ++i)  // the same literal is one pointer: compare that first
+      if (names_[i] == name) return i;
     for (int i = 0; i < n_; ++i)
       if (std::strcmp(names_[i], name) == 0) return i;
     throw std::logic_error(concat("Settings: '", name, "' is not an allowed keyword"));
@@ -126,6 +151,7 @@ class Settings {
   const char* fn_;
   int n_;
   std::array<const char*, kMax> names_{};
+  std::array<PyObject*, kMax> interned_{};
   std::array<py::handle, kMax> values_{};  // borrowed from the call's kwargs
 };
 

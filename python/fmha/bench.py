@@ -4,6 +4,7 @@
     python -m fmha.bench --quick           # two small shapes, for a smoke run
     python -m fmha.bench --out benchmarks/cpu.json
     python -m fmha.bench --latency --out latency.json   # per-call µs on small shapes
+    python -m fmha.bench --e2e --out e2e.json           # ViT and a decode loop, fmha vs sdpa
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
@@ -19,6 +20,10 @@ DLPack exports, the C++ call and the thread-pool wake-up (fmha/bench_latency.py 
 parts are measured and which are differences). Default dtype float32; --dtypes, --cases
 (names in bench_latency.LATENCY_SHAPES), --threads and --out apply; --min-seconds,
 --min-calls and --batches set the timing budget per entry.
+
+--e2e runs whole Hugging Face models with attn_implementation="fmha" and "sdpa" in one run:
+a ViT-B/16 forward and greedy decoding with a Llama-style model (fmha/bench_e2e.py; needs
+transformers). --threads and --out apply; --batches sets the repetitions.
 """
 
 from __future__ import annotations
@@ -205,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="two small shapes only")
     ap.add_argument("--latency", action="store_true",
                     help="per-call time of small calls and its breakdown (see above)")
+    ap.add_argument("--e2e", action="store_true",
+                    help="whole models through Hugging Face, fmha vs sdpa (see above)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
@@ -219,6 +226,10 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=5,
                     help="--latency: batches per entry (at least 5; the median is reported)")
     a = ap.parse_args(argv)
+    if a.e2e:
+        from . import bench_e2e
+        bench_e2e.run(a.out, a.threads, a.batches)
+        return
     if a.latency:
         from . import bench_latency
         shapes = bench_latency.LATENCY_SHAPES
