@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._core import _last_contiguous, _xp, core_args, dbias_shape, kernel_settings, stream_of
+from ._core import (_last_contiguous, _xp, core_args, dbias_shape, get_num_threads,
+                    kernel_settings, stream_of)
 from ._validate import Spec, device_of, kind_of, prepare
 
 # ---------------------------------------------------------------- NumPy / CuPy arrays
@@ -33,20 +34,29 @@ def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None):
     """NumPy or CuPy arrays (outputs allocated by the same module, on q's device); extra:
     core_args' (bias, mask, alibi_slopes)."""
     xp = _xp(q)
-    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     lse_dtype = xp.float64 if spec.dtype == "float64" else xp.float32
-    with _device_of_array(q):
-        out = xp.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
-        if spec.varlen:
-            lse = xp.empty((spec.heads_q, q.shape[0]), dtype=lse_dtype)
-        else:
-            lse = xp.empty((spec.batch, spec.heads_q, spec.seqlen_q), dtype=lse_dtype)
-    offsets = (None, None) if cu is None else (cu["cu_seqlens_q"], cu["cu_seqlens_k"])
-    maxima = {} if cu is None else dict(max_seqlen_q=cu["max_seqlen_q"],
-                                        max_seqlen_k=cu["max_seqlen_k"])
-    _core._kernels.forward(q, k, v, out, lse, *extra, *offsets, **maxima,
-                           **kernel_settings(spec.settings(), seed, 0, spec.num_splits,
-                                             stream_of(q)))
+    lse_shape = (spec.heads_q, q.shape[0]) if spec.varlen else spec.full[:3]
+    if xp is np:  # host memory: no device to make current
+        out = np.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
+        lse = np.empty(lse_shape, dtype=lse_dtype)
+        stream = 0
+    else:
+        with q.device:
+            out = xp.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
+            lse = xp.empty(lse_shape, dtype=lse_dtype)
+        stream = stream_of(q)
+    kw = dict(spec.kernel_settings, num_threads=get_num_threads())
+    if seed:
+        kw["seed"] = seed
+    if stream:
+        kw["stream"] = stream
+    if cu is None:
+        _core._kernels.forward(q, k, v, out, lse, *extra, **kw)
+    else:
+        _core._kernels.forward(q, k, v, out, lse, *extra, cu["cu_seqlens_q"],
+                               cu["cu_seqlens_k"], max_seqlen_q=cu["max_seqlen_q"],
+                               max_seqlen_k=cu["max_seqlen_k"], **kw)
     return out, lse
 
 

@@ -93,21 +93,38 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional
     deterministic only travels to the backward (see _setup_context); num_splits: key splits
     of the CUDA forward (0 = by occupancy), ignored by the CPU kernels. The body of the
     fmha::fwd op, and what eager calls that need no op (see _direct) run."""
-    q, k, v, bias = _ready(q, k, v, bias)
+    varlen = cu_seqlens_q is not None
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    return _run_forward(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, full,
+                        _lse_shape(q, full, varlen),
+                        _settings(q, scale, softcap, window_left, window_right, bottom_right,
+                                  dropout_p, rng, max_seqlen_q if varlen else None,
+                                  max_seqlen_k, num_splits))
+
+
+def _run_forward(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, full, lse_shape, kw):
+    """Allocates out and lse on q's device and runs the kernels' forward with the keyword
+    settings kw: what the op body and an eager call without the op (_forward_eager) share."""
+    q, k, v, bias = _ready(q, k, v, bias)
     if v.shape[-1] == q.shape[-1] and q.is_contiguous():
         out = torch.empty_like(q)  # the cheapest allocation torch has (~1 us here)
     else:
         out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    lse = q.new_empty(_lse_shape(q, full, cu_seqlens_q is not None),
+    lse = q.new_empty(lse_shape,
                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    varlen = cu_seqlens_q is not None
-    _core._kernels.forward(
-        *_exported(q, k, v, out, lse, *core_args(full, bias, mask, alibi_slopes),
-                   *_offsets(cu_seqlens_q, cu_seqlens_k)),
-        **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
-                    max_seqlen_q if varlen else None, max_seqlen_k, num_splits))
+    _core._kernels.forward(*_exported(q, k, v, out, lse, *core_args(full, bias, mask, alibi_slopes),
+                                      *_offsets(cu_q, cu_k)), **kw)
     return out, lse
+
+
+def _forward_eager(spec: Spec, q, k, v, bias, mask, alibi_slopes):
+    """A dense eager call without dropout that needs no op (see _direct): the op body with the
+    shapes and settings the (cached) Spec already holds, and no layer in between."""
+    kw = dict(spec.kernel_settings, num_threads=get_num_threads())
+    if q.is_cuda:
+        kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
+    return _run_forward(q, k, v, bias, mask, alibi_slopes, None, None, spec.full,
+                        spec.full[:3], kw)
 
 
 # device_types: the CPU and CUDA kernels behind one device-generic implementation.
@@ -226,6 +243,9 @@ def _direct(*tensors) -> bool:
 def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None,
               deterministic=False):
     """fmha.attention / attention_varlen for torch tensors (arguments already validated)."""
+    if spec.dropout_p == 0 and cu_q is None and _direct(q, k, v, bias, mask, alibi_slopes):
+        out, lse = _forward_eager(spec, q, k, v, bias, mask, alibi_slopes)
+        return (out, lse) if return_lse else out
     rng = None
     if spec.dropout_p > 0:
         # Drawn from torch's default (CPU) generator whatever q's device, so torch.manual_seed

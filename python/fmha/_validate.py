@@ -8,6 +8,7 @@ the core's params struct needs; nothing past this point has to think about user 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -171,6 +172,15 @@ class Spec:
         return dict(scale=self.scale, softcap=self.softcap, window_left=self.window_left,
                     window_right=self.window_right, bottom_right=self.bottom_right,
                     dropout_p=self.dropout_p)
+
+    @functools.cached_property
+    def kernel_settings(self) -> dict:
+        """settings() plus num_splits when it is not 0, built once per Spec (a repeated call
+        finds its Spec in the cache): callers add num_threads, seed and stream to a copy."""
+        kw = self.settings()
+        if self.num_splits:
+            kw["num_splits"] = self.num_splits
+        return kw
 
 
 #: Specs of dense calls without bias, mask or ALiBi (the calls a model's layer loop repeats)
