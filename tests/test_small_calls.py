@@ -140,3 +140,18 @@ def test_spec_cache_never_admits_what_validation_refuses(lib):
     with pytest.raises(ValueError, match="k"):
         prepare(q, k[:, :4], v)  # a different shape is validated afresh
     assert len(_SPEC_CACHE) <= 256
+
+
+def test_spec_cache_follows_a_growing_cache():
+    """A decode loop: one more key each step, the same Spec otherwise."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 4, 16, generator=g)
+    for sk in (5, 6, 7, 6):
+        k, v = torch.randn(2, 1, sk, 4, 16, generator=g)
+        spec = prepare(q, k, v)
+        assert (spec.seqlen_k, spec.full) == (sk, (1, 4, 1, sk))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        torch.testing.assert_close(fmha.attention(q, k, v), ref)
+    with pytest.raises(ValueError, match="v"):
+        prepare(q, k, v[:, :5])  # k and v lengths differ: validated afresh

@@ -8,6 +8,7 @@ the core's params struct needs; nothing past this point has to think about user 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -184,8 +185,9 @@ class Spec:
 
 
 #: Specs of dense calls without bias, mask or ALiBi (the calls a model's layer loop repeats)
-#: by everything :func:`prepare` reads of them: validating such a call again gives the same
-#: Spec, so a repeated call costs a dictionary lookup. Bounded; cleared when full.
+#: by everything :func:`prepare` reads of them but k's and v's sequence length: validating
+#: such a call again gives the same Spec (with that length), so a repeated call -- or the
+#: next step of a decode loop -- costs a dictionary lookup. Bounded; cleared when full.
 _SPEC_CACHE: dict = {}
 _SPEC_CACHE_SIZE = 256
 
@@ -209,8 +211,14 @@ def _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap, nu
             or not (scale is None or type(scale) is float) or type(dropout_p) is not float
             or type(softcap) is not float or type(num_splits) is not int):
         return None
-    return (tq, q.dtype, k.dtype, v.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
-            devices, causal, window, alignment, scale, dropout_p, softcap, num_splits)
+    # k's and v's sequence length is left out of the key: a decode loop calls with one more
+    # cached token each step, and nothing validation checks depends on it beyond its
+    # bound, which prepare() checks on every hit.
+    ks, vs = k.shape, v.shape
+    if len(ks) != 4 or len(vs) != 4 or ks[1] != vs[1]:
+        return None
+    return (tq, q.dtype, k.dtype, v.dtype, tuple(q.shape), ks[0], ks[2], ks[3], vs[0], vs[2],
+            vs[3], devices, causal, window, alignment, scale, dropout_p, softcap, num_splits)
 
 
 def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right", scale=None,
@@ -227,7 +235,12 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
                          num_splits)
         spec = _SPEC_CACHE.get(key) if key is not None else None
         if spec is not None:
-            return spec
+            seqlen_k = k.shape[1]
+            if spec.seqlen_k == seqlen_k:
+                return spec
+            if seqlen_k <= _MAX_SEQLEN:  # the one check that depends on it
+                spec = _SPEC_CACHE[key] = dataclasses.replace(spec, seqlen_k=seqlen_k)
+                return spec
     spec = _prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                     bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                     alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
