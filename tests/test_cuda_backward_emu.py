@@ -201,13 +201,15 @@ def test_dropout(d):
     run_case(batch=2, sq=33, sk=70, hq=2, d=d, dropout_p=0.3, seed=1234, causal=True)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_deterministic_matches_reference(d):
-    run_case(batch=2, sq=70, sk=80, hq=2, hkv=1, d=d, deterministic=True, causal=True)
+# d = 256 with one sequence: its tiles are the slowest to emulate, and the batch index of the
+# deterministic dQ accumulation is covered at 64 and 128.
+@pytest.mark.parametrize("d,batch", [(64, 2), (128, 2), (256, 1)])
+def test_deterministic_matches_reference(d, batch):
+    run_case(batch=batch, sq=70, sk=80, hq=2, hkv=1, d=d, deterministic=True, causal=True)
 
 
-def test_deterministic_bitwise_stable_over_20_runs():
-    # One forward, then the deterministic backward 20 times over the same inputs: every
+def test_deterministic_bitwise_stable_over_8_runs():
+    # One forward, then the deterministic backward 8 times over the same inputs: every
     # gradient bit for bit the same (dropout on, GQA: dk, dv summed over two query heads).
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 40, 2, 32, generator=gen).half()
@@ -219,7 +221,7 @@ def test_deterministic_bitwise_stable_over_20_runs():
     lse = torch.empty(1, 2, 40, dtype=torch.float32)
     emu.flash_forward(q, k, v, out, lse, **kw)
     runs = []
-    for _ in range(20):
+    for _ in range(8):
         dq, dk, dv = torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         emu.flash_backward(dout, q, k, v, out, lse, dq, dk, dv, deterministic=True, **kw)
         runs.append((dq, dk, dv))
