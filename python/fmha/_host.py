@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -28,3 +30,23 @@ def host_meta(torch, fmha) -> dict:
                 cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(),
                 cpu_model=cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """The median wall-clock time of `reps` calls of fn after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_json(path: str, result: dict) -> None:
+    """Writes a result file (creating its folder) and says where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {path}")

@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from ._host import median_seconds
+
 # (name, batch, heads, seqlen, head_dim, causal): heads_q == heads_kv, seqlen_q == seqlen_k,
 # so SDPA's top-left causal mask and fmha's bottom-right one are the same mask.
 GRID = [(f"b4h16s{s}d{d}{'-causal' if c else ''}", 4, 16, s, d, c)
@@ -62,14 +64,7 @@ def _median_s(fn, reps: int, device, warmup: int = 3) -> float:
     import torch
 
     if device.type != "cuda":  # --device cpu: a smoke run of this script, wall-clock timed
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, reps, warmup)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -21,15 +21,7 @@ import statistics
 import time
 from typing import Optional
 
-
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up (allocator, thread pools, first-call paths)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from ._host import median_seconds
 
 
 def _vit(torch, impls, reps, small=False):
@@ -46,7 +38,7 @@ def _vit(torch, impls, reps, small=False):
     with torch.no_grad():
         for impl in impls:
             model.set_attn_implementation(impl)
-            out[impl] = _median_seconds(lambda: model(pixel_values=pixels), reps)
+            out[impl] = median_seconds(lambda: model(pixel_values=pixels), reps)
     name = ("ViT stand-in (2 layers)" if small
             else "ViT-B/16 (transformers ViTModel, default config)")
     return dict(model=f"{name}, batch 8, {cfg.image_size}x{cfg.image_size}", seconds=out)
@@ -109,7 +101,7 @@ def run(out_path: Optional[str], threads: Optional[int], reps: int = 5, small: b
     import fmha
     import fmha.integrations.transformers  # noqa: F401  (registers "fmha")
 
-    from ._host import host_meta
+    from ._host import host_meta, write_json
 
     if threads:
         torch.set_num_threads(threads)
@@ -129,10 +121,5 @@ def run(out_path: Optional[str], threads: Optional[int], reps: int = 5, small: b
     result = dict(meta=dict(host_meta(torch, fmha), fmha_threads=fmha.get_num_threads()),
                   reps=reps, vit=vit, decode=dec)
     if out_path:
-        import json
-        import os
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {out_path}")
+        write_json(out_path, result)
     return result

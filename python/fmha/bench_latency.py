@@ -205,7 +205,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
 
     import fmha
 
-    from ._host import host_meta
+    from ._host import host_meta, write_json
 
     if threads:
         torch.set_num_threads(threads)
@@ -246,12 +246,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
                   breakdown=dict(case=smallest[0], dtype=dtypes[0], parts=parts),
                   budget=budget)
     if out_path:
-        import json
-        import os
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {out_path}")
+        write_json(out_path, result)
     return result
 
 
