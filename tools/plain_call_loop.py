@@ -1,0 +1,66 @@
+"""Per-call time of small calls in a plain loop (no harness, no per-call no_grad entry):
+the tiny call through each entry point, torch's own SDPA on the same data, and one decode
+step through the Hugging Face entries (fmha's and transformers' "sdpa"). Prints a
+Markdown table with the host; benchmarks/latency_xeon_amx_2026-11-30_after.md quotes a run.
+
+    python tools/plain_call_loop.py
+"""
+
+import statistics
+import time
+
+import torch
+
+import fmha
+import fmha.integrations.transformers as hf_fmha
+from fmha._host import cpu_model
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+def per_call_us(fn, n=5000, batches=7):
+    for _ in range(300):
+        fn()
+    means = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        means.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(means)
+
+
+class Layer(torch.nn.Module):  # what the Hugging Face entries read of the calling layer
+    is_causal = True
+    num_key_value_groups = 4
+
+
+def main():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, 8, 64, generator=g) for s in (1, 16, 16))
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    # a decode step as transformers calls attention: (batch, heads, seq, dim), GQA 8/2
+    hq, hk, hv = (torch.randn(1, h, s, 64, generator=g) for h, s in ((8, 1), (2, 80), (2, 80)))
+    layer = Layer()
+    F = torch.nn.functional
+    rows = []
+    with torch.no_grad():
+        rows.append(("fmha.attention, torch, tiny call", per_call_us(lambda: fmha.attention(q, k, v))))
+        rows.append(("fmha.attention, NumPy, tiny call", per_call_us(lambda: fmha.attention(qn, kn, vn))))
+        rows.append(("torch SDPA, tiny call", per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))))
+        rows.append(("fmha Hugging Face entry, decode step (1 query, 80 keys, GQA 8/2)",
+                     per_call_us(lambda: hf_fmha.fmha_attention_forward(layer, hq, hk, hv, None,
+                                                                        scaling=0.125))))
+        rows.append(("transformers sdpa entry, same decode step",
+                     per_call_us(lambda: sdpa_attention_forward(layer, hq, hk, hv, None,
+                                                                scaling=0.125))))
+    print(f"host: {cpu_model()} | fmha threads {fmha.get_num_threads()} | CPU ISA "
+          f"{fmha.cpu_isa()} | torch {torch.__version__}\n")
+    print("| call | µs per call (median of 7 batches of 5000) |")
+    print("|---|---:|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
