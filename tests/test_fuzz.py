@@ -14,8 +14,8 @@ tolerance rule (conftest.check_against_reference / assert_close, docs/testing.md
   conftest's ``backend``), float16/bfloat16, head_dim <= 256, small shapes.
 * ``test_fuzz_*nonfinite*``: NaN, +inf and -inf planted in q, k, v, bias and dout: the
   non-finite pattern of every result equals the reference's and the finite entries are within
-  tolerance (docs/semantics.md). float32/float64 on the CPU; the CUDA kernels' variant is
-  collected once CUDA_NONFINITE_RULE is set.
+  tolerance (docs/semantics.md). float32/float64 on the CPU, float16/bfloat16 on the CUDA
+  kernels.
 
 Reproducible: the examples are derandomized (a fixed sequence per test) and hypothesis keeps
 no database. CI runs a bounded count per test (the ``examples=`` below); FMHA_FUZZ_EXAMPLES=N
@@ -45,9 +45,6 @@ from fmha import _philox, reference
 
 torch = pytest.importorskip("torch")  # torch inputs, bfloat16, the naive 16-bit baseline
 
-#: Set True once the CUDA kernels (csrc/cuda) implement the NaN/Inf rule of
-#: docs/semantics.md; test_fuzz_cuda_nonfinite is collected from then on.
-CUDA_NONFINITE_RULE = False
 
 
 # ENVELOPE: the draws stay where the tolerance rule (conftest.assert_close) is known to hold.
@@ -586,12 +583,11 @@ def test_fuzz_cuda_varlen(backend, case):
     run_varlen(case)
 
 
-if CUDA_NONFINITE_RULE:
-    @pytest.mark.backends("emu", "gpu")
-    @fuzz_settings(examples=12, shrink=False)
-    @given(case=nonfinite_cases(CUDA_NONFINITE))
-    def test_fuzz_cuda_nonfinite(backend, case):
-        run_dense_nonfinite_16bit(case)
+@pytest.mark.backends("emu", "gpu")
+@fuzz_settings(examples=12, shrink=False)
+@given(case=nonfinite_cases(CUDA_NONFINITE))
+def test_fuzz_cuda_nonfinite(backend, case):
+    run_dense_nonfinite_16bit(case)
 
 
 def test_torch_dropout_draw():

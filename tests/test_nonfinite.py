@@ -156,7 +156,7 @@ def check_nonfinite(name, actual, ref, dtype):
     assert err <= tol * scale, f"{name}: finite entries off by {err:.3g} > {tol:g}*{scale:.3g}"
 
 
-def run_scenario(rng, scenario, lib, dtype):
+def run_scenario(rng, scenario, lib, dtype, **fmha_kw):
     q, k, v, do, kw = SCENARIOS[scenario](rng)
     bias_grad = kw.pop("bias_grad", False)
     seed = None
@@ -175,7 +175,7 @@ def run_scenario(rng, scenario, lib, dtype):
         assert seed is None, "torch draws the dropout seed inside fmha: NumPy only"
     else:
         q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
-    res = fmha_results(q, k, v, do, bias_grad=bias_grad, seed=seed, **kw)
+    res = fmha_results(q, k, v, do, bias_grad=bias_grad, seed=seed, **kw, **fmha_kw)
     ref = reference_results(q, k, v, do, bias_grad=bias_grad, **kw, **ref_kw)
     for key in ref:
         check_nonfinite(key, res[key], ref[key], dtype)
@@ -193,14 +193,18 @@ def test_nonfinite_cpu(rng, scenario, lib, dtype):
     run_scenario(rng, scenario, lib, dtype)
 
 
-# The CUDA kernels implement the rule except the strong zero of excluded and dropped pairs
-# inside partly masked key blocks (docs/semantics.md, "Non-finite inputs"): they run the
-# scenarios whose answer does not depend on it, through the emulator (and a GPU where one is).
-CUDA_SCENARIOS = ["nan_q_row", "nan_bias_entry", "inf_k_softcap"]
-
-
+# The CUDA kernels, emulated (and on a GPU where one is): every scenario in both 16-bit
+# dtypes -- bfloat16 through torch, float16 through NumPy (where the dropout scenario can
+# choose its seed).
 @pytest.mark.backends("emu", "gpu")
-@pytest.mark.parametrize("scenario", CUDA_SCENARIOS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_nonfinite_cuda(backend, rng, scenario, dtype):
-    run_scenario(rng, scenario, "torch", dtype)
+@pytest.mark.parametrize("scenario,lib,dtype", _cases([("torch", "bfloat16"), ("numpy", "float16")]))
+def test_nonfinite_cuda(backend, rng, scenario, lib, dtype):
+    run_scenario(rng, scenario, lib, dtype)
+
+
+# The deterministic backward computes dQ in a kernel of its own (csrc/cuda/flash_bwd.cuh,
+# flash_bwd_dq_kernel), with its own strong zero for K.
+@pytest.mark.backends("emu", "gpu")
+@pytest.mark.parametrize("scenario,lib,dtype", _cases([("numpy", "float16")]))
+def test_nonfinite_cuda_deterministic(backend, rng, scenario, lib, dtype):
+    run_scenario(rng, scenario, lib, dtype, deterministic=True)

@@ -32,6 +32,12 @@
 // of its 4 warps owns 16 keys, so its rows of dK and dV are mma accumulators of its own, and
 // the accumulator of S^T (keys x queries) is, re-packed in registers, the A operand of
 // dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ.
+//
+// The strong zero of the NaN rule (cuda/strong_zero.cuh): a step or key block that may hold
+// zero-weight pairs and whose streamed operand -- Qi or dOi (and the resident Kj, for the main
+// kernel's dQ), Kj in the dQ kernel -- holds NaN or Inf poisons the accumulators the
+// reference makes non-finite and zeroes those entries before the products. The dbias kernel
+// needs nothing: dS is 0 wherever P is.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +48,7 @@
 #include "cuda/flash_bwd.h"
 #include "cuda/primitives.cuh"
 #include "cuda/score.cuh"
+#include "cuda/strong_zero.cuh"
 #include "cuda/tile_io.cuh"
 
 namespace fmha {
@@ -100,7 +107,9 @@ struct FlashBwdDqConfig {
   // over the whole head dim in both), else 128 accumulator registers spilled.
   static constexpr int kOutDim = kHeadDim_ > 128 ? 128 : kHeadDim_;
   static constexpr int kSplits = kHeadDim / kOutDim;
-  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 128 ? 32 : 64;
+  // 32 keys from d = 96: with 64, the d = 96 extras kernel sat at 255 registers, and the
+  // strong zero's vote alone spilled it (ptxas 13.0, sm_80: 8 bytes).
+  static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
@@ -319,6 +328,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   const float scale_log2 = float(p.scale) * score::kLog2e;
   const uint32_t threshold = kExtras ? dropout_threshold(p.dropout_p) : 0u;
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
+  // The strong zero: every step may hold a zero-weight pair when a mask, a bias or dropout
+  // can make one; otherwise only window edges do.
+  const bool zeros_anywhere =
+      kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0);
+  bool k_nonfinite = false;  // this thread's chunks of Kj (dQ's B operand), checked once
 
   for (int step = 0; step < steps; ++step) {
     const int stage = step % Cfg::kStages;
@@ -327,12 +341,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     if (step + 1 < steps) load_step(step + 1, (stage + 1) % Cfg::kStages);
     cp_async_commit();
     cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
-    __syncthreads();     // ... for every thread, and lse / D too
 
     const int h = h_kv * group + step / blocks_per_head;
     const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
-    const T* tQ = sQ + stage * Cfg::kTileQ;
-    const T* tdO = sdO + stage * Cfg::kTileQ;
+    T* tQ = sQ + stage * Cfg::kTileQ;
+    T* tdO = sdO + stage * Cfg::kTileQ;
+    if (kAtomicDq && step == 0)
+      k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+                                               Cfg::kThreads>(sK, vec, tid);
+    const bool may_zero =
+        zeros_anywhere || !score::block_inside_window(s, p.window_left, p.window_right, m0,
+                                                      m0 + Cfg::kBlockM - 1, n0,
+                                                      n0 + Cfg::kBlockN - 1);
+    // ... for every thread, and lse / D too; and whether an operand of the step's products
+    // holds a NaN or Inf that a zero-weight pair must not pass on (rare).
+    const bool nonfinite = __syncthreads_or(
+        may_zero &&
+        (k_nonfinite ||
+         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+             tQ, vec, tid) ||
+         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+             tdO, vec, tid)));
     const float* tLse = sLse + stage * Cfg::kBlockM;
     const float* tD = sD + stage * Cfg::kBlockM;
 
@@ -372,6 +401,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         acc_dp[j][e] = ds;
       }
 
+    // ---- the strong zero, in a step whose operands hold NaN or Inf: dV (dK) becomes NaN where
+    // a pair that takes part meets one in dOi (Qi); dropped pairs take part in dK and dQ, not
+    // in dV. Then those entries become 0, once every warp has formed S^T and dP^T from them.
+    // (Poisoning before S^T, where fewer registers are live, spilled the d = 256 kernel with
+    // extras and atomic dQ on sm_90: ptxas 13.0, 4 bytes.)
+    if (nonfinite) {
+      auto takes_part = [&](int r, int k, bool dropout) {
+        const int i = m0 + k, key = key_lo + 8 * r;
+        return score::included<kExtras>(p, s, b, h, i, key) &&
+               !(dropout && !score::dropout_keep(p, threshold, b, h, i, key));
+      };
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, Cfg::kStride>(
+          acc_dv, tdO, c_base, t,
+          [&](int r, int k) { return takes_part(r, k, kExtras && p.dropout_p > 0.0); });
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, Cfg::kStride>(
+          acc_dk, tQ, c_base, t, [&](int r, int k) { return takes_part(r, k, false); });
+      __syncthreads();  // every warp has read the raw Qi, dOi
+      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tQ, tid);
+      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tdO, tid);
+      __syncthreads();
+    }
+
     // ---- dV += Pd^T dOi, dK += dS^T Qi. The accumulators of n-tiles 2k, 2k+1 are the A
     // fragment of k-step k (keys g / g+8, queries 2t.. / 2t+8..): converted in registers.
     // B[k][n] = dOi[k][n] (Qi): row-major queries x dims, ldmatrix.trans.
@@ -410,38 +461,57 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // to the warps, so that every warp has work even when kBlockM < 64.
       float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
       constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
+      // Two copies of the loop: a step with a non-finite operand (nonfinite) poisons dQ where
+      // a pair that takes part meets a NaN or Inf of Kj and multiplies by Kj's fragments with
+      // those entries 0 (Kj stays raw in shared memory: later steps' S^T reads it).
+      auto dq_units = [&](auto strong_zero_tag) {
+        constexpr bool kStrongZero = decltype(strong_zero_tag)::value;
 #pragma unroll 1
-      for (int unit = warp; unit < (Cfg::kBlockM / 16) * kChunks; unit += Cfg::kWarps) {
-        const int q0 = (unit / kChunks) * 16, c0 = (unit % kChunks) * Cfg::kDqChunk;
-        float acc_q[Cfg::kDqChunk][4];
+        for (int unit = warp; unit < (Cfg::kBlockM / 16) * kChunks; unit += Cfg::kWarps) {
+          const int q0 = (unit / kChunks) * 16, c0 = (unit % kChunks) * Cfg::kDqChunk;
+          float acc_q[Cfg::kDqChunk][4];
 #pragma unroll
-        for (int j = 0; j < Cfg::kDqChunk; ++j)
+          for (int j = 0; j < Cfg::kDqChunk; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
+          if constexpr (kStrongZero)
+            strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, Cfg::kStride>(
+                acc_q, sK, c_base + c0 * 8, t, [&](int r, int k) {
+                  return score::included<kExtras>(p, s, b, h, m0 + q0 + g + 8 * r, n0 + k);
+                });
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
-          uint32_t a[4];
-          ldmatrix<4, true>(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Cfg::kDsStride +
-                                   q0 + ((lane / 8) % 2) * 8);
+          for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
+            uint32_t a[4];
+            ldmatrix<4, true>(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Cfg::kDsStride +
+                                     q0 + ((lane / 8) % 2) * 8);
 #pragma unroll
-          for (int j = 0; j < Cfg::kDqChunk; j += 2) {
-            const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            const int dim = c_base + (c0 + j) * 8 + (lane / 16) * 8;
-            uint32_t b4[4];
-            ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
-            mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
+            for (int j = 0; j < Cfg::kDqChunk; j += 2) {
+              const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+              const int dim = c_base + (c0 + j) * 8 + (lane / 16) * 8;
+              uint32_t b4[4];
+              ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
+              if constexpr (kStrongZero) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) b4[r] = strong_zero::finite_pair<T>(b4[r]);
+              }
+              mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
+            }
           }
+#pragma unroll
+          for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = m0 + q0 + g + 8 * (e / 2);
+              const int col = c_base + (c0 + j) * 8 + 2 * t + (e % 2);
+              if (i < s.sq && col < d && acc_q[j][e] != 0.0f)
+                atomic_add(dq_rows + int64_t(i) * d + col, acc_q[j][e]);
+            }
         }
-#pragma unroll
-        for (int j = 0; j < Cfg::kDqChunk; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = m0 + q0 + g + 8 * (e / 2);
-            const int col = c_base + (c0 + j) * 8 + 2 * t + (e % 2);
-            if (i < s.sq && col < d && acc_q[j][e] != 0.0f)
-              atomic_add(dq_rows + int64_t(i) * d + col, acc_q[j][e]);
-          }
-      }
+      };
+      if (nonfinite)
+        dq_units(std::true_type{});
+      else
+        dq_units(std::false_type{});
     }
     // Every warp is done with this stage (and dS^T) before the next prefetch overwrites it.
     __syncthreads();
@@ -462,12 +532,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 // Deterministic dQ: per (query block, query head, batch), dQi = scale sum_j dS_ij Kj over key
 // blocks in order, in registers. S = Qi Kj^T and dP = dOi Vj^T as the forward forms S; the
 // dS accumulator is the A operand of dS Kj (Kj via ldmatrix.trans), as P of P V in the forward.
-// With kExtras the launch bounds say two CTAs per SM, which every extras config reaches:
-// left to choose, ptxas squeezed some of them (d = 32) to 168 registers for a third CTA and
-// spilled. Plain configs are left unspecified (0): they reach three CTAs at d = 32, and at
-// d = 64 on sm_90.
+// With kExtras, and plain from d = 128, the launch bounds say two CTAs per SM, which those
+// configs reach: left to choose, ptxas squeezed some of them (extras d = 32; plain d = 128 on
+// sm_80 once the strong zero was in) to 168 registers for a third CTA and spilled. Other plain
+// configs are left unspecified (0): they reach three CTAs at d = 32, and at d = 64 on sm_90.
 template <typename T, typename Cfg, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
+__global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 128 ? 2 : 0)
     flash_bwd_dq_kernel(BwdParams p, BwdWork w, bool vec) {
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sQ = smem;
@@ -535,6 +605,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
   const uint32_t threshold = kExtras ? dropout_threshold(p.dropout_p) : 0u;
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
   const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
+  // The strong zero: every key block may hold a zero-weight pair when a mask, a bias,
+  // dropout or a window can make one (as in the forward, window edges are not told apart).
+  const bool zeros_anywhere = (kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr ||
+                                           p.dropout_p > 0.0)) ||
+                              left >= 0 || right >= 0;
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int n0 = n_block * Cfg::kBlockN;
@@ -575,6 +650,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras ? 2 : 0)
                                                                           : 0.0f;
         acc_s[j][e] = prob == 0.0f ? 0.0f : prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
       }
+
+    // The strong zero, once S (which needs Kj raw) is formed: the block votes on whether Kj
+    // holds NaN or Inf (a flag kept from the load through S and dS spilled at d = 96); if so,
+    // dQ becomes NaN where a pair that takes part (dropped pairs do, in dQ) meets one, and
+    // Kj's NaN and Inf become 0.
+    if (zeros_anywhere &&
+        __syncthreads_or(strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+                                                    Cfg::kThreads>(sK, vec, tid))) {
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockN, Cfg::kStride>(
+          acc_dq, sK, c_base, t, [&](int r, int k) {
+            return score::included<kExtras>(p, s, b, h, row_lo + 8 * r, n0 + k);
+          });
+      __syncthreads();  // every warp has read the raw Kj
+      strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(sK, tid);
+      __syncthreads();
+    }
 
     // dQi += dS Kj.
 #pragma unroll

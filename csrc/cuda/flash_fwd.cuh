@@ -18,7 +18,10 @@
 //   O  = O*exp2(m - m') + P Vj    P re-packed in registers as f16/bf16 A fragments (the
 //                                 accumulator layout of S is the A layout of P: no
 //                                 shared-memory round trip); Vj via ldmatrix.trans
-// and once at the end O /= l, lse = (m + log2 l) * ln2.
+// and once at the end O /= l, lse = (m + log2 l) * ln2. When pairs of zero weight can occur
+// (a window, causal included, a mask, a bias or dropout), a key block whose Vj holds NaN or
+// Inf is made safe for P Vj first (cuda/strong_zero.cuh): rare, and voted on at the barrier
+// the block waits at anyway.
 //
 // Head dims: one FlashFwdConfig per head-dim tile (32, 64, 96, 128, 256, cuda/head_dims.h);
 // a smaller head_dim runs in the next built tile with the extra columns zero-filled in
@@ -51,6 +54,7 @@
 #include "cuda/head_dims.h"
 #include "cuda/primitives.cuh"
 #include "cuda/score.cuh"
+#include "cuda/strong_zero.cuh"
 #include "cuda/tile_io.cuh"
 
 namespace fmha {
@@ -226,6 +230,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     // is read from the params (kernel parameters live in the constant bank: free to
     // re-read, and caching them here cost registers -- 16-byte spills at d = 128 on sm_80).
     const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
+    // The strong zero (cuda/strong_zero.cuh): which key blocks may hold a zero-weight pair
+    // and so vote on Vj. Every block when a mask, a bias or dropout can make one, or when a
+    // window (causal included) is set -- not only its edge blocks: telling those apart kept
+    // two more integers live through the loop, and kernels at ptxas's register cap spilled.
+    const bool zeros_anywhere = (kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr ||
+                                             p.dropout_p > 0.0)) ||
+                                left >= 0 || right >= 0;
 
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
@@ -262,11 +273,30 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
       if (n_block + 1 < n_end) load_kv(n_block + 1, (stage + 1) % Cfg::kStages);
       cp_async_commit();
       cp_async_wait<1>();  // all but the newest group (block n+1) retired: block n landed
-      // ... for every thread: Kj and Vj are complete in shared memory.
-      __syncthreads();
       const T* tK = sK + stage * Cfg::kTileKV;
-      const T* tV = sV + stage * Cfg::kTileKV;
+      T* tV = sV + stage * Cfg::kTileKV;
       const int n0 = n_block * Cfg::kBlockN;
+      // ... for every thread: Kj and Vj are complete in shared memory; and whether Vj holds a
+      // NaN or Inf that a zero-weight pair must not pass on (rare).
+      const bool v_nonfinite = __syncthreads_or(
+          zeros_anywhere && strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+                                                 Cfg::kThreads>(tV, launch.vec, tid));
+
+      // ---- the strong zero, when Vj holds NaN or Inf: O becomes NaN where a pair that takes
+      // part (neither excluded nor dropped) meets one, then Vj's NaN and Inf become 0. Here,
+      // before S exists, the registers are the loop's fewest (NaN survives the rescale).
+      if (v_nonfinite) {
+        strong_zero::poison<T, Cfg::kNTilesO, Cfg::kBlockN, Cfg::kStride>(
+            acc_o, tV, c_base, t, [&](int r, int k) {
+              const int i = row_lo + 8 * r, key = n0 + k;
+              return score::included<kExtras>(p, seq, b, h, i, key) &&
+                     !(kExtras && p.dropout_p > 0.0 &&
+                       !score::dropout_keep(p, dropout_threshold(p.dropout_p), b, h, i, key));
+            });
+        __syncthreads();  // every warp has read the raw Vj
+        strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tV, tid);
+        __syncthreads();
+      }
 
       // ---- S = Qi Kj^T. B[k][n] = Kj[n][k]: Kj's rows (keys) as stored are the B columns,
       // so plain ldmatrix gives the B fragment; x4 = 2 n-tiles (8 keys each) x 2 k-halves.

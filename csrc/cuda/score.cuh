@@ -51,6 +51,26 @@ FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b,
   return x * kLog2e;
 }
 
+// Pair (query i, key j) is not excluded (docs/semantics.md, "Non-finite inputs"): inside the
+// window and the sequence, allowed by the mask, its bias not -inf -- what logit_log2 folds into
+// `visible` as it goes. The strong zero's rare blocks (cuda/strong_zero.cuh) ask it again for
+// single pairs; plain kernels (no kExtras) have only the window.
+template <bool kExtras>
+FMHA_DEVICE bool included(const FwdParams& p, const Seq& s, int b, int h, int i, int j) {
+  if (!visible(p, s, i, j)) return false;
+  if (kExtras && p.mask.ptr && !mask_allows(p.mask, b, h, i, j)) return false;
+  return !(kExtras && p.bias.ptr && bias_at(p.bias, offset_of(p.bias, b, h, i, j)) == -INFINITY);
+}
+
+// Every row of [i0, i1] sees every key of [j0, j1] by position (rows past sq and keys past sk
+// aside: their tile rows are zero-filled): no pair of the block is excluded by the window.
+FMHA_DEVICE bool block_inside_window(const Seq& s, int left, int right, int i0, int i1, int j0,
+                                     int j1) {
+  i1 = i1 < s.sq - 1 ? i1 : s.sq - 1;
+  j1 = j1 < s.sk - 1 ? j1 : s.sk - 1;
+  return key_lo(s, left, i1) <= j0 && key_hi(s, right, i0) >= j1;
+}
+
 // The key blocks [n_begin, n_end) of kBlockN keys that some row of [row_first, row_last]
 // may see (window sides left, right as in the params): blocks wholly outside every row's
 // window are never loaded.
