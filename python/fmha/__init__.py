@@ -15,11 +15,12 @@ import sys as _sys
 from . import _C
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._core import get_num_threads, set_num_threads
+from .merge import merge_states, merge_states_n
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
-           "set_num_threads",
+           "merge_states", "merge_states_n", "set_num_threads",
            "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status"]
 
 
