@@ -532,12 +532,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 // Deterministic dQ: per (query block, query head, batch), dQi = scale sum_j dS_ij Kj over key
 // blocks in order, in registers. S = Qi Kj^T and dP = dOi Vj^T as the forward forms S; the
 // dS accumulator is the A operand of dS Kj (Kj via ldmatrix.trans), as P of P V in the forward.
-// With kExtras, and plain from d = 128, the launch bounds say two CTAs per SM, which those
-// configs reach: left to choose, ptxas squeezed some of them (extras d = 32; plain d = 128 on
-// sm_80 once the strong zero was in) to 168 registers for a third CTA and spilled. Other plain
+// With kExtras, and plain from d = 96, the launch bounds say two CTAs per SM, which those
+// configs reach: left to choose, ptxas squeezed some of them (extras d = 32; plain d = 96 and
+// 128 on sm_80 once the strong zero was in) to 168 registers for a third CTA and spilled. Other plain
 // configs are left unspecified (0): they reach three CTAs at d = 32, and at d = 64 on sm_90.
 template <typename T, typename Cfg, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 128 ? 2 : 0)
+__global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 ? 2 : 0)
     flash_bwd_dq_kernel(BwdParams p, BwdWork w, bool vec) {
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sQ = smem;
@@ -605,11 +605,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 128
   const uint32_t threshold = kExtras ? dropout_threshold(p.dropout_p) : 0u;
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
   const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
-  // The strong zero: every key block may hold a zero-weight pair when a mask, a bias,
-  // dropout or a window can make one (as in the forward, window edges are not told apart).
-  const bool zeros_anywhere = (kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr ||
-                                           p.dropout_p > 0.0)) ||
-                              left >= 0 || right >= 0;
+  // The strong zero: key blocks from n_edge on may hold a zero-weight pair (as in the
+  // forward, kept in the padding of Qi's first row rather than in a register).
+  {
+    const int n_edge = score::first_edge_block<Cfg::kBlockN>(
+        s, left, right, m0, n_end,
+        kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0));
+    if (tid == 0) *reinterpret_cast<int*>(sQ + Cfg::kHeadDim) = n_edge;  // read after a barrier
+  }
+  const int* const n_edge_slot = reinterpret_cast<const int*>(sQ + Cfg::kHeadDim);
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int n0 = n_block * Cfg::kBlockN;
@@ -655,7 +659,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 128
     // holds NaN or Inf (a flag kept from the load through S and dS spilled at d = 96); if so,
     // dQ becomes NaN where a pair that takes part (dropped pairs do, in dQ) meets one, and
     // Kj's NaN and Inf become 0.
-    if (zeros_anywhere &&
+    if (n_block >= *n_edge_slot &&
         __syncthreads_or(strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
                                                     Cfg::kThreads>(sK, vec, tid))) {
       strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockN, Cfg::kStride>(

@@ -81,6 +81,9 @@ struct FlashFwdConfigBase {
   // CTAs one SM holds at once (registers x 128 threads and shared memory, sm_80): the
   // split-KV heuristic's unit of "the GPU is full".
   static constexpr int kCtasPerSm = kCtasPerSm_;
+  // Launch bounds' CTAs per SM: 0 leaves ptxas to choose its register target, which suits
+  // every config but one (below).
+  static constexpr int kMinBlocks = 0;
   // Rows padded by 8 elements (16 bytes): row starts stay 16-byte aligned (ldmatrix,
   // cp.async) and the 8 rows one ldmatrix reads fall in distinct banks (row strides of
   // 80, 144, 208, 272 and 528 bytes all step through the 32 banks without repeating).
@@ -123,7 +126,13 @@ struct FlashFwdConfig;
 //
 // d = 32: 16 (O) + 32 (S) + 8 (Q) registers of tiles, 25 KiB of shared memory. Bound by
 // softmax and memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others.
-template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 3> {};
+template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 3> {
+  // Left to choose, ptxas aimed at 4 CTAs (128 registers) on sm_80 and spilled 8 bytes once
+  // the strong zero was in; 3 gives it 168. (On sm_90 it fits 4 CTAs unasked.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  static constexpr int kMinBlocks = 3;
+#endif
+};
 template <> struct FlashFwdConfig<32, true> : FlashFwdConfigBase<32, 64, true, 2> {};
 // d = 64: Q re-read from shared memory (4 ldmatrix.x4 per key block and warp, +12% shared
 // traffic): with Q in registers ptxas caps the kernel at 168 registers (3 CTAs/SM) and
@@ -172,7 +181,8 @@ FMHA_DEVICE void load_tile(T* smem, const T* g, int64_t ld, int rows, int cols, 
 }  // namespace flash_detail
 
 template <typename T, typename Cfg, bool kExtras>
-__global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, FwdLaunch launch) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    flash_fwd_kernel(FwdParams p, FwdLaunch launch) {
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sQ = smem;                       // [kBlockM][kStride]
   T* sK = sQ + Cfg::kTileQ;           // [kStages][kBlockN][kStride]
@@ -230,13 +240,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
     // is read from the params (kernel parameters live in the constant bank: free to
     // re-read, and caching them here cost registers -- 16-byte spills at d = 128 on sm_80).
     const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
-    // The strong zero (cuda/strong_zero.cuh): which key blocks may hold a zero-weight pair
-    // and so vote on Vj. Every block when a mask, a bias or dropout can make one, or when a
-    // window (causal included) is set -- not only its edge blocks: telling those apart kept
-    // two more integers live through the loop, and kernels at ptxas's register cap spilled.
-    const bool zeros_anywhere = (kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr ||
-                                             p.dropout_p > 0.0)) ||
-                                left >= 0 || right >= 0;
+    // The strong zero (cuda/strong_zero.cuh): the key blocks from n_edge on may hold a
+    // zero-weight pair and vote on Vj. Every block when a mask, a bias or dropout can make
+    // one, or a left window is set; with a causal or right window only the blocks past row
+    // m0's last visible key (the diagonal ones); none for plain attention. n_edge waits in
+    // shared memory, in the padding of Qi's first row, and is read per block: kept in a
+    // register through the loop (or the window's two edges, or per-block window arithmetic)
+    // it cost kernels at ptxas's register cap a spill.
+    const int n_edge = score::first_edge_block<Cfg::kBlockN>(
+        seq, left, right, m0, n_end,
+        kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0));
+    static_assert(Cfg::kPad * 2 >= sizeof(int), "n_edge fits a row's padding");
+    int* const n_edge_slot = reinterpret_cast<int*>(sQ + Cfg::kHeadDim);  // read after a barrier
+    if (tid == 0) *n_edge_slot = n_edge;
 
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
@@ -279,7 +295,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) flash_fwd_kernel(FwdParams p, F
       // ... for every thread: Kj and Vj are complete in shared memory; and whether Vj holds a
       // NaN or Inf that a zero-weight pair must not pass on (rare).
       const bool v_nonfinite = __syncthreads_or(
-          zeros_anywhere && strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+          n_block >= *n_edge_slot && strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
                                                  Cfg::kThreads>(tV, launch.vec, tid));
 
       // ---- the strong zero, when Vj holds NaN or Inf: O becomes NaN where a pair that takes

@@ -71,6 +71,19 @@ FMHA_DEVICE bool block_inside_window(const Seq& s, int left, int right, int i0, 
   return key_lo(s, left, i1) <= j0 && key_hi(s, right, i0) >= j1;
 }
 
+// The strong zero (cuda/strong_zero.cuh): key blocks from the returned one on may hold a
+// pair of zero weight for some row of [row_first, ...]: every block (0) when `zeros` (a mask,
+// bias or dropout can make one) or a left window is set; with a causal or right window, the
+// blocks past the last key row_first sees (the diagonal ones); none (n_end) otherwise.
+template <int kBlockN>
+FMHA_DEVICE int first_edge_block(const Seq& s, int left, int right, int row_first, int n_end,
+                                 bool zeros) {
+  if (zeros || left >= 0) return 0;
+  if (right < 0) return n_end;
+  const int hi = key_hi(s, right, row_first);  // the fewest keys any row of the block sees
+  return hi >= s.sk - 1 ? n_end : (hi + 1 > 0 ? (hi + 1) / kBlockN : 0);
+}
+
 // The key blocks [n_begin, n_end) of kBlockN keys that some row of [row_first, row_last]
 // may see (window sides left, right as in the params): blocks wholly outside every row's
 // window are never loaded.

@@ -7,11 +7,10 @@
 //
 //  1. vote: once the tile has landed, each thread checks the chunks it copied itself
 //     (tile::has_nonfinite) and the block ORs the answers at the barrier it waits at anyway
-//     (__syncthreads_or). Only calls that can have a zero-weight pair ask -- a window (causal
-//     included), a mask, a bias or dropout -- and then every block asks (the main backward
-//     skips its steps inside the window): telling window edges apart in the key loops kept
-//     integers live that kernels at ptxas's register cap could not afford. Plain attention
-//     without a window pays nothing; the others one scan of the tile per block;
+//     (__syncthreads_or). Only blocks that can hold a zero-weight pair ask: the window's
+//     edge blocks (score::first_edge_block; the main backward's steps not inside the window),
+//     and every block when a mask, a bias, dropout or a left window is set. Plain attention
+//     and the interior of a causal one pay nothing; the others one scan of the tile per block;
 //  2. poison (the rare block that voted yes): every accumulator element whose row takes part
 //     in a pair with a non-finite B entry in its column becomes NaN, before the product --
 //     NaN plus anything stays NaN. "Takes part" is asked again of the score semantics
@@ -72,12 +71,19 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
     struct alignas(16) Chunk {
       uint32_t w[4];
     };
-#pragma unroll 1
-    for (int chunk = tid; chunk < kChunks; chunk += kThreads) {
-      const Chunk x = *reinterpret_cast<const Chunk*>(
-          smem + (chunk / kChunksPerRow) * kStride + (chunk % kChunksPerRow) * 8);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) carry |= (x.w[r] & kExp2) + kOne2;
+    // Chunk tid + i kThreads; when a pass of the threads covers whole rows, it lies a fixed
+    // number of rows below chunk tid: constant offsets from one address.
+    constexpr bool kWholeRows = kThreads % kChunksPerRow == 0;
+    const T* first = smem + (tid / kChunksPerRow) * kStride + (tid % kChunksPerRow) * 8;
+#pragma unroll 4
+    for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
+      const int chunk = tid + i * kThreads;
+      if (kChunks % kThreads != 0 && chunk >= kChunks) break;
+      const T* at = kWholeRows ? first + i * (kThreads / kChunksPerRow) * kStride
+                               : smem + (chunk / kChunksPerRow) * kStride + (chunk % kChunksPerRow) * 8;
+      const Chunk x = *reinterpret_cast<const Chunk*>(at);
+      carry |= ((x.w[0] & kExp2) + kOne2) | ((x.w[1] & kExp2) + kOne2) |
+               ((x.w[2] & kExp2) + kOne2) | ((x.w[3] & kExp2) + kOne2);
     }
   } else {
 #pragma unroll 1
