@@ -1,0 +1,57 @@
+"""tools/sass_report.py's loop analysis on planted SASS: the main loop is the one with the most
+HMMA, and its common path takes the products and the prefetch but skips optional regions (the
+numbers of benchmarks/gpu/sass/ come from this path)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import sass_report as sr  # noqa: E402
+
+
+def _sass(lines):
+    body = "\n".join(f"        /*{addr:04x}*/    {text} ;   /* 0x0 */" for addr, text in lines)
+    return "\t\tFunction : planted_kernel\n" + body + "\n"
+
+
+# 0x00 setup; 0x10-0x90 the main loop: a vote branch over a rare region (0x30-0x40), an HMMA
+# block, a prefetch guarded by a branch (0x60 LDGSTS), a second HMMA block, the back edge; a
+# small HMMA-free inner loop (0x70) on the path; 0xa0 exit.
+PLANTED = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "S2R R0, SR_TID.X"),
+    (0x20, "@P0 BRA 0x50"),           # common case: skip the rare block
+    (0x30, "LDS.128 R4, [R2]"),       # rare block
+    (0x40, "STS [R2], RZ"),
+    (0x50, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x58, "@!P1 BRA 0x68"),          # the prefetch of the next block, taken in steady state
+    (0x60, "LDGSTS.E.128 [R3], [R10.64]"),
+    (0x68, "IADD3 R11, R11, 0x1, RZ"),
+    (0x70, "ISETP.GE.AND P2, PT, R11, 0x4, PT"),
+    (0x78, "@!P2 BRA 0x68"),          # inner loop without HMMA: counted once
+    (0x80, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x88, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+    (0x90, "@P3 BRA 0x10"),           # back edge of the main loop
+    (0xa0, "EXIT"),
+]
+
+
+def test_main_loop_and_common_path():
+    funcs = sr.parse(_sass(PLANTED))
+    loop = sr.main_loop(sr.blocks_of(funcs["planted_kernel"]))
+    assert loop is not None and loop.header == 0x10 and loop.back_edge == 0x90
+    addrs = [i.addr for b in loop.path for i in b.instrs]
+    assert 0x30 not in addrs and 0x40 not in addrs        # the rare block is skipped
+    assert 0x60 in addrs                                  # the prefetch is taken
+    assert loop.path_count("HMMA") == 2 and loop.path_count("LDGSTS") == 1
+    assert loop.body == 13                                # 0x10-0x90
+    assert loop.path_count() == 11                        # all but 0x30 and 0x40
+
+
+def test_also_takes_the_optional_region():
+    funcs = sr.parse(_sass(PLANTED))
+    loop = sr.main_loop(sr.blocks_of(funcs["planted_kernel"]), also=("LDS.128",))
+    assert loop.path_count("LDS") == 1 and loop.path_count() == 13
+    assert any(i.op == "LDS.128" for b in loop.path for i in b.instrs)
