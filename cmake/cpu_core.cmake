@@ -19,7 +19,7 @@ add_library(fmha_validate STATIC ${FMHA_CORE_ROOT}/csrc/fmha/validate.cpp)
 target_include_directories(fmha_validate PUBLIC ${FMHA_CORE_ROOT}/csrc)
 
 add_library(fmha_core STATIC ${FMHA_CORE_ROOT}/csrc/fmha/dispatch.cpp
-            ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp)
+            ${FMHA_CORE_ROOT}/csrc/fmha/kvcache.cpp ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp)
 target_include_directories(fmha_core PUBLIC ${FMHA_CORE_ROOT}/csrc ${FMHA_CORE_ROOT}/third_party)
 target_link_libraries(fmha_core PUBLIC fmha_validate Threads::Threads)
 

@@ -64,6 +64,14 @@ void backward(py::object dout, py::object q, py::object k, py::object v, py::obj
       cpu_backward, cuda_backward);
 }
 
+void forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::object out,
+                     py::object lse, py::object k, py::object v, py::object cache_seqlens,
+                     py::object block_table, py::object alibi, py::kwargs kw) {
+  run(bind::kvcache_call(q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table,
+                         alibi, kw),
+      cpu_forward, cuda_forward);
+}
+
 }  // namespace
 }  // namespace fmha
 
@@ -80,6 +88,14 @@ PYBIND11_MODULE(_C, m) {
       "device cu_seqlens).",
       "Writes dq, dk, dv (and dbias). Keyword settings as forward, plus deterministic "
       "(CUDA: bitwise-reproducible dQ; the CPU backward always is).");
+  m.def("forward_kvcache", &forward_kvcache, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
+        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
+        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
+        "Appends k, v (if given) to the caches in place at cache_seqlens, then writes out and "
+        "lse of q over each sequence's cache_seqlens + seqlen_new cached rows (bottom-right "
+        "aligned). Keyword settings: scale, softcap, window_left, window_right (required); "
+        "num_threads, num_splits, stream.");
   m.def("cpu_features", &cpu_features, "CPU features relevant to the kernels");
   m.def("cpu_isa", [] { return std::string(isa_name(active_cpu_isa())); },
         "The instruction set the CPU kernels use");

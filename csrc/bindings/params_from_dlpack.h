@@ -496,6 +496,149 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
   return c;
 }
 
+// ------------------------------------------------------------------------------ KV caches
+
+#define FMHA_KVCACHE_KEYWORDS \
+  "scale", "softcap", "window_left", "window_right", "num_threads", "stream", "num_splits"
+
+// One call of attention over KV caches (fmha.attention_with_kvcache): the caches, the new
+// rows appended to them, and the lengths / block table that say where each sequence lives.
+struct KvCacheCall : Call<FwdParams> {
+  std::optional<View> k_new, v_new, cache_seqlens, block_table;
+};
+
+inline void expect_int32(const View& v, int ndim) {
+  FMHA_CHECK_ARG(v.ndim == ndim && v.dtype.code == kDLInt && v.dtype.bits == 32 &&
+                     v.dtype.lanes == 1 && (v.empty() || v.stride(ndim - 1) == 1),
+                 v.name, ": expected an int32 array of ", ndim,
+                 " dimension(s), contiguous in the last");
+}
+
+// q (b, sq, hq, d); caches (b, capacity, hkv, d|dv) or, with block_table (b, max_blocks),
+// pools (num_blocks, block_size, hkv, d|dv); k_new, v_new (b, seqlen_new, hkv, d|dv) or
+// None; cache_seqlens (b,) int32. The values of cache_seqlens and block_table are checked by
+// the backend (host arrays: before anything is written, fmha/kvcache.h).
+inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
+                                const py::object& v_cache, const py::object& out,
+                                const py::object& lse, const py::object& k_new,
+                                const py::object& v_new, const py::object& cache_seqlens,
+                                const py::object& block_table, const py::object& alibi,
+                                const py::kwargs& kw) {
+  const Settings s("forward_kvcache", kw, {FMHA_KVCACHE_KEYWORDS});
+  KvCacheCall c;
+  FwdParams& p = c.p;
+  c.stream = s.get<intptr_t>("stream", 0);
+  FMHA_CHECK_ARG(c.stream >= 0, "stream: expected a cudaStream_t as a non-negative int, got ",
+                 c.stream);
+  c.q = import("q", q, false, c.stream);
+  c.dev = device_of("q", c.q.device);
+  c.import_stream = c.dev.mem == Memory::kCuda ? c.stream : -1;
+  c.k = import("k_cache", k_cache, true, c.import_stream);
+  c.v = import("v_cache", v_cache, true, c.import_stream);
+  c.o = import("out", out, true, c.import_stream);
+  c.lse = import("lse", lse, true, c.import_stream);
+  c.cache_seqlens = import("cache_seqlens", cache_seqlens, false, c.import_stream);
+  c.block_table = import_opt("block_table", block_table, false, c.import_stream);
+  c.k_new = import_opt("k", k_new, false, c.import_stream);
+  c.v_new = import_opt("v", v_new, false, c.import_stream);
+  FMHA_CHECK_ARG(!c.k_new == !c.v_new, "k, v: give both new rows or neither");
+  for (View* t : {&c.k, &c.v, &c.o, &c.lse, &*c.cache_seqlens}) expect_device(*t, c.dev);
+  for (auto* t : {&c.block_table, &c.k_new, &c.v_new})
+    if (*t) expect_device(**t, c.dev);
+
+  p.dtype = float_dtype(c.q);
+  FMHA_CHECK_ARG(c.q.ndim == 4, "q: expected 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ",
+                 c.q.ndim);
+  FMHA_CHECK_ARG(c.k.ndim == 4 && c.v.ndim == 4, "k_cache, v_cache: expected 4 dimensions, got ",
+                 c.k.ndim, " and ", c.v.ndim);
+  p.batch = int(c.q.size(0));
+  p.seqlen_q = int(c.q.size(1));
+  p.heads_q = int(c.q.size(2));
+  p.head_dim = int(c.q.size(3));
+  p.heads_kv = int(c.k.size(2));
+  p.head_dim_v = int(c.v.size(3));
+  const int64_t slots = c.k.size(0), rows = c.k.size(1);  // sequences/blocks, rows of each
+  expect_shape(c.q, {p.batch, p.seqlen_q, p.heads_q, p.head_dim});
+  expect_shape(c.k, {slots, rows, p.heads_kv, p.head_dim});
+  expect_shape(c.v, {slots, rows, p.heads_kv, p.head_dim_v});
+  expect_shape(c.o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
+  expect_shape(c.lse, {p.batch, p.heads_q, p.seqlen_q});
+  for (View* t : {&c.k, &c.v, &c.o}) expect_dtype(*t, p.dtype);
+  const bool f64 = p.dtype == DType::kFloat64;
+  FMHA_CHECK_ARG(c.lse.dtype.code == kDLFloat && c.lse.dtype.bits == (f64 ? 64 : 32) &&
+                     c.lse.dtype.lanes == 1,
+                 "lse: expected ", f64 ? "float64" : "float32");
+  expect_int32(*c.cache_seqlens, 1);
+  FMHA_CHECK_ARG(c.cache_seqlens->size(0) == p.batch, "cache_seqlens: expected ", p.batch,
+                 " entries (one per sequence), got ", c.cache_seqlens->size(0));
+  if (c.block_table) {
+    View& t = *c.block_table;
+    expect_int32(t, 2);
+    FMHA_CHECK_ARG(t.size(0) == p.batch, "block_table: expected ", p.batch,
+                   " rows (one per sequence), got ", t.size(0));
+    FMHA_CHECK_ARG(rows >= 1, "k_cache: block_size (dimension 1) must be >= 1 with a block_table");
+    FMHA_CHECK_ARG(int64_t(t.size(1)) * rows <= INT32_MAX, "block_table: max_blocks * block_size (",
+                   t.size(1), " * ", rows, ") exceeds 2**31 - 1 rows");
+    p.block_table = static_cast<const int32_t*>(t.data);
+    p.block_table_stride = t.stride(0);
+    p.block_size = int(rows);
+    FMHA_CHECK_ARG(slots <= INT32_MAX, "k_cache: more than 2**31 - 1 blocks");
+    p.num_blocks = int(slots);
+    p.seqlen_k = int(t.size(1) * rows);
+  } else {
+    FMHA_CHECK_ARG(slots == p.batch, "k_cache: dimension 0 is ", slots, ", expected batch = ",
+                   p.batch, " (or pass block_table for a paged cache)");
+    FMHA_CHECK_ARG(rows <= INT32_MAX, "k_cache: capacity exceeds 2**31 - 1 rows");
+    p.seqlen_k = int(rows);
+  }
+  p.cache_seqlens = static_cast<const int32_t*>(c.cache_seqlens->data);
+  if (c.k_new) {
+    View &kn = *c.k_new, &vn = *c.v_new;
+    FMHA_CHECK_ARG(kn.ndim == 4, "k: expected 4 dimensions (batch, seqlen_new, heads_kv, head_dim), got ", kn.ndim);
+    p.seqlen_new = int(kn.size(1));
+    expect_shape(kn, {p.batch, p.seqlen_new, p.heads_kv, p.head_dim});
+    expect_shape(vn, {p.batch, p.seqlen_new, p.heads_kv, p.head_dim_v});
+    expect_dtype(kn, p.dtype);
+    expect_dtype(vn, p.dtype);
+    p.k_new = kn.data;
+    p.v_new = vn.data;
+    p.k_new_batch_stride = kn.stride(0); p.k_new_row_stride = kn.stride(1); p.k_new_head_stride = kn.stride(2);
+    p.v_new_batch_stride = vn.stride(0); p.v_new_row_stride = vn.stride(1); p.v_new_head_stride = vn.stride(2);
+    FMHA_CHECK_ARG(p.seqlen_new <= p.seqlen_k, "k: ", p.seqlen_new,
+                   " new rows do not fit a cache of capacity ", p.seqlen_k);
+  }
+
+  p.q = c.q.data; p.k = c.k.data; p.v = c.v.data; p.o = c.o.data; p.lse = c.lse.data;
+  p.q_batch_stride = c.q.stride(0); p.q_row_stride = c.q.stride(1); p.q_head_stride = c.q.stride(2);
+  p.k_batch_stride = c.k.stride(0); p.k_row_stride = c.k.stride(1); p.k_head_stride = c.k.stride(2);
+  p.v_batch_stride = c.v.stride(0); p.v_row_stride = c.v.stride(1); p.v_head_stride = c.v.stride(2);
+  p.o_batch_stride = c.o.stride(0); p.o_row_stride = c.o.stride(1); p.o_head_stride = c.o.stride(2);
+  p.lse_batch_stride = c.lse.stride(0);
+  p.lse_head_stride = c.lse.stride(1);
+  p.lse_row_stride = c.lse.stride(2);
+
+  c.alibi = import_opt("alibi_slopes", alibi, false, c.import_stream);
+  if (c.alibi) {
+    View& a = *c.alibi;
+    FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
+                       a.dtype.code == kDLFloat && a.dtype.bits == 64 && a.dtype.lanes == 1,
+                   "alibi_slopes: expected a float64 (batch, heads_q) = (", p.batch, ", ",
+                   p.heads_q, ") view");
+    expect_device(a, c.dev);
+    p.alibi_slopes = static_cast<const double*>(a.data);
+    p.alibi_batch_stride = a.stride(0);
+    p.alibi_head_stride = a.stride(1);
+  }
+  p.scale = s.get<double>("scale");
+  p.softcap = s.get<double>("softcap");
+  p.window_left = s.get<int>("window_left");
+  p.window_right = s.get<int>("window_right");
+  p.bottom_right = true;
+  p.num_threads = s.get<int>("num_threads", 0);
+  p.num_splits = s.get<int>("num_splits", 0);
+  return c;
+}
+
 // forward and backward with fmha._C's signature: the arrays by position or name, the
 // settings as keywords (FMHA_FORWARD_KEYWORDS). Both modules define them through this.
 template <typename Forward, typename Backward>

@@ -7,7 +7,11 @@
 // thread; no seqlen_q x seqlen_k buffer exists.
 #pragma once
 
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/bf16_pairs.h"
 #include "cpu/softmax.h"
@@ -35,6 +39,15 @@ inline const A* rows_as_acc(const T* src, int64_t stride, int n, int dim, A* buf
   return buf;
 }
 
+// Where the lse of query i of head h lives: (batch, heads_q, seqlen_q), or (heads_q, total_q)
+// when varlen.
+template <typename A>
+inline A* lse_at(const FwdParams& p, const Seq& s, int b, int h, int i) {
+  return static_cast<A*>(p.lse) + h * p.lse_head_stride +
+         (p.cu_seqlens_q ? (s.q_first + i) * p.lse_row_stride
+                         : b * p.lse_batch_stride + int64_t(i) * p.lse_row_stride);
+}
+
 template <typename T>
 void forward_task(const FwdParams& p, int64_t task) {
   using A = acc_t<T>;
@@ -54,7 +67,8 @@ void forward_task(const FwdParams& p, int64_t task) {
            Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr) +
            Workspace::bytes<uint32_t>(int64_t((d + 1) / 2) * kBr) +
            Workspace::bytes<uint32_t>(kBc / 2 * kBr) +
-           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv));
+           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv) +
+           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv));
   A* QiT = ws.take<A>(int64_t(d) * kBr);   // Qᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -66,6 +80,8 @@ void forward_task(const FwdParams& p, int64_t task) {
   uint32_t* Q2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBr);  // bf16 pair path only
   uint32_t* P2 = ws.take<uint32_t>(kBc / 2 * kBr);
   uint32_t* V2 = ws.take<uint32_t>(int64_t(kBc / 2) * ldv);
+  T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
+  T* Vstage = ws.take<T>(int64_t(kBc) * dv);
 
   const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
@@ -87,19 +103,20 @@ void forward_task(const FwdParams& p, int64_t task) {
   if constexpr (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    const T* kj = k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);
-    const T* vj = v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
+    int64_t ks, vs;  // row strides of kj, vj
+    const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
+    const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
     if constexpr (pairs) {
       int64_t ldkw;
-      const uint32_t* Kw = pair_rows(kj, p.k_row_stride, nc, d, Kbuf, &ldkw);
+      const uint32_t* Kw = pair_rows(kj, ks, nc, d, Kbuf, &ldkw);
       gemm<false>(nc, nrp, (d + 1) / 2, Kw, ldkw, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
-      pack_row_pairs(vj, p.v_row_stride, nc, dv, V2, ldv);
+      pack_row_pairs(vj, vs, nc, dv, V2, ldv);
     } else {
       int64_t ldk;
-      const A* Kj = rows_as_acc(kj, p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
-      Vj = rows_as_acc(vj, p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+      const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
+      Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
       gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ
     }
     scale_rows(ST, nc, nrp, kBr, A(p.scale));
@@ -109,8 +126,8 @@ void forward_task(const FwdParams& p, int64_t task) {
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
-    if (tile_may_zero(p, s, i0, nr, j0, nc) && has_nonfinite(vj, p.v_row_stride, nc, dv)) {
-      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, p.v_row_stride, O, ldv, [&](int r, int c) {
+    if (tile_may_zero(p, s, i0, nr, j0, nc) && has_nonfinite(vj, vs, nc, dv)) {
+      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, [&](int r, int c) {
         return pair_excluded(p, s, b, h, i0 + r, j0 + c, true);
       });  // O += P V
     } else if constexpr (pairs) {
@@ -181,19 +198,45 @@ inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq, const d
     }
 }
 
+// Long key ranges are split into chunks of kSplitKeys keys at fixed positions (0, kSplitKeys,
+// 2 kSplitKeys, ...), each a task of its own, and the chunks' partial results are merged
+// by their lse (split-KV, as FlashDecoding does on GPUs): one sequence with one kv head
+// still keeps every thread reading. The split depends on the positions alone, never on
+// the thread count, the capacity of a cache or its paging, so results are bitwise the same
+// for any of those.
+constexpr int kSplitKeys = 2048;
+
+// Where a small-rows task leaves its rows: the output (out, lse) when the call has one chunk
+// per sequence, else its chunk's slot of the partial buffers, (rows, ldv) normalised outputs
+// and (rows) lse per (batch, kv head, chunk), for merge_chunks.
+template <typename A>
+struct Partials {
+  A* o = nullptr;
+  A* lse = nullptr;
+  int n_chunks = 1, rows = 0, ldv = 0;
+  int64_t slot(int b, int hk, int heads_kv, int c) const {
+    return (int64_t(b) * heads_kv + hk) * n_chunks + c;
+  }
+};
+
+// The query rows of (batch b, kv head hk) over keys [j_lo, j_hi) clipped to what they see:
+// row g * sq + i is query i of head hk * group + g.
 template <typename T>
-void forward_small_task(const FwdParams& p, int64_t task) {
+void forward_small_task(const FwdParams& p, int b, int hk, int chunk, const Partials<acc_t<T>>& part) {
   using A = acc_t<T>;
-  const int b = int(task / p.heads_kv), hk = int(task % p.heads_kv);
   const Seq s = seq_of(p, b);
-  const int group = p.heads_q / p.heads_kv, sq = s.sq, M = group * sq;  // row = g * sq + i
+  const int group = p.heads_q / p.heads_kv, sq = s.sq, M = group * sq;
   if (sq == 0) return;
   const int d = p.head_dim, dv = p.head_dim_v, ldq = padded<A>(d), ldv = padded<A>(dv);
+  const int j_begin = std::max(key_lo(p, s, 0), chunk * kSplitKeys);
+  const int j_end = std::min(key_hi(p, s, sq - 1) + 1, (chunk + 1) * kSplitKeys);
+  if (part.n_chunks > 1 && chunk * kSplitKeys >= s.sk && chunk > 0) return;  // past the keys
 
   Workspace& ws = thread_workspace();
   ws.begin(Workspace::bytes<A>(int64_t(kSmallRows) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
-           Workspace::bytes<A>(int64_t(kSmallRows) * ldv) + 3 * Workspace::bytes<A>(kSmallRows));
+           Workspace::bytes<A>(int64_t(kSmallRows) * ldv) + 3 * Workspace::bytes<A>(kSmallRows) +
+           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv));
   A* Qr = ws.take<A>(int64_t(kSmallRows) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -202,6 +245,8 @@ void forward_small_task(const FwdParams& p, int64_t task) {
   A* m = ws.take<A>(kSmallRows);
   A* l = ws.take<A>(kSmallRows);
   A* alpha = ws.take<A>(kSmallRows);
+  T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
+  T* Vstage = ws.take<T>(int64_t(kBc) * dv);
 
   for (int g = 0; g < group; ++g) {
     const T* q = static_cast<const T*>(p.q) + (hk * group + g) * p.q_head_stride +
@@ -214,20 +259,21 @@ void forward_small_task(const FwdParams& p, int64_t task) {
   const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
 
-  const int j_begin = key_lo(p, s, 0), j_end = key_hi(p, s, sq - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    int64_t ldk, ldvj;
-    const A* Kj = rows_as_acc(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0),
-                              p.k_row_stride, nc, d, Kbuf, d, &ldk, false);
-    const T* vj = v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0);
-    const A* Vj = rows_as_acc(vj, p.v_row_stride, nc, dv, Vbuf, ldv, &ldvj, true);
+    int64_t ks, vs, ldk, ldvj;
+    const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
+    const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
+    const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
+    const A* Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
     if (j0 + kBc < j_end) {  // memory-bound: ask for the next tile's rows now
       const int nn = std::min(kBc, j_end - j0 - kBc);
-      prefetch_rows(k + row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0 + kBc),
-                    p.k_row_stride, nn, d * int(sizeof(T)));
-      prefetch_rows(v + row_offset(p, b, p.v_batch_stride, p.v_row_stride, s.k_first, j0 + kBc),
-                    p.v_row_stride, nn, dv * int(sizeof(T)));
+      for (int r = 0; r < nn; ++r) {
+        prefetch_rows(k + key_row_offset(p, s, b, p.k_batch_stride, p.k_row_stride, j0 + kBc + r),
+                      0, 1, d * int(sizeof(T)));
+        prefetch_rows(v + key_row_offset(p, s, b, p.v_batch_stride, p.v_row_stride, j0 + kBc + r),
+                      0, 1, dv * int(sizeof(T)));
+      }
     }
     dot_tile(M, nc, d, Qr, ldq, Kj, ldk, S, kBc);
     scale_rows(S, M, nc, kBc, A(p.scale));
@@ -244,33 +290,96 @@ void forward_small_task(const FwdParams& p, int64_t task) {
       if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
     }
-    if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, p.v_row_stride, nc, dv))
-      gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, p.v_row_stride, O, ldv, [&](int r, int c) {
+    if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, vs, nc, dv))
+      gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vs, O, ldv, [&](int r, int c) {
         return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
       });  // O += P V
     else
       gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, O, ldv);  // O += P V
   }
 
+  // Normalise once; a row that saw no key (l = 0) gets out = 0 and lse = -inf. A NaN l (a
+  // NaN or Inf score) makes the row NaN.
   for (int r = 0; r < M; ++r) {
-    const int h = hk * group + r / sq, i = r % sq;
     A* Or = O + int64_t(r) * ldv;
     scale_rows(Or, 1, dv, ldv, l[r] != A(0) ? A(1) / l[r] : A(0));
+    const A lse_r = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
+    if (part.n_chunks > 1) {
+      const int64_t slot = part.slot(b, hk, p.heads_kv, chunk);
+      std::memcpy(part.o + (slot * part.rows + r) * part.ldv, Or, size_t(dv) * sizeof(A));
+      part.lse[slot * part.rows + r] = lse_r;
+      continue;
+    }
+    const int h = hk * group + r / sq, i = r % sq;
     store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
                           row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
-    A* lse = static_cast<A*>(p.lse) + h * p.lse_head_stride +
-             (p.cu_seqlens_q ? (s.q_first + i) * p.lse_row_stride
-                             : b * p.lse_batch_stride + int64_t(i) * p.lse_row_stride);
-    *lse = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
+    *lse_at<A>(p, s, b, h, i) = lse_r;
+  }
+}
+
+// out, lse of (batch b, kv head hk) from its chunks' partial results: lse = log Σ_c e^lse_c,
+// out = Σ_c e^(lse_c - lse) out_c, summed in chunk order. A row no chunk saw gets out 0 and
+// lse -inf; a lone chunk's result passes through unchanged (its weight is exactly 1).
+template <typename T>
+void merge_chunks(const FwdParams& p, int b, int hk, const Partials<acc_t<T>>& part) {
+  using A = acc_t<T>;
+  const Seq s = seq_of(p, b);
+  const int group = p.heads_q / p.heads_kv, sq = s.sq, dv = p.head_dim_v;
+  const int used = std::min(part.n_chunks, std::max(1, (s.sk + kSplitKeys - 1) / kSplitKeys));
+  std::vector<A> acc(static_cast<size_t>(dv));
+  auto lse_of = [&](int c, int r) { return part.lse[part.slot(b, hk, p.heads_kv, c) * part.rows + r]; };
+  for (int r = 0; r < group * sq; ++r) {
+    A mx = neg_inf<A>();
+    bool nan = false;  // a chunk's NaN row (a NaN or Inf score) makes the whole row NaN
+    for (int c = 0; c < used; ++c) {
+      nan |= std::isnan(lse_of(c, r));
+      mx = std::max(mx, lse_of(c, r));
+    }
+    A total = A(0);
+    if (mx != neg_inf<A>())
+      for (int c = 0; c < used; ++c) total += std::exp(lse_of(c, r) - mx);
+    const A lse_r = nan ? std::numeric_limits<A>::quiet_NaN()
+                        : mx == neg_inf<A>() ? mx : mx + std::log(total);
+    fill(acc.data(), dv, nan ? lse_r : A(0));
+    for (int c = 0; c < used && !nan && mx != neg_inf<A>(); ++c) {
+      const A lc = lse_of(c, r);
+      if (lc == neg_inf<A>()) continue;  // the chunk saw no key: it adds nothing
+      const A w = std::exp(lc - lse_r);
+      const A* oc = part.o + (part.slot(b, hk, p.heads_kv, c) * part.rows + r) * part.ldv;
+      for (int t = 0; t < dv; ++t) acc[t] += w * oc[t];
+    }
+    const int h = hk * group + r / sq, i = r % sq;
+    store_row(acc.data(), dv, static_cast<T*>(p.o) + h * p.o_head_stride +
+                                  row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
+    *lse_at<A>(p, s, b, h, i) = lse_r;
   }
 }
 
 template <typename T>
 void forward_typed(const FwdParams& p) {
+  using A = acc_t<T>;
   const int64_t work = cpu_work_estimate_ns(p);
   if (use_small_rows(p)) {
-    parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
-                 [&](int64_t t) { forward_small_task<T>(p, t); }, work);
+    Partials<A> part;
+    part.n_chunks = std::max(1, (p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
+    part.rows = p.heads_q / p.heads_kv * p.seqlen_q;
+    part.ldv = p.head_dim_v;
+    const int64_t heads = int64_t(p.batch) * p.heads_kv;
+    std::vector<A> o_buf, lse_buf;
+    if (part.n_chunks > 1) {
+      o_buf.resize(size_t(heads * part.n_chunks * part.rows * part.ldv));
+      lse_buf.assign(size_t(heads * part.n_chunks * part.rows), neg_inf<A>());
+      part.o = o_buf.data();
+      part.lse = lse_buf.data();
+    }
+    parallel_for(heads * part.n_chunks, p.num_threads, [&](int64_t t) {
+      const int64_t bh = t / part.n_chunks;
+      forward_small_task<T>(p, int(bh / p.heads_kv), int(bh % p.heads_kv), int(t % part.n_chunks), part);
+    }, work);
+    if (part.n_chunks > 1)
+      parallel_for(heads, p.num_threads, [&](int64_t t) {
+        merge_chunks<T>(p, int(t / p.heads_kv), int(t % p.heads_kv), part);
+      }, work / 64 + 1);
     return;
   }
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;

@@ -48,6 +48,46 @@ inline int64_t row_offset(const FwdParams& p, int b, int64_t batch_stride, int64
                         : b * batch_stride + int64_t(i) * row_stride;
 }
 
+// ---- key/value rows, from ordinary k/v, contiguous caches and paged caches alike.
+// `base` points at the kv head's row 0 (head offset applied); batch_stride / row_stride are
+// the tensor's (for a paged cache, batch_stride steps from one block to the next).
+
+// Element offset of key row j of sequence b.
+inline int64_t key_row_offset(const FwdParams& p, const Seq& s, int b, int64_t batch_stride,
+                              int64_t row_stride, int j) {
+  if (p.block_table) {
+    const int32_t* table = p.block_table + b * p.block_table_stride;
+    // The host checked the table; clamping keeps a stray entry inside the pool regardless.
+    const int block = score::clamp_to(table[j / p.block_size], 0, p.num_blocks - 1);
+    return block * batch_stride + int64_t(j % p.block_size) * row_stride;
+  }
+  return row_offset(p, b, batch_stride, row_stride, s.k_first, j);
+}
+
+// Key rows [j0, j0 + n) of sequence b as n rows `*stride` elements apart: in place when they
+// are equally spaced in memory (always, but for a paged cache whose rows cross into a block
+// that does not follow the previous one), else gathered into `stage` (n x dim). The values,
+// hence every result, are the same either way: paged and contiguous caches holding the same
+// rows give bitwise-equal outputs.
+template <typename T>
+inline const T* key_rows(const FwdParams& p, const Seq& s, int b, const T* base,
+                         int64_t batch_stride, int64_t row_stride, int j0, int n, int dim,
+                         T* stage, int64_t* stride) {
+  *stride = row_stride;
+  if (!p.block_table) return base + row_offset(p, b, batch_stride, row_stride, s.k_first, j0);
+  const int bs = p.block_size, first = j0 / bs, last = (j0 + n - 1) / bs;
+  bool in_place = first == last || batch_stride == bs * row_stride;
+  const int32_t* table = p.block_table + b * p.block_table_stride;
+  for (int i = first + 1; in_place && i <= last; ++i) in_place = table[i] == table[i - 1] + 1;
+  if (in_place) return base + key_row_offset(p, s, b, batch_stride, row_stride, j0);
+  for (int r = 0; r < n; ++r)
+    std::memcpy(stage + int64_t(r) * dim,
+                base + key_row_offset(p, s, b, batch_stride, row_stride, j0 + r),
+                size_t(dim) * sizeof(T));
+  *stride = dim;
+  return stage;
+}
+
 // A per-thread bump allocator for tile buffers: no allocation inside the loops, memory
 // O(tile) per thread whatever the sequence length.
 class Workspace {

@@ -10,6 +10,7 @@
 #include "cpu/kernels.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/kvcache.h"
 #include "fmha/threads.h"
 #include "fmha/validate.h"
 
@@ -270,6 +271,10 @@ void backward_without_pairs(const BwdParams& p) {
 
 void cpu_forward(const FwdParams& p) {
   check_params(p, Backend::kCpu);
+  if (p.cache_seqlens) {  // every check before the first write into the cache
+    check_kvcache_host(p);
+    append_kv(p);
+  }
   if (!has_rows(p, true)) return;  // no query row: nothing to write
   if (!has_rows(p, false)) return forward_without_keys(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;

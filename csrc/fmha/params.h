@@ -83,6 +83,26 @@ struct FwdParams {
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;
 
+  // --- KV cache (forward only: fmha.attention_with_kvcache; docs/semantics.md, "KV caches").
+  // When cache_seqlens is set, k and v are caches: sequence b's keys are its cache rows
+  // [0, cache_seqlens[b] + seqlen_new), seqlen_k is the capacity (rows a sequence can hold),
+  // and k_new / v_new (when seqlen_new > 0) are written into rows
+  // [cache_seqlens[b], cache_seqlens[b] + seqlen_new) before attending. bias, mask, dropout
+  // and varlen offsets are absent. ---
+  const int32_t* cache_seqlens = nullptr;  // (batch): cached rows before this call
+  const void* k_new = nullptr;             // (b, seqlen_new, heads_kv, head_dim)
+  const void* v_new = nullptr;             // (b, seqlen_new, heads_kv, head_dim_v)
+  int64_t k_new_batch_stride = 0, k_new_row_stride = 0, k_new_head_stride = 0;
+  int64_t v_new_batch_stride = 0, v_new_row_stride = 0, v_new_head_stride = 0;
+  int seqlen_new = 0;
+  // Paged caches (vLLM's PagedAttention): k and v are pools of num_blocks blocks of
+  // block_size rows, k_batch_stride / v_batch_stride the stride from one block to the next;
+  // row j of sequence b is row j % block_size of block block_table[b][j / block_size].
+  // seqlen_k = max_blocks * block_size. nullptr: contiguous caches, k_batch_stride per sequence.
+  const int32_t* block_table = nullptr;  // (batch, max_blocks), row stride block_table_stride
+  int64_t block_table_stride = 0;
+  int block_size = 0, num_blocks = 0;
+
   int num_threads = 0;  // CPU: 0 = library default
   // CUDA forward: split the keys of each (query block, head) over this many CTAs and merge
   // the partial results by their lse (FlashDecoding); 0 = pick by occupancy, 1 = no split.

@@ -51,6 +51,11 @@ FMHA_HD Seq seq_of(const FwdParams& p, int b) {
     const int k_end = clamp_to(p.cu_seqlens_k[b + 1], s.k_first, p.total_k);
     s.sq = q_end - s.q_first < p.seqlen_q ? q_end - s.q_first : p.seqlen_q;
     s.sk = k_end - s.k_first < p.seqlen_k ? k_end - s.k_first : p.seqlen_k;
+  } else if (p.cache_seqlens) {
+    // A cache holds cache_seqlens[b] + seqlen_new rows, clamped to its capacity like the
+    // varlen offsets (the host checks them; device-resident lengths are never read there).
+    s.sq = p.seqlen_q;
+    s.sk = clamp_to(p.cache_seqlens[b], 0, p.seqlen_k - p.seqlen_new) + p.seqlen_new;
   } else {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;

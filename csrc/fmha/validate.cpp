@@ -71,6 +71,22 @@ void check_params(const FwdParams& p, Backend backend) {
   FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1,
                  "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
                  p.window_left, " and ", p.window_right);
+  if (p.cache_seqlens) {
+    FMHA_CHECK_ARG(backend == Backend::kCpu,
+                   "KV caches (cache_seqlens): the CUDA kernels do not take them yet");
+    FMHA_CHECK_ARG(!p.cu_seqlens_q && !p.bias.ptr && !p.mask.ptr && p.dropout_p == 0.0,
+                   "KV caches (cache_seqlens): cu_seqlens, bias, mask and dropout do not apply");
+    FMHA_CHECK_ARG(p.seqlen_new >= 0 && p.seqlen_new <= p.seqlen_k,
+                   "seqlen_new: expected 0..", p.seqlen_k, " (the capacity), got ", p.seqlen_new);
+    FMHA_CHECK_ARG(p.seqlen_new == 0 || (p.k_new && p.v_new) || p.heads_kv == 0 || p.batch == 0,
+                   "k_new and v_new must be non-null when seqlen_new > 0");
+    if (p.block_table)
+      FMHA_CHECK_ARG(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
+                     "block_size: expected >= 1 dividing seqlen_k, got ", p.block_size);
+  } else {
+    FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0,
+                   "block_table, seqlen_new: only with cache_seqlens");
+  }
   // Read by the CUDA forward only; a negative count is wrong on any backend.
   FMHA_CHECK_ARG(p.num_splits >= 0, "num_splits: expected >= 0 (0 = heuristic), got ",
                  p.num_splits);

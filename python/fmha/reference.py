@@ -539,3 +539,47 @@ def attention_varlen_backward(
         dk[sk] = dk_b[0]
         dv[sk] = dv_b[0]
     return dq, dk, dv
+
+
+def kvcache_rows(cache, b, n, block_table=None):
+    """Rows 0..n-1 of sequence b of a KV cache, ``(n, heads_kv, dim)``: contiguous
+    ``(batch, capacity, heads_kv, dim)``, or a paged pool ``(num_blocks, block_size,
+    heads_kv, dim)`` read through ``block_table[b]``."""
+    cache = np.asarray(cache)
+    if block_table is None:
+        return cache[b, :n]
+    bs = cache.shape[1]
+    table = np.asarray(block_table)[b]
+    return np.stack([cache[table[j // bs], j % bs] for j in range(n)]) if n else cache[0, :0]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                           block_table=None, scale=None, causal=False, window=(-1, -1),
+                           alibi_slopes=None, softcap=0.0):
+    """Reference of :func:`fmha.attention_with_kvcache`, without touching the caches.
+
+    Sequence ``b`` attends to its cached rows ``0 .. cache_seqlens[b] - 1`` followed by its
+    new rows ``k[b], v[b]`` (if given), aligned bottom-right; each sequence is attended
+    independently, with its own row of ``(batch, heads_q)`` ALiBi slopes. Returns ``out``
+    ``(batch, seqlen_q, heads_q, head_dim_v)`` and ``lse`` ``(batch, heads_q, seqlen_q)``.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    batch = q.shape[0]
+    lens = np.broadcast_to(np.asarray(cache_seqlens), (batch,))
+    outs, lses = [], []
+    for b in range(batch):
+        kb = kvcache_rows(k_cache, b, int(lens[b]), block_table).astype(np.float64)
+        vb = kvcache_rows(v_cache, b, int(lens[b]), block_table).astype(np.float64)
+        if k is not None:
+            kb = np.concatenate([kb, np.asarray(k, dtype=np.float64)[b]])
+            vb = np.concatenate([vb, np.asarray(v, dtype=np.float64)[b]])
+        slopes = None
+        if alibi_slopes is not None:
+            a = np.asarray(alibi_slopes, dtype=np.float64)
+            slopes = a[b] if a.ndim == 2 else a
+        out, lse = attention_forward(q[b:b + 1], kb[None], vb[None], scale=scale,
+                                     causal=causal, window=window, alibi_slopes=slopes,
+                                     softcap=softcap)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return np.stack(outs), np.stack(lses)

@@ -1,0 +1,92 @@
+#include "fmha/kvcache.h"
+
+#include <cstring>
+#include <vector>
+
+#include "fmha/error.h"
+
+namespace fmha {
+
+namespace {
+
+int element_bytes(DType t) {
+  switch (t) {
+    case DType::kFloat64: return 8;
+    case DType::kFloat32: return 4;
+    default: return 2;
+  }
+}
+
+// Element offset of cache row j of sequence b (head 0), paged or contiguous.
+int64_t cache_row(const FwdParams& p, int b, int64_t batch_stride, int64_t row_stride, int j) {
+  if (!p.block_table) return b * batch_stride + int64_t(j) * row_stride;
+  const int block = p.block_table[b * p.block_table_stride + j / p.block_size];
+  return block * batch_stride + int64_t(j % p.block_size) * row_stride;
+}
+
+}  // namespace
+
+void check_kvcache_host(const FwdParams& p) {
+  const int capacity = p.seqlen_k;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t len = p.cache_seqlens[b];
+    FMHA_CHECK_ARG(len >= 0, "cache_seqlens: entry ", b, " is ", len, ", expected >= 0");
+    FMHA_CHECK_ARG(len + p.seqlen_new <= capacity, "cache_seqlens: entry ", b, " is ", len,
+                   "; with the ", p.seqlen_new, " new rows that exceeds the cache's capacity of ",
+                   capacity, p.block_table ? " rows (max_blocks * block_size)" : " rows");
+  }
+  if (!p.block_table) return;
+  // writer[block]: 1 + the sequence whose append writes it, 0 if none.
+  std::vector<int> writer(p.seqlen_new > 0 ? size_t(p.num_blocks) : 0, 0);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int b = 0; b < p.batch; ++b) {
+      const int len = p.cache_seqlens[b], end = len + p.seqlen_new;
+      const int32_t* table = p.block_table + b * p.block_table_stride;
+      for (int i = 0; i * p.block_size < end; ++i) {
+        const int block = table[i];
+        if (pass == 0) {
+          FMHA_CHECK_ARG(block >= 0 && block < p.num_blocks, "block_table: entry [", b, ", ", i,
+                         "] is ", block, ", expected a block of the cache in [0, ", p.num_blocks,
+                         ")");
+          const bool written = p.seqlen_new > 0 && (i + 1) * p.block_size > len;
+          if (!written) continue;
+          FMHA_CHECK_ARG(writer[block] == 0 || writer[block] == b + 1, "block_table: block ",
+                         block, " is appended to by sequences ", writer[block] - 1, " and ", b,
+                         " in one call");
+          writer[block] = b + 1;
+        } else if (p.seqlen_new > 0) {
+          FMHA_CHECK_ARG(writer[block] == 0 || writer[block] == b + 1, "block_table: block ",
+                         block, " is read by sequence ", b, " and appended to by sequence ",
+                         writer[block] - 1, " in one call (copy it before appending)");
+        }
+      }
+    }
+  }
+}
+
+void append_kv(const FwdParams& p) {
+  if (p.seqlen_new == 0 || p.heads_kv == 0) return;
+  const int64_t eb = element_bytes(p.dtype);
+  char* k = static_cast<char*>(const_cast<void*>(p.k));
+  char* v = static_cast<char*>(const_cast<void*>(p.v));
+  const char* kn = static_cast<const char*>(p.k_new);
+  const char* vn = static_cast<const char*>(p.v_new);
+  for (int b = 0; b < p.batch; ++b)
+    for (int t = 0; t < p.seqlen_new; ++t) {
+      const int j = p.cache_seqlens[b] + t;
+      const int64_t ko = cache_row(p, b, p.k_batch_stride, p.k_row_stride, j);
+      const int64_t vo = cache_row(p, b, p.v_batch_stride, p.v_row_stride, j);
+      for (int h = 0; h < p.heads_kv; ++h) {
+        std::memcpy(k + (ko + h * p.k_head_stride) * eb,
+                    kn + (b * p.k_new_batch_stride + t * p.k_new_row_stride +
+                          h * p.k_new_head_stride) * eb,
+                    size_t(p.head_dim * eb));
+        std::memcpy(v + (vo + h * p.v_head_stride) * eb,
+                    vn + (b * p.v_new_batch_stride + t * p.v_new_row_stride +
+                          h * p.v_new_head_stride) * eb,
+                    size_t(p.head_dim_v * eb));
+      }
+    }
+}
+
+}  // namespace fmha
