@@ -59,3 +59,15 @@ def test_a_wrong_attention_would_disagree(example, monkeypatch):
     result = example.run(example.parse_args(SHORT))
     assert not result["agree"]
     assert result["max_abs_diff"] > 10 * example.TOLERANCE
+
+
+def test_generate_short_run(tmp_path):
+    """examples/generate.py: fmha's paged-cache decoding gives torch SDPA's greedy tokens."""
+    spec = importlib.util.spec_from_file_location("generate", EXAMPLE.parent / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    out = tmp_path / "generate.json"
+    assert generate.main(["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                          "--prompt-len", "10", "--new-tokens", "6", "--batch", "3",
+                          "--block-size", "4", "--threads", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["tokens_equal"] is True

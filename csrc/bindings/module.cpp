@@ -125,6 +125,9 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("x"), py::arg("y"), "y = exp(x) as the CPU kernels' softmax computes it");
   m.def("cpu_fma_peak_gflops", &cpu_fma_peak_gflops, py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_read_bandwidth_gbs", &cpu_read_bandwidth_gbs, py::arg("threads"),
+        py::arg("bytes") = int64_t(512) << 20, py::call_guard<py::gil_scoped_release>(),
+        "Read bandwidth (GB/s) of `threads` threads summing a `bytes` buffer, best of five");
   m.def("cuda_built", &cuda_built);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_status", &cuda_status);

@@ -157,34 +157,74 @@ void forward_task(const FwdParams& p, int64_t task) {
 // K/V from memory and are bound by that, not by FMAs. One task then takes all query heads
 // of a GQA group together, so each K/V row is read once for the whole group, and S is
 // computed by dot products along head_dim: the row-vectorised GEMM would pad a single
-// query row to a whole vector of rows.
-constexpr int kSmallRows = 16;
+// query row to a whole vector of rows. A task also takes several kv heads (up to
+// kSmallTaskRows query rows in all): in the (batch, seqlen, heads, dim) layout of ordinary
+// tensors and caches alike, one key's heads are adjacent, so the task reads whole
+// contiguous rows that the hardware prefetchers stream, instead of one head's slice of each
+// row (a 4 KiB stride for 8 heads of 128 floats: a new page per key).
+constexpr int kSmallRows = 32;
+constexpr int kSmallTaskRows = 128;
 
 inline bool use_small_rows(const FwdParams& p) {
   return int64_t(p.seqlen_q) * (p.heads_q / p.heads_kv) <= kSmallRows;
 }
 
-template <typename T>
-inline void prefetch_rows(const T* src, int64_t stride, int n, int bytes) {
-  for (int r = 0; r < n; ++r) {
-    const char* row = reinterpret_cast<const char*>(src + r * stride);
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(row + o);
-  }
+// kv heads per small-rows task: the largest divisor of heads_kv within kSmallTaskRows rows.
+inline int small_head_block(const FwdParams& p) {
+  const int rows = p.seqlen_q * (p.heads_q / p.heads_kv);
+  int hb = 1;
+  for (int c = 2; c <= p.heads_kv; ++c)
+    if (p.heads_kv % c == 0 && c * rows <= kSmallTaskRows) hb = c;
+  return hb;
 }
 
-// S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim).
+// Reads one byte of every 64-byte line of [src, src + bytes): brings them into the caches.
+template <typename T>
+inline void touch_lines(const T* src, int bytes) {
+  const volatile char* p = reinterpret_cast<const volatile char*>(src);
+  for (int o = 0; o < bytes; o += 64) (void)p[o];
+}
+
+// One score of dot_tile: Σ_t q[t] k[t], vectors along head_dim, then the scalar tail.
+inline float dot_row(const float* q, const float* k, int d, VecF acc) {
+  float x = hsum(acc);
+  for (int t = d / kW * kW; t < d; ++t) x += q[t] * k[t];
+  return x;
+}
+
+// S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim). Four keys at a
+// time: four independent FMA chains per query row hide the FMA latency that a single chain
+// per score would wait on (every score is still the same chain, summed in the same order).
 inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const float* K,
                      int64_t ldk, float* S, int64_t ld) {
   const int dv = d / kW * kW;
-  for (int c = 0; c < nc; ++c) {
+  int c = 0;
+  for (; c + 4 <= nc; c += 4) {
+    const float *k0 = K + c * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+    for (int m = 0; m < M; ++m) {
+      const float* q = Q + m * ldq;
+      VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
+      for (int t = 0; t < dv; t += kW) {
+        const VecF x = VecF::load(q + t);
+        a0 = fma(x, VecF::load(k0 + t), a0);
+        a1 = fma(x, VecF::load(k1 + t), a1);
+        a2 = fma(x, VecF::load(k2 + t), a2);
+        a3 = fma(x, VecF::load(k3 + t), a3);
+      }
+      float* out = S + m * ld + c;
+      out[0] = dot_row(q, k0, d, a0);
+      out[1] = dot_row(q, k1, d, a1);
+      out[2] = dot_row(q, k2, d, a2);
+      out[3] = dot_row(q, k3, d, a3);
+    }
+  }
+  for (; c < nc; ++c) {
     const float* k = K + c * ldk;
     for (int m = 0; m < M; ++m) {
       const float* q = Q + m * ldq;
       VecF acc = VecF::zero();
       for (int t = 0; t < dv; t += kW) acc = fma(VecF::load(q + t), VecF::load(k + t), acc);
-      float x = hsum(acc);
-      for (int t = dv; t < d; ++t) x += q[t] * k[t];
-      S[m * ld + c] = x;
+      S[m * ld + c] = dot_row(q, k, d, acc);
     }
   }
 }
@@ -219,102 +259,117 @@ struct Partials {
   }
 };
 
-// The query rows of (batch b, kv head hk) over keys [j_lo, j_hi) clipped to what they see:
-// row g * sq + i is query i of head hk * group + g.
+// The query rows of (batch b, kv heads hk0 .. hk0 + hb - 1) over keys [j_lo, j_hi) clipped to
+// what they see: row g * sq + i of kv head hk is query i of head hk * group + g.
 template <typename T>
-void forward_small_task(const FwdParams& p, int b, int hk, int chunk, const Partials<acc_t<T>>& part) {
+void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
+                        const Partials<acc_t<T>>& part) {
   using A = acc_t<T>;
   const Seq s = seq_of(p, b);
   const int group = p.heads_q / p.heads_kv, sq = s.sq, M = group * sq;
   if (sq == 0) return;
+  if (part.n_chunks > 1 && chunk > 0 && chunk * kSplitKeys >= s.sk) return;  // past the keys
   const int d = p.head_dim, dv = p.head_dim_v, ldq = padded<A>(d), ldv = padded<A>(dv);
   const int j_begin = std::max(key_lo(p, s, 0), chunk * kSplitKeys);
   const int j_end = std::min(key_hi(p, s, sq - 1) + 1, (chunk + 1) * kSplitKeys);
-  if (part.n_chunks > 1 && chunk * kSplitKeys >= s.sk && chunk > 0) return;  // past the keys
+  const int R = hb * M;  // rows of the task: kv head x, row r is row x * M + r
 
   Workspace& ws = thread_workspace();
-  ws.begin(Workspace::bytes<A>(int64_t(kSmallRows) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
+  ws.begin(Workspace::bytes<A>(int64_t(R) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
-           Workspace::bytes<A>(int64_t(kSmallRows) * ldv) + 3 * Workspace::bytes<A>(kSmallRows) +
-           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv));
-  A* Qr = ws.take<A>(int64_t(kSmallRows) * ldq);
+           Workspace::bytes<A>(int64_t(R) * ldv) + 2 * Workspace::bytes<A>(R) +
+           Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * d) +
+           Workspace::bytes<T>(int64_t(kBc) * dv));
+  A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
-  A* S = ws.take<A>(kSmallRows * kBc);  // row-major (rows, keys), then P in place
-  A* O = ws.take<A>(int64_t(kSmallRows) * ldv);
-  A* m = ws.take<A>(kSmallRows);
-  A* l = ws.take<A>(kSmallRows);
+  A* S = ws.take<A>(kSmallRows * kBc);  // one kv head's (rows, keys), then P in place
+  A* O = ws.take<A>(int64_t(R) * ldv);
+  A* m = ws.take<A>(R);
+  A* l = ws.take<A>(R);
   A* alpha = ws.take<A>(kSmallRows);
   T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
   T* Vstage = ws.take<T>(int64_t(kBc) * dv);
 
-  for (int g = 0; g < group; ++g) {
-    const T* q = static_cast<const T*>(p.q) + (hk * group + g) * p.q_head_stride +
-                 row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, 0);
-    load_rows(q, p.q_row_stride, sq, d, Qr + int64_t(g) * sq * ldq, ldq);
-  }
-  fill(m, M, neg_inf<A>());
-  fill(l, M, A(0));
-  fill(O, int64_t(M) * ldv, A(0));
-  const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
+  for (int x = 0; x < hb; ++x)
+    for (int g = 0; g < group; ++g) {
+      const T* q = static_cast<const T*>(p.q) + ((hk0 + x) * group + g) * p.q_head_stride +
+                   row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, 0);
+      load_rows(q, p.q_row_stride, sq, d, Qr + (int64_t(x) * M + g * sq) * ldq, ldq);
+    }
+  fill(m, R, neg_inf<A>());
+  fill(l, R, A(0));
+  fill(O, int64_t(R) * ldv, A(0));
+
+  // The bytes of one key row of the head block, from head hk0's first element (heads are
+  // adjacent in the usual layouts; otherwise at most hb rows' worth).
+  const T* k0 = static_cast<const T*>(p.k) + hk0 * p.k_head_stride;
+  const T* v0 = static_cast<const T*>(p.v) + hk0 * p.v_head_stride;
+  const int row_bytes_k = int(std::min<int64_t>((hb - 1) * p.k_head_stride + d, int64_t(hb) * d) * int64_t(sizeof(T)));
+  const int row_bytes_v = int(std::min<int64_t>((hb - 1) * p.v_head_stride + dv, int64_t(hb) * dv) * int64_t(sizeof(T)));
 
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
-    int64_t ks, vs, ldk, ldvj;
-    const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
-    const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
-    const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
-    const A* Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
-    if (j0 + kBc < j_end) {  // memory-bound: ask for the next tile's rows now
-      const int nn = std::min(kBc, j_end - j0 - kBc);
-      for (int r = 0; r < nn; ++r) {
-        prefetch_rows(k + key_row_offset(p, s, b, p.k_batch_stride, p.k_row_stride, j0 + kBc + r),
-                      0, 1, d * int(sizeof(T)));
-        prefetch_rows(v + key_row_offset(p, s, b, p.v_batch_stride, p.v_row_stride, j0 + kBc + r),
-                      0, 1, dv * int(sizeof(T)));
+    // First read the tile's rows whole, in memory order (every head of the block): the
+    // hardware's stream prefetcher follows sequential reads, not the per-head slices the
+    // products below walk (one page per key).
+    for (int r = 0; r < nc; ++r) {
+      touch_lines(k0 + key_row_offset(p, s, b, p.k_batch_stride, p.k_row_stride, j0 + r), row_bytes_k);
+      touch_lines(v0 + key_row_offset(p, s, b, p.v_batch_stride, p.v_row_stride, j0 + r), row_bytes_v);
+    }
+    for (int x = 0; x < hb; ++x) {
+      const int hk = hk0 + x;
+      A *Ox = O + int64_t(x) * M * ldv, *mx = m + x * M, *lx = l + x * M;
+      const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
+      const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
+      int64_t ks, vs, ldk, ldvj;
+      const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
+      const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
+      const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
+      const A* Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
+      dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Kj, ldk, S, kBc);
+      scale_rows(S, M, nc, kBc, A(p.scale));
+      for (int g = 0; g < group; ++g)
+        finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
+                      static_cast<A*>(nullptr));
+      for (int r = 0; r < M; ++r) {  // the online softmax, one row at a time
+        A* Sr = S + r * kBc;
+        const A m_new = std::max(mx[r], row_max(Sr, nc));
+        const A m_ref = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing visible yet: P = 0
+        alpha[r] = exp_acc(mx[r] - m_ref);
+        lx[r] = lx[r] * alpha[r] + exp_sub_sum(Sr, nc, m_ref);
+        mx[r] = m_new;
+        if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
+        if (alpha[r] != A(1)) scale_rows(Ox + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
       }
+      if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, vs, nc, dv))
+        gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vs, Ox, ldv, [&](int r, int c) {
+          return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
+        });  // O += P V
+      else
+        gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, Ox, ldv);  // O += P V
     }
-    dot_tile(M, nc, d, Qr, ldq, Kj, ldk, S, kBc);
-    scale_rows(S, M, nc, kBc, A(p.scale));
-    for (int g = 0; g < group; ++g)
-      finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
-                    static_cast<A*>(nullptr));
-    for (int r = 0; r < M; ++r) {  // the online softmax, one row at a time
-      A* Sr = S + r * kBc;
-      const A m_new = std::max(m[r], row_max(Sr, nc));
-      const A m_ref = m_new == neg_inf<A>() ? A(0) : m_new;  // nothing visible yet: P = 0
-      alpha[r] = exp_acc(m[r] - m_ref);
-      l[r] = l[r] * alpha[r] + exp_sub_sum(Sr, nc, m_ref);
-      m[r] = m_new;
-      if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
-      if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
-    }
-    if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, vs, nc, dv))
-      gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vs, O, ldv, [&](int r, int c) {
-        return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
-      });  // O += P V
-    else
-      gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, O, ldv);  // O += P V
   }
 
   // Normalise once; a row that saw no key (l = 0) gets out = 0 and lse = -inf. A NaN l (a
   // NaN or Inf score) makes the row NaN.
-  for (int r = 0; r < M; ++r) {
-    A* Or = O + int64_t(r) * ldv;
-    scale_rows(Or, 1, dv, ldv, l[r] != A(0) ? A(1) / l[r] : A(0));
-    const A lse_r = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
-    if (part.n_chunks > 1) {
-      const int64_t slot = part.slot(b, hk, p.heads_kv, chunk);
-      std::memcpy(part.o + (slot * part.rows + r) * part.ldv, Or, size_t(dv) * sizeof(A));
-      part.lse[slot * part.rows + r] = lse_r;
-      continue;
+  for (int x = 0; x < hb; ++x)
+    for (int r = 0; r < M; ++r) {
+      const int hk = hk0 + x, xr = x * M + r;
+      A* Or = O + int64_t(xr) * ldv;
+      scale_rows(Or, 1, dv, ldv, l[xr] != A(0) ? A(1) / l[xr] : A(0));
+      const A lse_r = l[xr] != A(0) ? m[xr] + std::log(l[xr]) : neg_inf<A>();
+      if (part.n_chunks > 1) {
+        const int64_t slot = part.slot(b, hk, p.heads_kv, chunk);
+        std::memcpy(part.o + (slot * part.rows + r) * part.ldv, Or, size_t(dv) * sizeof(A));
+        part.lse[slot * part.rows + r] = lse_r;
+        continue;
+      }
+      const int h = hk * group + r / sq, i = r % sq;
+      store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
+                            row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
+      *lse_at<A>(p, s, b, h, i) = lse_r;
     }
-    const int h = hk * group + r / sq, i = r % sq;
-    store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
-                          row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
-    *lse_at<A>(p, s, b, h, i) = lse_r;
-  }
 }
 
 // out, lse of (batch b, kv head hk) from its chunks' partial results: lse = log Σ_c e^lse_c,
@@ -372,9 +427,11 @@ void forward_typed(const FwdParams& p) {
       part.o = o_buf.data();
       part.lse = lse_buf.data();
     }
-    parallel_for(heads * part.n_chunks, p.num_threads, [&](int64_t t) {
+    const int hb = small_head_block(p), blocks = p.heads_kv / hb;
+    parallel_for(int64_t(p.batch) * blocks * part.n_chunks, p.num_threads, [&](int64_t t) {
       const int64_t bh = t / part.n_chunks;
-      forward_small_task<T>(p, int(bh / p.heads_kv), int(bh % p.heads_kv), int(t % part.n_chunks), part);
+      forward_small_task<T>(p, int(bh / blocks), int(bh % blocks) * hb, hb,
+                            int(t % part.n_chunks), part);
     }, work);
     if (part.n_chunks > 1)
       parallel_for(heads, p.num_threads, [&](int64_t t) {

@@ -1,12 +1,17 @@
 // Probes of this ISA's building blocks, for fmha-bench and the tests:
 // - the machine's FMA peak, measured: independent FMA chains on VecF, enough of them to cover
 //   the FMA latency, on `threads` threads at once; fmha-bench reports kernel speed against it;
+// - the machine's read bandwidth, measured: `threads` threads each summing their share of one
+//   large buffer with vector loads (STREAM's "sum" without the write); decode, which reads
+//   every K/V byte once and computes little, is reported against it;
 // - the softmax's exp exactly as the kernels evaluate it (vectors, then a scalar tail), so its
 //   accuracy can be tested against std::exp.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <vector>
 
 #include "cpu/simd.h"
 #include "fmha/threads.h"
@@ -37,6 +42,35 @@ double fma_peak_gflops(int threads) {
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9);
+  }
+  return best;
+}
+
+double read_bandwidth_gbs(int threads, int64_t bytes) {
+  const int64_t n = std::max<int64_t>(bytes / int64_t(sizeof(float)) / (4 * kW), threads) * 4 * kW;
+  std::vector<float> buf(size_t(n), 1.0f);  // written once: every page is mapped before timing
+  const int64_t per = (n / (4 * kW) + threads - 1) / threads * (4 * kW);
+  auto body = [&](int64_t t) {
+    const float* x = buf.data();
+    const int64_t lo = std::min(n, t * per), hi = std::min(n, lo + per);
+    VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
+    for (int64_t i = lo; i < hi; i += 4 * kW) {
+      a0 = a0 + VecF::load(x + i);
+      a1 = a1 + VecF::load(x + i + kW);
+      a2 = a2 + VecF::load(x + i + 2 * kW);
+      a3 = a3 + VecF::load(x + i + 3 * kW);
+    }
+    volatile float sink = hsum((a0 + a1) + (a2 + a3));
+    (void)sink;
+  };
+  parallel_for(threads, threads, body);  // warm-up
+  double best = 0;  // the best of five, as for the FMA peak
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    parallel_for(threads, threads, body);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(n) * sizeof(float) / secs / 1e9);
   }
   return best;
 }

@@ -30,6 +30,9 @@ void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
 void cpu_forward(const FwdParams& p);
 // The FMA peak of the active ISA on `threads` threads, measured (takes ~0.1-1 s).
 double cpu_fma_peak_gflops(int threads);
+// The read bandwidth of `threads` threads summing a `bytes` buffer, measured (GB/s, 1e9 B/s):
+// the limit decode is judged against.
+double cpu_read_bandwidth_gbs(int threads, int64_t bytes);
 // y = exp(x) as the active ISA's softmax computes it (for accuracy tests).
 void cpu_exp(const float* x, float* y, int64_t n);
 void cpu_backward(const BwdParams& p);

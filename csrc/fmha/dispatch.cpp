@@ -36,10 +36,12 @@ struct IsaKernels {
   void (*forward)(const FwdParams&);
   void (*backward)(const BwdParams&);
   double (*fma_peak_gflops)(int);
+  double (*read_bandwidth_gbs)(int, int64_t);
   void (*exp_array)(const float*, float*, int64_t);
 };
 #define FMHA_ISA_KERNELS(ns) \
-  IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, cpu::ns::exp_array }
+  IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, \
+               cpu::ns::read_bandwidth_gbs, cpu::ns::exp_array }
 
 // The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
 // the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
@@ -298,6 +300,12 @@ int64_t cpu_work_estimate_ns(const FwdParams& p, double passes) {
 }
 
 double cpu_fma_peak_gflops(int threads) { return active_kernels().fma_peak_gflops(threads); }
+
+double cpu_read_bandwidth_gbs(int threads, int64_t bytes) {
+  FMHA_CHECK_ARG(threads >= 1 && bytes >= 1, "threads, bytes: expected >= 1, got ", threads,
+                 " and ", bytes);
+  return active_kernels().read_bandwidth_gbs(threads, bytes);
+}
 
 void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x, y, n); }
 

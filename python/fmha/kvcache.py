@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._core import _xp, get_num_threads
+from ._core import get_num_threads
 from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
                         device_of, dtype_name, kind_of)
 
@@ -136,3 +136,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     _C.forward_kvcache(q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table,
                        alibi_slopes, **kw)
     return (out, lse) if return_lse else out
+
+
+from .paged import PagedKVCache  # noqa: E402  (paged.py calls attention_with_kvcache above)
