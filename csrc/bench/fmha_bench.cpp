@@ -12,6 +12,10 @@
 //   fmha-bench --latency               per-call time of cpu_forward on the small shapes of
 //                                      `python -m fmha.bench --latency` (the C++ floor under
 //                                      the bindings), 1 thread and --threads
+//   fmha-bench --decode                decode over full KV caches (contiguous, and paged with
+//                                      block_size 16 and 256 in a shuffled block order): GB/s
+//                                      of K+V read once and the fraction of the read bandwidth
+//                                      it measures first (same threads, same byte count)
 //
 // FLOPs: forward 4·b·h·sq·sk·d (halved for causal); backward 2.5× that; fwd+bwd 3.5×.
 #include <algorithm>
@@ -154,11 +158,58 @@ void run_latency(const Case& c, fmha::DType dt, int threads) {
   std::fflush(stdout);
 }
 
+// The decode shapes of python/fmha/bench_decode.py (DECODE_CASES): b, hq, hkv, sk, d.
+const Case kDecodeSuite[] = {
+    {8, 32, 8, 1, 4096, 128, true},  {1, 32, 8, 1, 32768, 128, true},
+    {32, 32, 8, 1, 1024, 128, true}, {1, 8, 1, 1, 65536, 128, true},
+};
+
+// cpu_forward over full caches of c.sk rows per sequence (no rows appended), contiguous
+// (block_size 0) or paged: the same rows in a pool whose blocks are handed out shuffled.
+void run_decode(const Case& c, fmha::DType dt, int threads) {
+  std::mt19937 gen(0);
+  const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
+  Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
+         v = random_tensor(nk, dt, gen), o = random_tensor(nq, dt, gen);
+  std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
+  std::vector<int32_t> lens(size_t(c.b), c.sk);
+  const double bytes = 2.0 * double(nk) * (dt == fmha::DType::kFloat32 ? 4 : 2);
+  const double bandwidth = fmha::cpu_read_bandwidth_gbs(threads, int64_t(bytes));
+  for (int bs : {0, 16, 256}) {
+    fmha::BwdParams p;
+    fmha_bench::set_shape(p, c, dt);
+    p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
+    p.num_threads = threads;
+    p.cache_seqlens = lens.data();
+    std::vector<int32_t> table;
+    if (bs > 0) {  // the pool is the same buffer: blocks of bs rows, handed out shuffled
+      const int blocks = c.sk / bs;
+      table.resize(size_t(c.b) * blocks);
+      for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+      std::shuffle(table.begin(), table.end(), gen);
+      p.block_table = table.data();
+      p.block_table_stride = blocks;
+      p.block_size = bs;
+      p.num_blocks = int(table.size());
+      p.k_batch_stride = p.v_batch_stride = int64_t(bs) * c.hkv * c.d;
+    }
+    const double secs = seconds_of([&] { fmha::cpu_forward(p); }, 3, 0.5);
+    const double gbs = bytes / secs / 1e9;
+    std::printf("%-5s decode b=%-2d hq=%-2d hkv=%d sk=%-5d d=%-3d %-10s %8.3f ms %6.1f GB/s "
+                "%5.1f%% of %.1f GB/s read\n",
+                dt == fmha::DType::kFloat32 ? "f32" : "bf16", c.b, c.hq, c.hkv, c.sk, c.d,
+                bs ? ("paged" + std::to_string(bs)).c_str() : "contiguous", secs * 1e3, gbs,
+                100.0 * gbs / bandwidth, bandwidth);
+    std::fflush(stdout);
+  }
+}
+
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: fmha-bench [--case b,hq,sq,d[,hkv,sk]] [--causal] [--dtype f32|bf16|all]\n"
                "                  [--pass fwd|fwd+bwd|all] [--threads N]\n"
                "       fmha-bench --latency [--dtype f32|bf16|all] [--threads N]\n"
+               "       fmha-bench --decode [--dtype f32|bf16|all] [--threads N]\n"
                "       fmha-bench --cuda [--case b,hq,sq,d[,hkv,sk]] [--causal]\n"
                "                  [--dtype f16|bf16|all] [--pass fwd|bwd|fwd+bwd|all]\n"
                "                  [--device N] [--reps N]\n");
@@ -172,7 +223,7 @@ int main(int argc, char** argv) {
   std::string dtype = "all", pass = "all";
   int threads = fmha::hardware_threads();
   int device = 0, reps = 20;
-  bool causal = false, custom = false, cuda = false, latency = false;
+  bool causal = false, custom = false, cuda = false, latency = false, decode = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
@@ -195,6 +246,8 @@ int main(int argc, char** argv) {
       cuda = true;
     } else if (a == "--latency") {
       latency = true;
+    } else if (a == "--decode") {
+      decode = true;
     } else if (a == "--device") {
       device = std::atoi(next().c_str());
     } else if (a == "--reps") {
@@ -227,6 +280,16 @@ int main(int argc, char** argv) {
           for (int t : {1, threads})
             if (t == 1 || threads > 1) run_latency(c, dt, t);
         }
+      return 0;
+    }
+    if (decode) {
+      if (!custom) cases.assign(std::begin(kDecodeSuite), std::end(kDecodeSuite));
+      std::printf("fmha-bench --decode | CPU ISA %s | threads %d\n",
+                  fmha::isa_name(fmha::active_cpu_isa()), threads);
+      for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
+        if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
+        for (const Case& c : cases) run_decode(c, dt, threads);
+      }
       return 0;
     }
     const double peak = fmha::cpu_fma_peak_gflops(threads);

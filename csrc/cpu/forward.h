@@ -192,15 +192,16 @@ inline float dot_row(const float* q, const float* k, int d, VecF acc) {
   return x;
 }
 
-// S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim). Four keys at a
-// time: four independent FMA chains per query row hide the FMA latency that a single chain
-// per score would wait on (every score is still the same chain, summed in the same order).
-inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const float* K,
-                     int64_t ldk, float* S, int64_t ld) {
+// S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim), K's rows given
+// by pointers (a paged cache's rows are read where they lie). Four keys at a time: four
+// independent FMA chains per query row hide the FMA latency that a single chain per score
+// would wait on (every score is still the same chain, summed in the same order).
+inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const float* const* K,
+                     float* S, int64_t ld) {
   const int dv = d / kW * kW;
   int c = 0;
   for (; c + 4 <= nc; c += 4) {
-    const float *k0 = K + c * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+    const float *k0 = K[c], *k1 = K[c + 1], *k2 = K[c + 2], *k3 = K[c + 3];
     for (int m = 0; m < M; ++m) {
       const float* q = Q + m * ldq;
       VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
@@ -219,7 +220,7 @@ inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const fl
     }
   }
   for (; c < nc; ++c) {
-    const float* k = K + c * ldk;
+    const float* k = K[c];
     for (int m = 0; m < M; ++m) {
       const float* q = Q + m * ldq;
       VecF acc = VecF::zero();
@@ -228,14 +229,21 @@ inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const fl
     }
   }
 }
-inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq, const double* K,
-                     int64_t ldk, double* S, int64_t ld) {
+inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq,
+                     const double* const* K, double* S, int64_t ld) {
   for (int c = 0; c < nc; ++c)
     for (int m = 0; m < M; ++m) {
       double x = 0;
-      for (int t = 0; t < d; ++t) x += Q[m * ldq + t] * K[c * ldk + t];
+      for (int t = 0; t < d; ++t) x += Q[m * ldq + t] * K[c][t];
       S[m * ld + c] = x;
     }
+}
+
+// Rows rows[0 .. n) (each `dim` elements) converted into a dense (n, ld) buffer of the
+// accumulation type, columns [dim, ld) zero.
+template <typename T, typename A>
+inline void load_row_ptrs(const T* const* rows, int n, int dim, A* dst, int ld) {
+  for (int r = 0; r < n; ++r) load_rows(rows[r], 0, 1, dim, dst + int64_t(r) * ld, ld);
 }
 
 // Long key ranges are split into chunks of kSplitKeys keys at fixed positions (0, kSplitKeys,
@@ -278,8 +286,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   ws.begin(Workspace::bytes<A>(int64_t(R) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
            Workspace::bytes<A>(int64_t(R) * ldv) + 2 * Workspace::bytes<A>(R) +
-           Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * d) +
-           Workspace::bytes<T>(int64_t(kBc) * dv));
+           Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -288,8 +295,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   A* m = ws.take<A>(R);
   A* l = ws.take<A>(R);
   A* alpha = ws.take<A>(kSmallRows);
-  T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
-  T* Vstage = ws.take<T>(int64_t(kBc) * dv);
+  T* Vstage = ws.take<T>(int64_t(kBc) * dv);  // paged V rows, for the strong zero
 
   for (int x = 0; x < hb; ++x)
     for (int g = 0; g < group; ++g) {
@@ -310,24 +316,49 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
 
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
+    // Where the tile's rows lie (head hk0; the other heads are a head stride further), and
+    // whether V's are equally spaced (always, but for a paged cache whose blocks do not
+    // follow each other), so that the P V product can read them in place.
+    int64_t koff[kBc], voff[kBc];
+    for (int r = 0; r < nc; ++r) {
+      koff[r] = key_row_offset(p, s, b, p.k_batch_stride, p.k_row_stride, j0 + r);
+      voff[r] = key_row_offset(p, s, b, p.v_batch_stride, p.v_row_stride, j0 + r);
+    }
+    bool v_spaced = true;
+    for (int r = 2; r < nc && v_spaced; ++r) v_spaced = voff[r] - voff[r - 1] == voff[1] - voff[0];
+    const int64_t vs = nc > 1 ? voff[1] - voff[0] : p.v_row_stride;
     // First read the tile's rows whole, in memory order (every head of the block): the
     // hardware's stream prefetcher follows sequential reads, not the per-head slices the
     // products below walk (one page per key).
     for (int r = 0; r < nc; ++r) {
-      touch_lines(k0 + key_row_offset(p, s, b, p.k_batch_stride, p.k_row_stride, j0 + r), row_bytes_k);
-      touch_lines(v0 + key_row_offset(p, s, b, p.v_batch_stride, p.v_row_stride, j0 + r), row_bytes_v);
+      touch_lines(k0 + koff[r], row_bytes_k);
+      touch_lines(v0 + voff[r], row_bytes_v);
     }
     for (int x = 0; x < hb; ++x) {
       const int hk = hk0 + x;
       A *Ox = O + int64_t(x) * M * ldv, *mx = m + x * M, *lx = l + x * M;
       const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
       const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
-      int64_t ks, vs, ldk, ldvj;
-      const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
-      const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
-      const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
-      const A* Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
-      dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Kj, ldk, S, kBc);
+      const T* krow[kBc];
+      const A* Krow[kBc];
+      for (int r = 0; r < nc; ++r) krow[r] = k + koff[r];
+      if constexpr (std::is_same_v<T, A>) {
+        for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
+      } else {
+        load_row_ptrs(krow, nc, d, Kbuf, d);
+        for (int r = 0; r < nc; ++r) Krow[r] = Kbuf + int64_t(r) * d;
+      }
+      const A* Vj = Vbuf;
+      int64_t ldvj = ldv;
+      if (std::is_same_v<T, A> && v_spaced && dv == ldv) {
+        Vj = reinterpret_cast<const A*>(v + voff[0]);
+        ldvj = vs;
+      } else {
+        const T* vrow[kBc];
+        for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
+        load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
+      }
+      dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Krow, S, kBc);
       scale_rows(S, M, nc, kBc, A(p.scale));
       for (int g = 0; g < group; ++g)
         finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
@@ -342,8 +373,19 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
         if (alpha[r] != A(1)) scale_rows(Ox + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
       }
-      if (tile_may_zero(p, s, 0, sq, j0, nc) && has_nonfinite(vj, vs, nc, dv))
-        gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vs, Ox, ldv, [&](int r, int c) {
+      // The strong zero (rare: a tile with excluded pairs and a NaN or Inf in V) reads V's
+      // rows equally spaced: gathered first when they are not.
+      const bool may_zero = tile_may_zero(p, s, 0, sq, j0, nc);
+      const T* vj = v + voff[0];
+      int64_t vstride = vs;
+      if (may_zero && !v_spaced) {
+        for (int r = 0; r < nc; ++r)
+          std::memcpy(Vstage + int64_t(r) * dv, v + voff[r], size_t(dv) * sizeof(T));
+        vj = Vstage;
+        vstride = dv;
+      }
+      if (may_zero && has_nonfinite(vj, vstride, nc, dv))
+        gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vstride, Ox, ldv, [&](int r, int c) {
           return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
         });  // O += P V
       else

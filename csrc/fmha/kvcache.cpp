@@ -35,29 +35,46 @@ void check_kvcache_host(const FwdParams& p) {
                    "; with the ", p.seqlen_new, " new rows that exceeds the cache's capacity of ",
                    capacity, p.block_table ? " rows (max_blocks * block_size)" : " rows");
   }
-  if (!p.block_table) return;
-  // writer[block]: 1 + the sequence whose append writes it, 0 if none.
-  std::vector<int> writer(p.seqlen_new > 0 ? size_t(p.num_blocks) : 0, 0);
+  if (!p.block_table || p.seqlen_new == 0) {
+    if (p.block_table)
+      for (int b = 0; b < p.batch; ++b)
+        for (int i = 0; int64_t(i) * p.block_size < p.cache_seqlens[b]; ++i) {
+          const int block = p.block_table[b * p.block_table_stride + i];
+          FMHA_CHECK_ARG(block >= 0 && block < p.num_blocks, "block_table: entry [", b, ", ",
+                         i, "] is ", block, ", expected a block of the cache in [0, ",
+                         p.num_blocks, ")");
+        }
+    return;
+  }
+  // writer[block]: 1 + the table slot (b * max_blocks + i) whose rows the append writes
+  // into it, 0 if none. A block written through one slot must not be read or written
+  // through any other, of this sequence or another: the append would change rows that
+  // slot stands for (or two writers would race).
+  const int64_t max_blocks = p.seqlen_k / p.block_size;
+  std::vector<int64_t> writer(size_t(p.num_blocks), 0);
   for (int pass = 0; pass < 2; ++pass) {
     for (int b = 0; b < p.batch; ++b) {
       const int len = p.cache_seqlens[b], end = len + p.seqlen_new;
       const int32_t* table = p.block_table + b * p.block_table_stride;
-      for (int i = 0; i * p.block_size < end; ++i) {
+      for (int i = 0; int64_t(i) * p.block_size < end; ++i) {
         const int block = table[i];
+        const int64_t slot = b * max_blocks + i + 1;
         if (pass == 0) {
           FMHA_CHECK_ARG(block >= 0 && block < p.num_blocks, "block_table: entry [", b, ", ", i,
                          "] is ", block, ", expected a block of the cache in [0, ", p.num_blocks,
                          ")");
-          const bool written = p.seqlen_new > 0 && (i + 1) * p.block_size > len;
-          if (!written) continue;
-          FMHA_CHECK_ARG(writer[block] == 0 || writer[block] == b + 1, "block_table: block ",
-                         block, " is appended to by sequences ", writer[block] - 1, " and ", b,
-                         " in one call");
-          writer[block] = b + 1;
-        } else if (p.seqlen_new > 0) {
-          FMHA_CHECK_ARG(writer[block] == 0 || writer[block] == b + 1, "block_table: block ",
-                         block, " is read by sequence ", b, " and appended to by sequence ",
-                         writer[block] - 1, " in one call (copy it before appending)");
+          if (int64_t(i + 1) * p.block_size <= len) continue;  // read only
+          FMHA_CHECK_ARG(writer[block] == 0, "block_table: block ", block,
+                         " is appended to through entries [", (writer[block] - 1) / max_blocks,
+                         ", ", (writer[block] - 1) % max_blocks, "] and [", b, ", ", i,
+                         "] in one call");
+          writer[block] = slot;
+        } else {
+          FMHA_CHECK_ARG(writer[block] == 0 || writer[block] == slot, "block_table: block ",
+                         block, " is read through entry [", b, ", ", i,
+                         "] and appended to through entry [", (writer[block] - 1) / max_blocks,
+                         ", ", (writer[block] - 1) % max_blocks,
+                         "] in one call (copy it before appending)");
         }
       }
     }

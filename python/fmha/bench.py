@@ -5,6 +5,7 @@
     python -m fmha.bench --out benchmarks/cpu.json
     python -m fmha.bench --latency --out latency.json   # per-call µs on small shapes
     python -m fmha.bench --e2e --out e2e.json           # ViT and a decode loop, fmha vs sdpa
+    python -m fmha.bench --decode --out decode.json     # KV-cache decode vs read bandwidth
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
@@ -24,6 +25,12 @@ parts are measured and which are differences). Default dtype float32; --dtypes, 
 --e2e runs whole Hugging Face models with attn_implementation="fmha" and "sdpa" in one run:
 a ViT-B/16 forward and greedy decoding with a Llama-style model (fmha/bench_e2e.py; needs
 transformers). --threads and --out apply; --batches sets the repetitions.
+
+--decode times attention over KV caches (fmha.kvcache.attention_with_kvcache, contiguous and
+paged) beside fmha.attention and torch SDPA on the same cache, as GB/s of K+V read and as a
+fraction of the read bandwidth the same run measures (fmha/bench_decode.py). --dtypes
+(default float32,bfloat16,float16), --quick (one small case), --threads, --out and
+--min-seconds apply.
 """
 
 from __future__ import annotations
@@ -212,6 +219,8 @@ def main(argv=None):
                     help="per-call time of small calls and its breakdown (see above)")
     ap.add_argument("--e2e", action="store_true",
                     help="whole models through Hugging Face, fmha vs sdpa (see above)")
+    ap.add_argument("--decode", action="store_true",
+                    help="KV-cache decode against the measured read bandwidth (see above)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
@@ -229,6 +238,12 @@ def main(argv=None):
     if a.e2e:
         from . import bench_e2e
         bench_e2e.run(a.out, a.threads, a.batches)
+        return
+    if a.decode:
+        from . import bench_decode
+        bench_decode.run((a.dtypes or "float32,bfloat16,float16").split(","), a.out, a.threads,
+                         bench_decode.QUICK_CASES if a.quick else None,
+                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else 0.5)
         return
     if a.latency:
         from . import bench_latency

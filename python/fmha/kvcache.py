@@ -30,7 +30,12 @@ def _int32_array(name, x, kind, ndim, batch=None):
     _check_array(name, x, kind, (ndim,))
     if dtype_name(x) != "int32":
         raise TypeError(f"{name}: expected int32, got {dtype_name(x)}")
-    return x
+    # Read only, and small: a strided view is copied rather than refused.
+    return x.contiguous() if kind == "torch" else np.ascontiguousarray(x)
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
@@ -96,6 +101,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                              "written in place, so it cannot be copied)")
         if kind != "torch" and not x.flags.writeable:
             raise ValueError(f"{name}: read-only array; the cache must be writable")
+        if kind == "torch" and x.requires_grad:
+            raise ValueError(f"{name}: requires grad; attention_with_kvcache writes the cache "
+                             "in place and is forward-only (pass a tensor without grad)")
     cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch)
     if block_table is not None:
         block_table = _int32_array("block_table", block_table, kind, 2)
@@ -109,17 +117,27 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     softcap = _check_number("softcap", softcap, lo=0.0)
     num_splits = _check_int("num_splits", num_splits, 0)
 
+    if alibi_slopes is not None:
+        _check_array("alibi_slopes", alibi_slopes, kind, (1, 2))
+        _check_float("alibi_slopes", alibi_slopes)
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, "
+                             f"{heads_q}), got {tuple(alibi_slopes.shape)}")
     lse_shape = (batch, heads_q, seqlen_q)
     out_shape = (batch, seqlen_q, heads_q, head_dim_v)
     if kind == "torch":
         import torch
-        q, k, v = (None if x is None else x.detach().contiguous() for x in (q, k, v))
-        k_cache, v_cache = k_cache.detach(), v_cache.detach()
+        from torch.utils.dlpack import to_dlpack
+        q, k, v = (None if x is None else _last_dim_contiguous(x.detach()) for x in (q, k, v))
         out = torch.empty(out_shape, dtype=q.dtype)
         lse = torch.empty(lse_shape, dtype=torch.float64 if dt == "float64" else torch.float32)
         if alibi_slopes is not None:
             a = alibi_slopes.detach().to(torch.float64)
             alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(batch, heads_q)
+        # DLPack capsules: torch.utils.dlpack.to_dlpack costs a tenth of Tensor.__dlpack__
+        # (the checks it skips are made above; the caches are written through theirs).
+        args = [None if x is None else to_dlpack(x.detach()) for x in
+                (q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table)]
     else:
         q, k, v = (None if x is None else np.ascontiguousarray(x) for x in (q, k, v))
         out = np.empty(out_shape, dtype=q.dtype)
@@ -127,14 +145,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if alibi_slopes is not None:
             a = np.asarray(alibi_slopes, dtype=np.float64)
             alibi_slopes = np.broadcast_to(a if a.ndim == 2 else a[None], (batch, heads_q))
-    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (batch, heads_q):
-        raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q})")
+        args = [q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table]
     kw = dict(scale=scale, softcap=softcap, window_left=left, window_right=right,
               num_threads=get_num_threads())
     if num_splits:
         kw["num_splits"] = num_splits
-    _C.forward_kvcache(q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table,
-                       alibi_slopes, **kw)
+    _C.forward_kvcache(*args, alibi_slopes, **kw)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,134 @@
+"""Decode over KV caches against the machine's read bandwidth: ``python -m fmha.bench --decode``.
+
+Decoding reads every cached key and value once per step and does a few FMAs per byte, so its
+limit is memory bandwidth, not the FMA peak. For each case (the shapes of serving: GQA with
+8 kv heads, one long sequence, many short ones, MQA) and each seqlen_q (1: decode; 4:
+speculative verification), this mode times in one run, on the same cache contents:
+
+    kvcache             fmha.kvcache.attention_with_kvcache, contiguous cache
+    kvcache-paged16     the same through a block table, block_size 16 (vLLM's default)
+    kvcache-paged256    the same, block_size 256
+    attention           fmha.attention on the contiguous cache (the path before KV caches)
+    torch_sdpa          torch SDPA on the contiguous cache (enable_gqa=True), (b, h, s, d) views,
+                        no mask (its causal mask is top-left: it would hide most of the cache)
+
+Pages are assigned in a shuffled order, as a pool serving many sequences hands them out. The
+reported bandwidth is the bytes of K and V read once (batch · seqlen_k · heads_kv ·
+(head_dim + head_dim_v) · element size) divided by the median call time; the limit it is
+judged against is measured in the same run by fmha's read probe (``fmha._C.
+cpu_read_bandwidth_gbs``: the same threads summing a buffer of the same size, best of
+five). No new rows are appended (the cache is full), so every call reads the same bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import List, Optional
+
+# (name, batch, heads_q, heads_kv, seqlen_k, head_dim)
+DECODE_CASES = [
+    ("b8-hq32-hkv8-sk4096", 8, 32, 8, 4096, 128),
+    ("b1-hq32-hkv8-sk32768", 1, 32, 8, 32768, 128),
+    ("b32-hq32-hkv8-sk1024", 32, 32, 8, 1024, 128),
+    ("b1-hq8-hkv1-sk65536", 1, 8, 1, 65536, 128),
+]
+QUICK_CASES = [("b2-hq8-hkv2-sk2048", 2, 8, 2, 2048, 64)]
+SEQLEN_Q = (1, 4)
+ENTRIES = ("kvcache", "kvcache-paged16", "kvcache-paged256", "attention", "torch_sdpa")
+
+
+def _paged(cache, block_size, generator):
+    """The rows of a contiguous (batch, sk, h, d) cache as a pool of blocks in a shuffled
+    order; returns (pool, block_table)."""
+    import torch
+    b, sk, h, d = cache.shape
+    blocks = sk // block_size
+    pool = torch.empty(b * blocks, block_size, h, d, dtype=cache.dtype)
+    table = torch.randperm(b * blocks, generator=generator).reshape(b, blocks).to(torch.int32)
+    pool[table.reshape(-1).long()] = cache.reshape(b * blocks, block_size, h, d)
+    return pool, table
+
+
+def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> float:
+    """Median seconds per call over at least min_reps calls and min_seconds (one warm-up)."""
+    fn()
+    times: List[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_seconds
+                                    and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
+        min_seconds: float = 0.5) -> list:
+    import torch
+
+    import fmha
+    from fmha.kvcache import attention_with_kvcache
+
+    from ._host import host_meta, write_json
+
+    if threads:
+        torch.set_num_threads(threads)
+    nthreads = torch.get_num_threads()
+    cases = cases or DECODE_CASES
+    rows = []
+    print(f"decode | CPU ISA {fmha.cpu_isa()} | threads {nthreads} | GB/s of K+V read once, "
+          f"% of the measured read bandwidth")
+    print(f"{'case':24s} {'dtype':9s} {'sq':>2s} {'entry':17s} {'ms':>9s} {'GB/s':>7s} "
+          f"{'% bw':>6s} {'x sdpa':>7s}")
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name, b, hq, hkv, sk, d in cases:
+            g = torch.Generator().manual_seed(0)
+            kc = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+            vc = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
+            nbytes = 2 * kc.numel() * kc.element_size()
+            bandwidth = fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes)
+            lens = torch.full((b,), sk, dtype=torch.int32)
+            pools = {}
+            for bs in (16, 256):
+                if sk % bs == 0:
+                    (kp, table), (vp, _) = (_paged(kc, bs, torch.Generator().manual_seed(bs)),
+                                            _paged(vc, bs, torch.Generator().manual_seed(bs)))
+                    pools[bs] = ((kp, table), (vp, table))
+            for sq in SEQLEN_Q:
+                q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+                calls = {
+                    "kvcache": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                              causal=True),
+                    "attention": lambda: fmha.attention(q, kc, vc, causal=True),
+                    "torch_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                        enable_gqa=True),
+                }
+                for bs, ((kp, table), (vp, _)) in pools.items():
+                    calls[f"kvcache-paged{bs}"] = (
+                        lambda kp=kp, vp=vp, table=table: attention_with_kvcache(
+                            q, kp, vp, cache_seqlens=lens, block_table=table, causal=True))
+                times = {}
+                with torch.no_grad():
+                    for entry in ENTRIES:
+                        if entry in calls:
+                            times[entry] = _time(calls[entry], min_seconds)
+                for entry, secs in times.items():
+                    gbs = nbytes / secs / 1e9
+                    row = dict(case=name, dtype=dtype_name, batch=b, heads_q=hq, heads_kv=hkv,
+                               seqlen_k=sk, head_dim=d, seqlen_q=sq, entry=entry,
+                               ms=secs * 1e3, gb_per_s=gbs, kv_bytes=nbytes,
+                               read_bandwidth_gb_per_s=bandwidth,
+                               fraction_of_bandwidth=gbs / bandwidth,
+                               ratio_vs_sdpa=times["torch_sdpa"] / secs)
+                    rows.append(row)
+                    print(f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
+                          f"{gbs:7.1f} {100 * gbs / bandwidth:5.0f}% "
+                          f"{times['torch_sdpa'] / secs:7.2f}", flush=True)
+            print(f"{'':24s} {dtype_name:9s}    read bandwidth {bandwidth:.1f} GB/s "
+                  f"({nbytes / 1e6:.0f} MB)")
+    if out_path:
+        write_json(out_path, dict(meta=host_meta(torch, fmha), rows=rows))
+    return rows
