@@ -21,7 +21,9 @@ KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py",
                  # the CPU half of the differential fuzz (the CUDA half does not depend on the
                  # CPU level); ~10 s per level at 40 examples each
                  "test_fuzz.py::test_fuzz_cpu", "test_fuzz.py::test_fuzz_cpu_varlen",
-                 "test_fuzz.py::test_fuzz_cpu_nonfinite", "test_nonfinite.py::test_nonfinite_cpu"]
+                 "test_fuzz.py::test_fuzz_cpu_nonfinite", "test_nonfinite.py::test_nonfinite_cpu",
+                 # the decode kernel (KV caches): each level has its own products; ~4 s
+                 "test_kvcache.py"]
 
 
 def main() -> int:

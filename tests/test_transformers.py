@@ -130,3 +130,19 @@ def test_fmha_imports_without_transformers():
             "fmha.scaled_dot_product_attention; "
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batched_greedy_generation_with_left_padding_matches(models):
+    """Two prompts, the second left-padded: prefill with a padding mask, then decoding
+    steps whose mask keeps hiding the pad rows of the KV cache."""
+    ref, mod = models
+    ids, mask = batch(seed=5, pad_left=4)
+    ref.eval()
+    mod.eval()
+    with torch.no_grad():
+        a = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)
+        b = mod.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)
+    assert a.shape == (2, 20)
+    assert torch.equal(a, b)

@@ -192,6 +192,34 @@ inline float dot_row(const float* q, const float* k, int d, VecF acc) {
   return x;
 }
 
+// Scores of RB query rows against four keys: RB x 4 independent FMA chains, each row's and
+// each key's vectors loaded once per step (an FMA per half a load), reduced four at a time.
+// Every score is the same chain (t ascending) then the same reduction, whatever RB is.
+constexpr int kDotRows = kW == 16 ? 4 : 2;  // AVX-512's 32 registers hold 4 x 4 chains
+template <int RB>
+inline void dot_block(const float* Q, int64_t ldq, const float* const* k, int d, float* S,
+                      int64_t ld) {
+  const int dv = d / kW * kW;
+  VecF acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
+  for (int t = 0; t < dv; t += kW) {
+    VecF kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k[j] + t);
+    for (int r = 0; r < RB; ++r) {
+      const VecF x = VecF::load(Q + r * ldq + t);
+      for (int j = 0; j < 4; ++j) acc[r][j] = fma(x, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* out = S + r * ld;
+    hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
+    const float* q = Q + r * ldq;
+    for (int t = dv; t < d; ++t)
+      for (int j = 0; j < 4; ++j) out[j] += q[t] * k[j][t];
+  }
+}
+
 // S[m][c] = Σ_t Q[m][t] K[c][t] for m < M, c < nc (vectors along head_dim), K's rows given
 // by pointers (a paged cache's rows are read where they lie). Four keys at a time: four
 // independent FMA chains per query row hide the FMA latency that a single chain per score
@@ -201,23 +229,10 @@ inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const fl
   const int dv = d / kW * kW;
   int c = 0;
   for (; c + 4 <= nc; c += 4) {
-    const float *k0 = K[c], *k1 = K[c + 1], *k2 = K[c + 2], *k3 = K[c + 3];
-    for (int m = 0; m < M; ++m) {
-      const float* q = Q + m * ldq;
-      VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
-      for (int t = 0; t < dv; t += kW) {
-        const VecF x = VecF::load(q + t);
-        a0 = fma(x, VecF::load(k0 + t), a0);
-        a1 = fma(x, VecF::load(k1 + t), a1);
-        a2 = fma(x, VecF::load(k2 + t), a2);
-        a3 = fma(x, VecF::load(k3 + t), a3);
-      }
-      float* out = S + m * ld + c;
-      out[0] = dot_row(q, k0, d, a0);
-      out[1] = dot_row(q, k1, d, a1);
-      out[2] = dot_row(q, k2, d, a2);
-      out[3] = dot_row(q, k3, d, a3);
-    }
+    const float* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
+    int m = 0;
+    for (; m + kDotRows <= M; m += kDotRows) dot_block<kDotRows>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
+    for (; m < M; ++m) dot_block<1>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
   }
   for (; c < nc; ++c) {
     const float* k = K[c];
@@ -238,6 +253,120 @@ inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq,
       S[m * ld + c] = x;
     }
 }
+
+#if defined(__AVX512BF16__)
+// dot_tile for bfloat16 Q and K read as they are (no conversion pass): vdpbf16ps takes 32
+// elements per instruction as 16 pairs, products exact in float, accumulated in float (the
+// AVX512-BF16 rules: a bfloat16 denormal reads as zero, as in the GEMM's pair path).
+template <int RB>
+inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const bf16_t* const* k, int d,
+                           float* S, int64_t ld) {
+  const int full = d / 32 * 32;
+  const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
+  __m512 acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int t = 0; t < d; t += 32) {
+    const __mmask32 mask = t < full ? __mmask32(~0u) : tail;
+    __m512bh kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k[j] + t);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(mask, Q + r * ldq + t);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, kv[j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    hsum4(VecF{acc[r][0]}, VecF{acc[r][1]}, VecF{acc[r][2]}, VecF{acc[r][3]}, S + r * ld);
+}
+
+inline void dot_tile_bf16(int M, int nc, int d, const bf16_t* Q, int64_t ldq,
+                          const bf16_t* const* K, float* S, int64_t ld) {
+  const int full = d / 32 * 32;
+  const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
+  auto load = [](const bf16_t* x) { return (__m512bh)_mm512_loadu_si512(x); };
+  auto load_tail = [tail](const bf16_t* x) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(tail, x);
+  };
+  int c = 0;
+  for (; c + 4 <= nc; c += 4) {
+    const bf16_t* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
+    int m = 0;
+    for (; m + 4 <= M; m += 4) dot_block_bf16<4>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
+    for (; m < M; ++m) dot_block_bf16<1>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
+  }
+  for (; c < nc; ++c)
+    for (int m = 0; m < M; ++m) {
+      const bf16_t* q = Q + m * ldq;
+      __m512 a = _mm512_setzero_ps();
+      for (int t = 0; t < full; t += 32) a = _mm512_dpbf16_ps(a, load(q + t), load(K[c] + t));
+      if (tail) a = _mm512_dpbf16_ps(a, load_tail(q + full), load_tail(K[c] + full));
+      S[m * ld + c] = _mm512_reduce_add_ps(a);
+    }
+}
+#endif
+
+#if defined(FMHA_SIMD_AVX512)
+// 16 elements of a V row from `x` as floats, lanes past `mask` zero.
+inline __m512 load16(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
+inline __m512 load16(const bf16_t* x, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const f16_t* x, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x));
+}
+
+// O[r][0..dv) += Σ_c P[r][c] V[c][0..dv) for rows r0 .. r0 + MR of one 64-column strip, V's
+// rows by pointer in their own type, widened in registers: no converted copy of V is made.
+// The sums run over c in order, one FMA per term, as the GEMM's do.
+template <int MR, typename T>
+inline void pv_block(int nc, const float* P, int64_t ldp, const T* const* V, int n0,
+                     const __mmask16* masks, float* O, int64_t ldo) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_maskz_loadu_ps(masks[j], O + r * ldo + n0 + 16 * j);
+  for (int c = 0; c < nc; ++c) {
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = load16(V[c] + n0 + 16 * j, masks[j]);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 pr = _mm512_set1_ps(P[r * ldp + c]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(pr, v[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(O + r * ldo + n0 + 16 * j, masks[j], acc[r][j]);
+}
+
+// O (M x dv, row stride ldo) += P (M x nc, row stride ldp) V, V's nc rows by pointer.
+template <typename T>
+inline void pv_tile(int M, int nc, int dv, const float* P, int64_t ldp, const T* const* V,
+                    float* O, int64_t ldo) {
+  for (int n0 = 0; n0 < dv; n0 += 64) {
+    __mmask16 masks[4];
+    for (int j = 0; j < 4; ++j) {
+      const int left = dv - n0 - 16 * j;
+      masks[j] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    }
+    int m = 0;
+    for (; m + 4 <= M; m += 4) pv_block<4>(nc, P + m * ldp, ldp, V, n0, masks, O + m * ldo, ldo);
+    switch (M - m) {
+      case 3: pv_block<3>(nc, P + m * ldp, ldp, V, n0, masks, O + m * ldo, ldo); break;
+      case 2: pv_block<2>(nc, P + m * ldp, ldp, V, n0, masks, O + m * ldo, ldo); break;
+      case 1: pv_block<1>(nc, P + m * ldp, ldp, V, n0, masks, O + m * ldo, ldo); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+// Whether the decode path's P V reads V's rows in place (pv_tile: AVX-512, 16/32-bit types).
+#if defined(FMHA_SIMD_AVX512)
+template <typename T>
+constexpr bool kPvInPlace = !std::is_same_v<T, double>;
+#else
+template <typename T>
+constexpr bool kPvInPlace = false;
+#endif
 
 // Rows rows[0 .. n) (each `dim` elements) converted into a dense (n, ld) buffer of the
 // accumulation type, columns [dim, ld) zero.
@@ -286,7 +415,8 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   ws.begin(Workspace::bytes<A>(int64_t(R) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
            Workspace::bytes<A>(int64_t(R) * ldv) + 2 * Workspace::bytes<A>(R) +
-           Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv));
+           Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv) +
+           Workspace::bytes<T>(int64_t(R) * d));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -296,12 +426,19 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   A* l = ws.take<A>(R);
   A* alpha = ws.take<A>(kSmallRows);
   T* Vstage = ws.take<T>(int64_t(kBc) * dv);  // paged V rows, for the strong zero
+  // bfloat16 with AVX512-BF16: S from Q and K as they are, by pair dot products.
+  constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
+  T* Qt = ws.take<T>(int64_t(R) * d);  // the rows of Q in T, dense (pairs only)
 
   for (int x = 0; x < hb; ++x)
     for (int g = 0; g < group; ++g) {
       const T* q = static_cast<const T*>(p.q) + ((hk0 + x) * group + g) * p.q_head_stride +
                    row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, 0);
       load_rows(q, p.q_row_stride, sq, d, Qr + (int64_t(x) * M + g * sq) * ldq, ldq);
+      if constexpr (pairs)
+        for (int i = 0; i < sq; ++i)
+          std::memcpy(Qt + (int64_t(x) * M + g * sq + i) * d, q + i * p.q_row_stride,
+                      size_t(d) * sizeof(T));
     }
   fill(m, R, neg_inf<A>());
   fill(l, R, A(0));
@@ -342,23 +479,33 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       const T* krow[kBc];
       const A* Krow[kBc];
       for (int r = 0; r < nc; ++r) krow[r] = k + koff[r];
-      if constexpr (std::is_same_v<T, A>) {
-        for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
+      if constexpr (std::is_same_v<T, A> || pairs) {
+        if constexpr (std::is_same_v<T, A>)
+          for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
       } else {
         load_row_ptrs(krow, nc, d, Kbuf, d);
         for (int r = 0; r < nc; ++r) Krow[r] = Kbuf + int64_t(r) * d;
       }
+      const T* vrow[kBc];
+      for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
+      // AVX-512 multiplies P by V's rows where they lie (pv_tile); elsewhere V is read in
+      // place when it is float and equally spaced, else converted into Vbuf for the GEMM.
       const A* Vj = Vbuf;
       int64_t ldvj = ldv;
-      if (std::is_same_v<T, A> && v_spaced && dv == ldv) {
-        Vj = reinterpret_cast<const A*>(v + voff[0]);
-        ldvj = vs;
-      } else {
-        const T* vrow[kBc];
-        for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
-        load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
+      if constexpr (!kPvInPlace<T>) {
+        if (std::is_same_v<T, A> && v_spaced && dv == ldv) {
+          Vj = reinterpret_cast<const A*>(v + voff[0]);
+          ldvj = vs;
+        } else {
+          load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
+        }
       }
-      dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Krow, S, kBc);
+#if defined(__AVX512BF16__)
+      if constexpr (pairs)
+        dot_tile_bf16(M, nc, d, Qt + int64_t(x) * M * d, d, krow, S, kBc);
+      else
+#endif
+        dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Krow, S, kBc);
       scale_rows(S, M, nc, kBc, A(p.scale));
       for (int g = 0; g < group; ++g)
         finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
@@ -388,6 +535,8 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vstride, Ox, ldv, [&](int r, int c) {
           return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
         });  // O += P V
+      else if constexpr (kPvInPlace<T>)
+        pv_tile(M, nc, dv, S, kBc, vrow, Ox, ldv);  // O += P V
       else
         gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, Ox, ldv);  // O += P V
     }

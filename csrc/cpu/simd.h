@@ -36,6 +36,17 @@ struct VecF {
   friend VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
   friend VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
   friend float hsum(VecF a) { return _mm512_reduce_add_ps(a.v); }
+  // The four sums of a, b, c, d's lanes at once: a transposing reduction, about a third of
+  // the instructions of four hsum.
+  friend void hsum4(VecF a, VecF b, VecF c, VecF d, float* out) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c.v, d.v), _mm512_unpackhi_ps(c.v, d.v));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
+  }
   friend float hmax(VecF a) { return _mm512_reduce_max_ps(a.v); }
   // 2^n for integral-valued n in [-127, 127], built in the exponent bits.
   static VecF pow2i(VecF n) {
@@ -73,6 +84,9 @@ struct VecF {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  friend void hsum4(VecF a, VecF b, VecF c, VecF d, float* out) {
+    out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+  }
   friend float hmax(VecF a) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -108,6 +122,9 @@ struct VecF {
   friend VecF max(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
   friend VecF min(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
   friend float hsum(VecF a) { return a.v; }
+  friend void hsum4(VecF a, VecF b, VecF c, VecF d, float* out) {
+    out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+  }
   friend float hmax(VecF a) { return a.v; }
   static VecF pow2i(VecF n) {
     const int32_t e = ((n.v == n.v ? int32_t(n.v) : 0) + 127) << 23;  // NaN: no UB cast
