@@ -295,6 +295,9 @@ void d_task(const BwdParams& p, int64_t task, A* D_all) {
 // The key-stationary loop shared by pass 1 and the single pass: dK, dV of one key tile over
 // every query head of the group and every query tile that sees it; with dQ_all (group x
 // seqlen_q x ldq), dQ += dS K as well.
+// Query rows of a key tile up to which the backward works on Sᵀ with K and V in place.
+constexpr int kFewRowsBwd = 16;
+
 template <typename T, typename A>
 void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* D_all,
                     BwdBuffers<A>& t, A* dK, A* dV, A* dQ_all) {
@@ -304,7 +307,7 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
   // Few query rows see this key tile (decode-like shapes): transposing K and V for the
   // row-major S would cost more than the products, so work on Sᵀ with K and V read in
   // place, as the query-stationary pass does. Same products, same order: same bits.
-  const bool few_rows = i_end - i_begin <= kSmallRows;
+  const bool few_rows = i_end - i_begin <= kFewRowsBwd;
   // K's tile feeds dQ = dS K: checked once for the strong zero (tile.h), where it matters.
   const T* k_tile = static_cast<const T*>(p.k) + hk * p.k_head_stride +
                     row_offset(p, b, p.k_batch_stride, p.k_row_stride, s.k_first, j0);

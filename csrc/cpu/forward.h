@@ -372,6 +372,20 @@ constexpr bool kPvInPlace = false;
 // accumulation type, columns [dim, ld) zero.
 template <typename T, typename A>
 inline void load_row_ptrs(const T* const* rows, int n, int dim, A* dst, int ld) {
+#if defined(FMHA_SIMD_AVX512)
+  if constexpr (std::is_same_v<A, float> && !std::is_same_v<T, float>) {  // 16-bit: widen
+    for (int r = 0; r < n; ++r) {               // 16 at a time, in registers
+      float* d = dst + int64_t(r) * ld;
+      auto lanes = [](int left) {
+        return left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0)
+                                                           : __mmask16((1u << left) - 1);
+      };
+      for (int t = 0; t < ld; t += 16)  // columns [dim, ld) get zeros, nothing past ld
+        _mm512_mask_storeu_ps(d + t, lanes(ld - t), load16(rows[r] + t, lanes(dim - t)));
+    }
+    return;
+  }
+#endif
   for (int r = 0; r < n; ++r) load_rows(rows[r], 0, 1, dim, dst + int64_t(r) * ld, ld);
 }
 

@@ -34,12 +34,15 @@ def _int32_array(name, x, kind, ndim, batch=None):
     return x.contiguous() if kind == "torch" else np.ascontiguousarray(x)
 
 
+_NO_WINDOW = (-1, -1)
+
+
 def _last_dim_contiguous(x):
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.detach().contiguous()
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
-                           block_table=None, causal: bool = False, window=(-1, -1),
+                           block_table=None, causal: bool = False, window=_NO_WINDOW,
                            scale: Optional[float] = None, softcap: float = 0.0,
                            alibi_slopes=None, return_lse: bool = False, num_splits: int = 0):
     """Attention of new queries over a KV cache, appending new keys and values in place.
@@ -71,18 +74,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     kind = kind_of(q)
     if not kind:
         raise TypeError(f"q: expected a torch.Tensor or numpy.ndarray, got {_describe(q)}")
-    _check_array("q", q, kind, (4,))
-    _check_float("q", q)
-    dt = dtype_name(q)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_array(name, x, kind, (4,))
-        _check_float(name, x, dt)
+    arrays = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if (k is None) != (v is None):
         raise ValueError("k, v: give both new rows or neither")
     if k is not None:
-        for name, x in (("k", k), ("v", v)):
+        arrays += (("k", k), ("v", v))
+    # The common call (every array of q's type, rank and dtype) costs a few attribute reads;
+    # anything else takes the checks that word the error.
+    qt, qd = type(q), q.dtype
+    if not all(type(x) is qt and x.ndim == 4 and x.dtype == qd for _, x in arrays):
+        dt = dtype_name(q)
+        for name, x in arrays:
             _check_array(name, x, kind, (4,))
-            _check_float(name, x, dt)
+            _check_float(name, x, None if name == "q" else dt)
+    dt = dtype_name(q)
+    if dt not in ("float64", "float32", "bfloat16", "float16"):
+        _check_float("q", q)
     device = device_of(q)
     if device != "cpu":
         raise NotImplementedError(
@@ -109,10 +116,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         block_table = _int32_array("block_table", block_table, kind, 2)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected a bool, got {_describe(causal)}")
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window: expected a (left, right) pair of ints, got {_describe(window)}")
-    left = _check_int("window[0]", window[0], -1)
-    right = 0 if causal else _check_int("window[1]", window[1], -1)
+    if window is _NO_WINDOW:
+        left, right = -1, 0 if causal else -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window: expected a (left, right) pair of ints, got "
+                            f"{_describe(window)}")
+        left = _check_int("window[0]", window[0], -1)
+        right = 0 if causal else _check_int("window[1]", window[1], -1)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_number("scale", scale)
     softcap = _check_number("softcap", softcap, lo=0.0)
     num_splits = _check_int("num_splits", num_splits, 0)
@@ -128,7 +139,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if kind == "torch":
         import torch
         from torch.utils.dlpack import to_dlpack
-        q, k, v = (None if x is None else _last_dim_contiguous(x.detach()) for x in (q, k, v))
+        q, k, v = (None if x is None else _last_dim_contiguous(x) for x in (q, k, v))
         out = torch.empty(out_shape, dtype=q.dtype)
         lse = torch.empty(lse_shape, dtype=torch.float64 if dt == "float64" else torch.float32)
         if alibi_slopes is not None:
@@ -136,7 +147,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(batch, heads_q)
         # DLPack capsules: torch.utils.dlpack.to_dlpack costs a tenth of Tensor.__dlpack__
         # (the checks it skips are made above; the caches are written through theirs).
-        args = [None if x is None else to_dlpack(x.detach()) for x in
+        args = [None if x is None else to_dlpack(x) for x in
                 (q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table)]
     else:
         q, k, v = (None if x is None else np.ascontiguousarray(x) for x in (q, k, v))
