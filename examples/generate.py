@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fmha
+from fmha._host import cpu_model
 from fmha.kvcache import PagedKVCache
 
 
@@ -183,17 +184,6 @@ def generate(model: Decoder, prompt: torch.Tensor, new_tokens: int, cache) -> di
             "ttft": ttft, "steps": steps, "kv_bytes": cache.nbytes()}
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4, help="decoder blocks")
@@ -234,7 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         runs[name] = generate(model, prompt, args.new_tokens, make())
     same = torch.equal(runs["fmha"]["tokens"], runs["torch"]["tokens"])
     result = {
-        "cpu": cpu_name(), "threads": torch.get_num_threads(), "cpu_isa": fmha.cpu_isa(),
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), "cpu_isa": fmha.cpu_isa(),
         "torch_version": torch.__version__, "fmha_version": fmha.__version__,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -120,6 +120,28 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
   std::fflush(stdout);
 }
 
+// Random q, k, v and room for out and lse of a forward-only case.
+struct ForwardBuffers {
+  Tensor q, k, v, o;
+  std::vector<float> lse;
+  ForwardBuffers(const Case& c, fmha::DType dt) {
+    std::mt19937 gen(0);
+    const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
+    q = random_tensor(nq, dt, gen);
+    k = random_tensor(nk, dt, gen);
+    v = random_tensor(nk, dt, gen);
+    o = random_tensor(nq, dt, gen);
+    lse.resize(size_t(c.b) * c.hq * c.sq);
+  }
+  fmha::BwdParams params(const Case& c, fmha::DType dt, int threads) {
+    fmha::BwdParams p;
+    fmha_bench::set_shape(p, c, dt);
+    p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
+    p.num_threads = threads;
+    return p;
+  }
+};
+
 // The small shapes of python/fmha/bench_latency.py (LATENCY_SHAPES): decode against 16, 256
 // and 4096 keys, a 16-token call, a ViT-B/16 batch and a 128-token batch.
 const Case kLatencySuite[] = {
@@ -131,15 +153,8 @@ const Case kLatencySuite[] = {
 // Median per-call time of cpu_forward over batches of back-to-back calls (what a layer loop
 // sees: the pool's helpers spin between calls).
 void run_latency(const Case& c, fmha::DType dt, int threads) {
-  std::mt19937 gen(0);
-  const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
-  Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
-         v = random_tensor(nk, dt, gen), o = random_tensor(nq, dt, gen);
-  std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
-  fmha::BwdParams p;
-  fmha_bench::set_shape(p, c, dt);
-  p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
-  p.num_threads = threads;
+  ForwardBuffers buf(c, dt);
+  fmha::BwdParams p = buf.params(c, dt, threads);
   const double one = seconds_of([&] { fmha::cpu_forward(p); }, 3, 0.05);
   const int per_batch = std::max(1, int(0.02 / one));
   std::vector<double> us;
@@ -167,19 +182,14 @@ const Case kDecodeSuite[] = {
 // cpu_forward over full caches of c.sk rows per sequence (no rows appended), contiguous
 // (block_size 0) or paged: the same rows in a pool whose blocks are handed out shuffled.
 void run_decode(const Case& c, fmha::DType dt, int threads) {
-  std::mt19937 gen(0);
-  const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
-  Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
-         v = random_tensor(nk, dt, gen), o = random_tensor(nq, dt, gen);
-  std::vector<float> lse(size_t(c.b) * c.hq * c.sq);
+  ForwardBuffers buf(c, dt);
+  std::mt19937 gen(1);
   std::vector<int32_t> lens(size_t(c.b), c.sk);
-  const double bytes = 2.0 * double(nk) * (dt == fmha::DType::kFloat32 ? 4 : 2);
+  const double bytes = 2.0 * double(size_t(c.b) * c.sk * c.hkv * c.d) *
+                       (dt == fmha::DType::kFloat32 ? 4 : 2);
   const double bandwidth = fmha::cpu_read_bandwidth_gbs(threads, int64_t(bytes));
   for (int bs : {0, 16, 256}) {
-    fmha::BwdParams p;
-    fmha_bench::set_shape(p, c, dt);
-    p.q = q.data(); p.k = k.data(); p.v = v.data(); p.o = o.data(); p.lse = lse.data();
-    p.num_threads = threads;
+    fmha::BwdParams p = buf.params(c, dt, threads);
     p.cache_seqlens = lens.data();
     std::vector<int32_t> table;
     if (bs > 0) {  // the pool is the same buffer: blocks of bs rows, handed out shuffled

@@ -246,6 +246,35 @@ inline void host_cu_seqlens(FwdParams& p, const View& cu_q, const View& cu_k, in
                  max_k, ")");
 }
 
+// The launch stream, then q: its device decides where every other array must be.
+template <typename Params>
+void import_q(Call<Params>& c, const Settings& s, const py::object& q) {
+  c.stream = s.get<intptr_t>("stream", 0);
+  FMHA_CHECK_ARG(c.stream >= 0, "stream: expected a cudaStream_t as a non-negative int, got ",
+                 c.stream);
+  c.q = import("q", q, false, c.stream);
+  c.dev = device_of("q", c.q.device);
+  c.import_stream = c.dev.mem == Memory::kCuda ? c.stream : -1;
+}
+
+// ALiBi slopes: a float64 (batch, heads_q) view, on q's device.
+template <typename Params>
+void import_alibi(Call<Params>& c, const py::object& alibi) {
+  Params& p = c.p;
+  c.alibi = import_opt("alibi_slopes", alibi, false, c.import_stream);
+  if (c.alibi) {
+    View& a = *c.alibi;
+    FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
+                       a.dtype.code == kDLFloat && a.dtype.bits == 64 && a.dtype.lanes == 1,
+                   "alibi_slopes: expected a float64 (batch, heads_q) = (", p.batch, ", ",
+                   p.heads_q, ") view");
+    expect_device(a, c.dev);
+    p.alibi_slopes = static_cast<const double*>(a.data);
+    p.alibi_batch_stride = a.stride(0);
+    p.alibi_head_stride = a.stride(1);
+  }
+}
+
 // Everything but the gradients: q, k, v, out, lse, bias, mask, ALiBi, varlen offsets and the
 // settings. `host_only`: the caller can run host arrays only (the emulator), which stand for
 // the GPU's memory: varlen offsets are then handled as device offsets (not read here).
@@ -256,12 +285,7 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
                   const py::object& alibi, const py::object& cu_q, const py::object& cu_k,
                   bool host_only) {
   Params& p = c.p;
-  c.stream = s.get<intptr_t>("stream", 0);
-  FMHA_CHECK_ARG(c.stream >= 0, "stream: expected a cudaStream_t as a non-negative int, got ",
-                 c.stream);
-  c.q = import("q", q, false, c.stream);
-  c.dev = device_of("q", c.q.device);
-  c.import_stream = c.dev.mem == Memory::kCuda ? c.stream : -1;
+  import_q(c, s, q);
   if (host_only)
     FMHA_CHECK_ARG(c.dev.mem == Memory::kHost, "q: on device ", device_name(c.dev),
                    "; the emulator runs the CUDA kernels on host arrays only");
@@ -392,18 +416,7 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   broadcast4(c.bias, "bias", bias, p.bias, false);
   broadcast4(c.mask, "mask", mask, p.mask, true);
 
-  c.alibi = import_opt("alibi_slopes", alibi, false, c.import_stream);
-  if (c.alibi) {
-    View& a = *c.alibi;
-    FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
-                       a.dtype.code == kDLFloat && a.dtype.bits == 64 && a.dtype.lanes == 1,
-                   "alibi_slopes: expected a float64 (batch, heads_q) = (", p.batch, ", ",
-                   p.heads_q, ") view");
-    expect_device(a, c.dev);
-    p.alibi_slopes = static_cast<const double*>(a.data);
-    p.alibi_batch_stride = a.stride(0);
-    p.alibi_head_stride = a.stride(1);
-  }
+  import_alibi(c, alibi);
 
   p.scale = s.get<double>("scale");
   p.softcap = s.get<double>("softcap");
@@ -527,12 +540,7 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
   const Settings s("forward_kvcache", kw, {FMHA_KVCACHE_KEYWORDS});
   KvCacheCall c;
   FwdParams& p = c.p;
-  c.stream = s.get<intptr_t>("stream", 0);
-  FMHA_CHECK_ARG(c.stream >= 0, "stream: expected a cudaStream_t as a non-negative int, got ",
-                 c.stream);
-  c.q = import("q", q, false, c.stream);
-  c.dev = device_of("q", c.q.device);
-  c.import_stream = c.dev.mem == Memory::kCuda ? c.stream : -1;
+  import_q(c, s, q);
   c.k = import("k_cache", k_cache, true, c.import_stream);
   c.v = import("v_cache", v_cache, true, c.import_stream);
   c.o = import("out", out, true, c.import_stream);
@@ -617,18 +625,7 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
   p.lse_head_stride = c.lse.stride(1);
   p.lse_row_stride = c.lse.stride(2);
 
-  c.alibi = import_opt("alibi_slopes", alibi, false, c.import_stream);
-  if (c.alibi) {
-    View& a = *c.alibi;
-    FMHA_CHECK_ARG(a.ndim == 2 && a.size(0) == p.batch && a.size(1) == p.heads_q &&
-                       a.dtype.code == kDLFloat && a.dtype.bits == 64 && a.dtype.lanes == 1,
-                   "alibi_slopes: expected a float64 (batch, heads_q) = (", p.batch, ", ",
-                   p.heads_q, ") view");
-    expect_device(a, c.dev);
-    p.alibi_slopes = static_cast<const double*>(a.data);
-    p.alibi_batch_stride = a.stride(0);
-    p.alibi_head_stride = a.stride(1);
-  }
+  import_alibi(c, alibi);
   p.scale = s.get<double>("scale");
   p.softcap = s.get<double>("softcap");
   p.window_left = s.get<int>("window_left");

@@ -8,6 +8,8 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
+from ._kvcache import attention_with_kvcache
+
 
 def _int_at_least(name: str, x, lo: int = 1) -> int:
     """x as an int, refused (naming the argument) unless it is an int >= lo."""
@@ -225,7 +227,6 @@ class PagedKVCache:
         sequence's committed rows, which :meth:`reserve` (..., n) must have made room for,
         and returns what it returns (``kwargs``: scale, window, softcap, alibi_slopes,
         return_lse, num_splits)."""
-        from .kvcache import attention_with_kvcache
 
         layer = self._layer(layer)
         ids = self._seq_list(seq_ids)

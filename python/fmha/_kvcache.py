@@ -1,0 +1,164 @@
+"""fmha.kvcache.attention_with_kvcache: the forward over KV caches (contiguous or paged),
+new rows appended in place. Public through fmha.kvcache; PagedKVCache (paged.py) calls it.
+
+The semantics (which rows a query sees, what is written) are in docs/semantics.md,
+"KV caches"; ``fmha.reference.attention_with_kvcache`` is their executable form.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from . import _C
+from ._core import get_num_threads
+from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
+                        device_of, dtype_name, kind_of)
+
+
+def _int32_array(name, x, kind, ndim, batch=None):
+    """cache_seqlens / block_table: an int32 array of q's kind (an int for cache_seqlens is
+    the same length for every sequence)."""
+    if name == "cache_seqlens" and isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        if kind == "torch":
+            import torch
+            return torch.full((batch,), int(x), dtype=torch.int32)
+        return np.full((batch,), int(x), dtype=np.int32)
+    _check_array(name, x, kind, (ndim,))
+    if dtype_name(x) != "int32":
+        raise TypeError(f"{name}: expected int32, got {dtype_name(x)}")
+    # Read only, and small: a strided view is copied rather than refused.
+    return x.contiguous() if kind == "torch" else np.ascontiguousarray(x)
+
+
+_NO_WINDOW = (-1, -1)
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.detach().contiguous()
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                           block_table=None, causal: bool = False, window=_NO_WINDOW,
+                           scale: Optional[float] = None, softcap: float = 0.0,
+                           alibi_slopes=None, return_lse: bool = False, num_splits: int = 0):
+    """Attention of new queries over a KV cache, appending new keys and values in place.
+
+    q: (batch, seqlen_q, heads_q, head_dim), seqlen_q >= 1 (decode, speculative
+    verification and chunked prefill alike). Caches, one of:
+      - contiguous: k_cache (batch, capacity, heads_kv, head_dim), v_cache likewise with
+        head_dim_v;
+      - paged (``block_table`` given, int32 (batch, max_blocks)): k_cache, v_cache are pools
+        (num_blocks, block_size, heads_kv, head_dim[_v]), any block_size >= 1; row j of
+        sequence b is row j % block_size of block block_table[b, j // block_size].
+    cache_seqlens: int32 (batch,) (or an int): rows each sequence's cache holds before the
+    call. k, v (batch, seqlen_new, heads_kv, head_dim[_v]), if given, are written into rows
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of each cache, in place. Sequence
+    b's queries then attend to its rows 0 .. cache_seqlens[b] + seqlen_new - 1, aligned
+    bottom-right (the last query is the last row): causal, window, softcap, ALiBi and the
+    scale (default 1/sqrt(head_dim)) mean what they mean in :func:`fmha.attention`.
+
+    What the call updates: the caches' appended rows, nothing else. ``cache_seqlens`` stays
+    the caller's to advance (by seqlen_new), as in flash-attn. Every argument, including the
+    values of cache_seqlens and block_table, is checked before the first write: a refused
+    call leaves the caches unchanged.
+
+    Forward only (inference; no gradient flows). Returns out (batch, seqlen_q, heads_q,
+    head_dim_v), or (out, lse) with lse (batch, heads_q, seqlen_q) float32 (float64 for
+    float64 inputs) when return_lse, for :func:`fmha.merge_states`. num_splits is validated
+    and reserved for the CUDA kernels. Torch tensors and NumPy arrays on the CPU.
+    """
+    kind = kind_of(q)
+    if not kind:
+        raise TypeError(f"q: expected a torch.Tensor or numpy.ndarray, got {_describe(q)}")
+    arrays = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if (k is None) != (v is None):
+        raise ValueError("k, v: give both new rows or neither")
+    if k is not None:
+        arrays += (("k", k), ("v", v))
+    # The common call (every array of q's type, rank and dtype) costs a few attribute reads;
+    # anything else takes the checks that word the error.
+    qt, qd = type(q), q.dtype
+    if not all(type(x) is qt and x.ndim == 4 and x.dtype == qd for _, x in arrays):
+        dt = dtype_name(q)
+        for name, x in arrays:
+            _check_array(name, x, kind, (4,))
+            _check_float(name, x, None if name == "q" else dt)
+    dt = dtype_name(q)
+    if dt not in ("float64", "float32", "bfloat16", "float16"):
+        _check_float("q", q)
+    device = device_of(q)
+    if device != "cpu":
+        raise NotImplementedError(
+            f"q: on {device}; attention_with_kvcache runs on the CPU in this version (the CUDA "
+            "kernels do not take KV caches yet)")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if seqlen_q < 1:
+        raise ValueError(f"q: seqlen_q must be >= 1, got shape {tuple(q.shape)}")
+    head_dim_v = v_cache.shape[-1]
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if kind == "torch" and x.numel() and x.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (the cache is "
+                             "written in place, so it cannot be copied)")
+        if kind != "torch" and x.size and x.strides[-1] != x.itemsize:
+            raise ValueError(f"{name}: the last dimension must be contiguous (the cache is "
+                             "written in place, so it cannot be copied)")
+        if kind != "torch" and not x.flags.writeable:
+            raise ValueError(f"{name}: read-only array; the cache must be writable")
+        if kind == "torch" and x.requires_grad:
+            raise ValueError(f"{name}: requires grad; attention_with_kvcache writes the cache "
+                             "in place and is forward-only (pass a tensor without grad)")
+    cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch)
+    if block_table is not None:
+        block_table = _int32_array("block_table", block_table, kind, 2)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {_describe(causal)}")
+    if window is _NO_WINDOW:
+        left, right = -1, 0 if causal else -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window: expected a (left, right) pair of ints, got "
+                            f"{_describe(window)}")
+        left = _check_int("window[0]", window[0], -1)
+        right = 0 if causal else _check_int("window[1]", window[1], -1)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_number("scale", scale)
+    softcap = _check_number("softcap", softcap, lo=0.0)
+    num_splits = _check_int("num_splits", num_splits, 0)
+
+    if alibi_slopes is not None:
+        _check_array("alibi_slopes", alibi_slopes, kind, (1, 2))
+        _check_float("alibi_slopes", alibi_slopes)
+        if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+            raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, "
+                             f"{heads_q}), got {tuple(alibi_slopes.shape)}")
+    lse_shape = (batch, heads_q, seqlen_q)
+    out_shape = (batch, seqlen_q, heads_q, head_dim_v)
+    if kind == "torch":
+        import torch
+        from torch.utils.dlpack import to_dlpack
+        q, k, v = (None if x is None else _last_dim_contiguous(x) for x in (q, k, v))
+        out = torch.empty(out_shape, dtype=q.dtype)
+        lse = torch.empty(lse_shape, dtype=torch.float64 if dt == "float64" else torch.float32)
+        if alibi_slopes is not None:
+            a = alibi_slopes.detach().to(torch.float64)
+            alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(batch, heads_q)
+        # DLPack capsules: torch.utils.dlpack.to_dlpack costs a tenth of Tensor.__dlpack__
+        # (the checks it skips are made above; the caches are written through theirs).
+        args = [None if x is None else to_dlpack(x) for x in
+                (q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table)]
+    else:
+        q, k, v = (None if x is None else np.ascontiguousarray(x) for x in (q, k, v))
+        out = np.empty(out_shape, dtype=q.dtype)
+        lse = np.empty(lse_shape, dtype=np.float64 if dt == "float64" else np.float32)
+        if alibi_slopes is not None:
+            a = np.asarray(alibi_slopes, dtype=np.float64)
+            alibi_slopes = np.broadcast_to(a if a.ndim == 2 else a[None], (batch, heads_q))
+        args = [q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table]
+    kw = dict(scale=scale, softcap=softcap, window_left=left, window_right=right,
+              num_threads=get_num_threads())
+    if num_splits:
+        kw["num_splits"] = num_splits
+    _C.forward_kvcache(*args, alibi_slopes, **kw)
+    return (out, lse) if return_lse else out
