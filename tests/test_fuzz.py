@@ -570,7 +570,7 @@ def test_fuzz_cpu_nonfinite(case):
 
 
 @pytest.mark.backends("emu", "gpu")
-@fuzz_settings(examples=12, shrink=False)
+@fuzz_settings(examples=8, shrink=False)
 @given(case=dense_cases(CUDA))
 def test_fuzz_cuda(backend, case):
     run_dense(case)
@@ -584,7 +584,7 @@ def test_fuzz_cuda_varlen(backend, case):
 
 
 @pytest.mark.backends("emu", "gpu")
-@fuzz_settings(examples=12, shrink=False)
+@fuzz_settings(examples=8, shrink=False)
 @given(case=nonfinite_cases(CUDA_NONFINITE))
 def test_fuzz_cuda_nonfinite(backend, case):
     run_dense_nonfinite_16bit(case)

@@ -51,11 +51,14 @@ FMHA_HD Seq seq_of(const FwdParams& p, int b) {
     const int k_end = clamp_to(p.cu_seqlens_k[b + 1], s.k_first, p.total_k);
     s.sq = q_end - s.q_first < p.seqlen_q ? q_end - s.q_first : p.seqlen_q;
     s.sk = k_end - s.k_first < p.seqlen_k ? k_end - s.k_first : p.seqlen_k;
+#if !defined(__CUDA_ARCH__)
   } else if (p.cache_seqlens) {
     // A cache holds cache_seqlens[b] + seqlen_new rows, clamped to its capacity like the
-    // varlen offsets (the host checks them; device-resident lengths are never read there).
+    // varlen offsets. Host code only: the CUDA kernels take no KV caches yet (check_params
+    // refuses them), and the branch cost a register spill in the sm_80 backward.
     s.sq = p.seqlen_q;
     s.sk = clamp_to(p.cache_seqlens[b], 0, p.seqlen_k - p.seqlen_new) + p.seqlen_new;
+#endif
   } else {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;
