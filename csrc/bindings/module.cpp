@@ -134,4 +134,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_capability", &cuda_capability, py::arg("device"),
         "(major, minor) compute capability of CUDA device `device`; NotImplementedError when "
         "there is no such device or no CUDA in this build.");
+  m.def("cuda_kvcache_refusals", &cuda_kvcache_refusals, py::arg("device"),
+        py::arg("clear") = true, py::call_guard<py::gil_scoped_release>(),
+        "Bits of the KV-cache calls on CUDA device `device` refused since the last clear (1: a "
+        "cache_seqlens entry < 0, 2: cache_seqlens + new rows over the capacity, 4: a "
+        "block_table entry out of range); synchronises with the device.");
 }

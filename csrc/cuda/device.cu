@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "cuda/flash_bwd.h"
+#include "cuda/flash_decode.h"
 #include "cuda/flash_fwd.h"
 
 #include "fmha/api.h"
@@ -96,7 +97,16 @@ void launch(const Params& p, int device, void* stream, Launch&& run) {
 }  // namespace
 
 void cuda_forward(const FwdParams& p, int device, void* stream) {
-  launch(p, device, stream, [](const FwdParams& q, void* s) { gpu::launch_flash_fwd(q, s); });
+  launch(p, device, stream, [](const FwdParams& q, void* s) {
+    if (q.cache_seqlens) gpu::launch_flash_decode(q, s);
+    else gpu::launch_flash_fwd(q, s);
+  });
+}
+
+int cuda_kvcache_refusals(int device, bool clear) {
+  check_capability(device);
+  DeviceGuard guard(device);
+  return gpu::kvcache_refusals(clear);
 }
 
 void cuda_backward(const BwdParams& p, int device, void* stream) {

@@ -166,6 +166,13 @@ struct FwdLaunch {
   // i < seqlen_q (the maximum when varlen): float32, O normalised by its own l.
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
+  // KV-cache calls (cuda/flash_decode.cuh): keys per split, at fixed positions, so that
+  // sequence b has partials for only the splits its rows reach: splits_for(its rows).
+  int split_keys = 0;
+  FMHA_DEVICE int splits_for(int keys) const {
+    if (split_keys == 0) return num_splits;
+    return keys > split_keys ? (keys + split_keys - 1) / split_keys : 1;
+  }
 };
 
 namespace flash_detail {
@@ -493,7 +500,10 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int i = blockIdx.x * kCombineWarps + warp;
   const score::Seq seq = score::seq_of(p, b);
   if (i >= seq.sq) return;  // whole warps: no lane of a warp that shuffles has exited
-  const int n = launch.num_splits, d = p.head_dim_v;  // O's columns
+  // A KV-cache call's sequence merges the splits its rows reach (score::cache_rows: the
+  // flash kernels' seq_of does not read caches on the device).
+  const int n = launch.splits_for(p.cache_seqlens ? score::cache_rows(p, b) : seq.sk);
+  const int d = p.head_dim_v;  // O's columns
   const int64_t row = (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const float* lse_s = launch.lse_partial + row;

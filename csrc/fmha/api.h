@@ -58,5 +58,9 @@ std::pair<int, int> cuda_capability(int device);
 // pointer of p, cu_seqlens included, is device memory; alibi_slopes are float64 on the device.
 void cuda_forward(const FwdParams& p, int device, void* stream);
 void cuda_backward(const BwdParams& p, int device, void* stream);
+// KV-cache calls on CUDA check cache_seqlens and block_table on the device (no host sync);
+// a refused call writes NaN and ORs gpu::KvCacheRefusal bits (cuda/flash_decode.h) into a
+// per-device flag. This reads it (synchronising) and, when `clear`, resets it.
+int cuda_kvcache_refusals(int device, bool clear);
 
 }  // namespace fmha

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "fmha/error.h"
+#include "fmha/score.h"
 
 namespace fmha {
 
@@ -15,13 +16,6 @@ int element_bytes(DType t) {
     case DType::kFloat32: return 4;
     default: return 2;
   }
-}
-
-// Element offset of cache row j of sequence b (head 0), paged or contiguous.
-int64_t cache_row(const FwdParams& p, int b, int64_t batch_stride, int64_t row_stride, int j) {
-  if (!p.block_table) return b * batch_stride + int64_t(j) * row_stride;
-  const int block = p.block_table[b * p.block_table_stride + j / p.block_size];
-  return block * batch_stride + int64_t(j % p.block_size) * row_stride;
 }
 
 }  // namespace
@@ -91,8 +85,8 @@ void append_kv(const FwdParams& p) {
   for (int b = 0; b < p.batch; ++b)
     for (int t = 0; t < p.seqlen_new; ++t) {
       const int j = p.cache_seqlens[b] + t;
-      const int64_t ko = cache_row(p, b, p.k_batch_stride, p.k_row_stride, j);
-      const int64_t vo = cache_row(p, b, p.v_batch_stride, p.v_row_stride, j);
+      const int64_t ko = score::cache_row_offset(p, b, p.k_batch_stride, p.k_row_stride, j);
+      const int64_t vo = score::cache_row_offset(p, b, p.v_batch_stride, p.v_row_stride, j);
       for (int h = 0; h < p.heads_kv; ++h) {
         std::memcpy(k + (ko + h * p.k_head_stride) * eb,
                     kn + (b * p.k_new_batch_stride + t * p.k_new_row_stride +

@@ -18,4 +18,5 @@ namespace {
 std::pair<int, int> cuda_capability(int) { no_cuda(); }
 void cuda_forward(const FwdParams&, int, void*) { no_cuda(); }
 void cuda_backward(const BwdParams&, int, void*) { no_cuda(); }
+int cuda_kvcache_refusals(int, bool) { no_cuda(); }
 }  // namespace fmha

@@ -36,6 +36,25 @@ struct Seq {
 
 FMHA_HD int clamp_to(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
 
+// ---- KV caches (docs/semantics.md, "KV caches"): sequence b holds cache_seqlens[b] +
+// seqlen_new rows, the cached count clamped into [0, capacity - seqlen_new] like the varlen
+// offsets (the host refuses other values before a kernel runs; the CUDA kernels, which do
+// not read device memory on the host, refuse them on the device and must stay in bounds
+// until they do).
+FMHA_HD int cache_rows(const FwdParams& p, int b) {
+  return clamp_to(p.cache_seqlens[b], 0, p.seqlen_k - p.seqlen_new) + p.seqlen_new;
+}
+// Element offset of cache row j of sequence b (head 0): b * batch_stride + j * row_stride
+// for a contiguous cache; row j % block_size of block block_table[b][j / block_size] of a
+// paged one (batch_stride then steps from block to block). Entries are trusted: callers
+// check them first.
+FMHA_HD int64_t cache_row_offset(const FwdParams& p, int b, int64_t batch_stride,
+                                 int64_t row_stride, int j) {
+  if (!p.block_table) return b * batch_stride + int64_t(j) * row_stride;
+  const int block = p.block_table[b * p.block_table_stride + j / p.block_size];
+  return block * batch_stride + int64_t(j % p.block_size) * row_stride;
+}
+
 // Varlen: offsets in device memory are never validated (reading them on the host would
 // synchronise with the GPU), so each sequence is clamped here, once per CTA: first row into
 // [0, total], end into [first, total], length capped at the maximum (seqlen_q / seqlen_k).
@@ -53,11 +72,10 @@ FMHA_HD Seq seq_of(const FwdParams& p, int b) {
     s.sk = k_end - s.k_first < p.seqlen_k ? k_end - s.k_first : p.seqlen_k;
 #if !defined(__CUDA_ARCH__)
   } else if (p.cache_seqlens) {
-    // A cache holds cache_seqlens[b] + seqlen_new rows, clamped to its capacity like the
-    // varlen offsets. Host code only: the CUDA kernels take no KV caches yet (check_params
-    // refuses them), and the branch cost a register spill in the sm_80 backward.
+    // Host code only: the CUDA decode kernel (cuda/flash_decode.cuh) calls cache_rows itself,
+    // and in the flash kernels, which never see a cache, the branch cost a register spill.
     s.sq = p.seqlen_q;
-    s.sk = clamp_to(p.cache_seqlens[b], 0, p.seqlen_k - p.seqlen_new) + p.seqlen_new;
+    s.sk = cache_rows(p, b);
 #endif
   } else {
     s.sq = p.seqlen_q;

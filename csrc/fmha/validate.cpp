@@ -72,8 +72,6 @@ void check_params(const FwdParams& p, Backend backend) {
                  "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
                  p.window_left, " and ", p.window_right);
   if (p.cache_seqlens) {
-    FMHA_CHECK_ARG(backend == Backend::kCpu,
-                   "KV caches (cache_seqlens): the CUDA kernels do not take them yet");
     FMHA_CHECK_ARG(!p.cu_seqlens_q && !p.bias.ptr && !p.mask.ptr && p.dropout_p == 0.0,
                    "KV caches (cache_seqlens): cu_seqlens, bias, mask and dropout do not apply");
     FMHA_CHECK_ARG(p.seqlen_new >= 0 && p.seqlen_new <= p.seqlen_k,

@@ -19,6 +19,7 @@
 #include "bindings/params_from_dlpack.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
+#include "cuda/flash_decode.h"
 #include "cuda/flash_fwd.h"
 #include "cuda/testing/gemm_tc.h"
 #include "cuda/testing/probes.h"
@@ -365,6 +366,21 @@ void emu_forward(py::object q, py::object k, py::object v, py::object out, py::o
   launch_emulated(c.p, [](const fmha::FwdParams& p, void* s) { fmha::gpu::launch_flash_fwd(p, s); });
 }
 
+// fmha._C.forward_kvcache's signature, run by the emulated CUDA decode (launch_flash_decode):
+// the lengths and block table are not read on the host, as with CUDA arrays. Returns the
+// number of key splits over the capacity.
+int emu_forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::object out,
+                        py::object lse, py::object k, py::object v, py::object cache_seqlens,
+                        py::object block_table, py::object alibi, py::kwargs kw) {
+  const auto c = fmha::bind::kvcache_call(q, k_cache, v_cache, out, lse, k, v, cache_seqlens,
+                                          block_table, alibi, kw);
+  int splits = 0;
+  launch_emulated(c.p, [&](const fmha::FwdParams& p, void* s) {
+    splits = fmha::gpu::launch_flash_decode(p, s);
+  });
+  return splits;
+}
+
 void emu_backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
                   py::object lse, py::object dq, py::object dk, py::object dv,
                   py::object dbias, py::object bias, py::object mask, py::object alibi,
@@ -442,6 +458,17 @@ PYBIND11_MODULE(_cuda_emu, m) {
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
+  m.def("forward_kvcache", &emu_forward_kvcache, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
+        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
+        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
+        "fmha._C.forward_kvcache's signature and keyword settings, on host float16/bfloat16 "
+        "arrays, run by the emulated CUDA decode (launch_flash_decode: device-side checks, "
+        "append, split-KV attention, combine). The arrays stand for GPU memory: cache_seqlens "
+        "and block_table are not read on the host. Returns the number of key splits.");
+  m.def("kvcache_refusals", &fmha::gpu::kvcache_refusals, py::arg("clear") = true,
+        "The KvCacheRefusal bits (1 length < 0, 2 over capacity, 4 block out of range) of "
+        "refused forward_kvcache calls since the last clear.");
   fmha::bind::def_forward_backward(
       m, &emu_forward, &emu_backward,
       "fmha._C.forward's signature and keyword settings, on host float16/bfloat16 arrays, "

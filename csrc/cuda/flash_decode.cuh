@@ -1,0 +1,363 @@
+// Decode over KV caches on CUDA: FlashDecoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding
+// for long-context inference", 2023) over contiguous or paged caches (Kwon et al.,
+// "Efficient Memory Management for Large Language Model Serving with PagedAttention", 2023),
+// written only with the wrappers of cuda/primitives.cuh so that it runs on sm_80+ GPUs and,
+// in CI, under the SIMT emulator. Semantics: docs/semantics.md, "KV caches".
+//
+// One call is three kernels on the caller's stream, and never a host synchronisation:
+//   1. kvcache_check_kernel: the lengths and block-table entries (device memory) against
+//      the capacity and the pool; one CTA writes the call's refusal code.
+//   2. kvcache_append_kernel: k_new / v_new into rows cache_seqlens[b] ... of each cache,
+//      unless the call was refused.
+//   3. flash_decode_kernel, then (with splits) flash_fwd_combine_kernel (cuda/flash_fwd.cuh).
+//
+// Decode has few query rows and many keys, so the work is cut along the keys. One CTA per
+// (row block, key split, kv head, batch):
+//   - Rows. The kv head's whole GQA group, seqlen_q x heads_q / heads_kv query rows ordered
+//     (query, head), is one set of rows: each key row is read once for all the query heads
+//     that share it. kRows rows per CTA (4 or 8); longer groups take more row blocks.
+//   - Keys. Split s owns keys [s * split_keys, (s + 1) * split_keys) of its sequence, at
+//     positions fixed by the call's shape (never by the capacity or the pool layout: paged
+//     and contiguous caches give bitwise-equal results); the 4 warps take its 32-key chunks
+//     in turn, each with its own softmax state, merged through shared memory at the end.
+//   - Per chunk, per warp (Algorithm 1 of FlashAttention-2 with one key per lane):
+//       S   = q K^T     lane t reads key row t (16-byte loads, through the block table) and
+//                       dots it with the CTA's q rows, held in shared memory as float32
+//       m'  = max(m, rowmax S)    (warp shuffles), P = exp2(S - m'), l = l exp2(m - m') + P
+//       O   = O exp2(m - m') + P V   P goes through shared memory; lane t owns head dims
+//                       [t * kCols, (t + 1) * kCols) of O and reads them of each V row
+//                       (coalesced), so no reduction over the head dim is needed
+//     A chunk that holds a pair of zero weight for some row (the window's edge) skips the
+//     product for those pairs instead of multiplying, so a NaN in a V row nobody sees stays
+//     out (docs/semantics.md, "Non-finite inputs").
+//   - Splits write float32 partial O (normalised) and lse; the combine merges them by lse.
+//     Without splits the CTA writes out and lse itself.
+//
+// Prediction, unconfirmed (no GPU has run this kernel; cuda/NOTES.md): the loads are
+// independent across lanes and chunks and the CUDA-core FMAs per key row are 2 x rows x
+// head_dim, so for GQA groups up to 8 the kernel should stream the cache at a large fraction
+// of HBM bandwidth; a group of 16 or more rows would want the tensor cores.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/flash_decode.h"
+#include "cuda/flash_fwd.cuh"  // FwdLaunch and flash_fwd_combine_kernel
+#include "cuda/primitives.cuh"
+#include "cuda/score.cuh"
+
+namespace fmha {
+namespace gpu {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = 32 * kDecodeWarps;
+constexpr int kDecodeChunk = 32;        // keys per warp step: one per lane
+constexpr int kDecodeSplitKeys = 256;   // keys per split unless num_splits says otherwise
+
+// FwdLaunch's split fields (num_splits over the capacity, split_keys, the partials) plus:
+struct DecodeLaunch : FwdLaunch {
+  int rows = 0;         // query rows per kv head: seqlen_q * (heads_q / heads_kv)
+  int row_blocks = 1;   // blockIdx.x = split * row_blocks + row block
+  const int* refused = nullptr;  // the call's refusal code (kvcache_check_kernel)
+};
+
+namespace decode_detail {
+
+// Eight 16-bit elements, one 16-byte load.
+struct __align__(16) Pack8 {
+  uint32_t w[4];
+};
+
+// x[0..7] = row[c .. c + 8) as float, zero past n (the head dim); 16-byte loads when vec.
+template <typename T>
+FMHA_DEVICE void load8(const T* row, int c, int n, bool vec, float (&x)[8]) {
+  if (vec && c + 8 <= n) {
+    const Pack8 v = *reinterpret_cast<const Pack8*>(row + c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[2 * e] = to_float(from_bits<T>(uint16_t(v.w[e] & 0xFFFFu)));
+      x[2 * e + 1] = to_float(from_bits<T>(uint16_t(v.w[e] >> 16)));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = c + e < n ? to_float(row[c + e]) : 0.0f;
+  }
+}
+
+// x[0..kCols) = row[c0 .. c0 + kCols) as float, zero past n.
+template <typename T, int kCols>
+FMHA_DEVICE void load_cols(const T* row, int c0, int n, bool vec, float (&x)[kCols]) {
+  if constexpr (kCols == 8) {
+    load8(row, c0, n, vec, x);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kCols; ++e) x[e] = c0 + e < n ? to_float(row[c0 + e]) : 0.0f;
+  }
+}
+
+FMHA_DEVICE float warp_max(float x) {
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x = fmaxf(x, shfl_xor(x, w));
+  return x;
+}
+FMHA_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int w = 16; w >= 1; w /= 2) x += shfl_xor(x, w);
+  return x;
+}
+
+}  // namespace decode_detail
+
+// 1. The call's lengths and block table against the capacity and the pool: one CTA, which
+// writes the call's KvCacheRefusal bits to *refused and ORs them into *flag (sticky).
+// A length is checked before the blocks it implies are (a refused length reads no table).
+__global__ void __launch_bounds__(kDecodeThreads)
+    kvcache_check_kernel(FwdParams p, int* refused, int* flag) {
+  int code = 0;
+  for (int b = threadIdx.x; b < p.batch; b += kDecodeThreads) {
+    const int64_t len = p.cache_seqlens[b];
+    if (len < 0) code |= kRefusedLength;
+    else if (len + p.seqlen_new > p.seqlen_k) code |= kRefusedCapacity;
+  }
+  if (p.block_table) {
+    const int max_blocks = p.seqlen_k / p.block_size;
+    const int64_t entries = int64_t(p.batch) * max_blocks;
+    for (int64_t e = threadIdx.x; e < entries; e += kDecodeThreads) {
+      const int b = int(e / max_blocks), i = int(e % max_blocks);
+      const int64_t len = p.cache_seqlens[b];
+      if (len < 0 || len + p.seqlen_new > p.seqlen_k) continue;  // refused above
+      if (int64_t(i) * p.block_size >= len + p.seqlen_new) continue;  // never read
+      const int block = p.block_table[b * p.block_table_stride + i];
+      if (block < 0 || block >= p.num_blocks) code |= kRefusedBlock;
+    }
+  }
+  int all = 0;
+#pragma unroll
+  for (int bit = 1; bit <= kRefusedBlock; bit *= 2)
+    if (__syncthreads_or(code & bit)) all |= bit;
+  if (threadIdx.x == 0) {
+    *refused = all;
+    if (all) *flag |= all;
+  }
+}
+
+// 2. k_new / v_new row t of sequence b, kv head blockIdx.y, into cache row
+// cache_seqlens[b] + t: grid (seqlen_new, heads_kv, batch).
+template <typename T>
+__global__ void __launch_bounds__(kDecodeThreads)
+    kvcache_append_kernel(FwdParams p, const int* refused) {
+  if (*refused) return;  // the whole call is refused: nothing is written
+  const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int j = p.cache_seqlens[b] + t;
+  T* k = static_cast<T*>(const_cast<void*>(p.k)) + h * p.k_head_stride +
+         score::cache_row_offset(p, b, p.k_batch_stride, p.k_row_stride, j);
+  T* v = static_cast<T*>(const_cast<void*>(p.v)) + h * p.v_head_stride +
+         score::cache_row_offset(p, b, p.v_batch_stride, p.v_row_stride, j);
+  const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_batch_stride +
+                int64_t(t) * p.k_new_row_stride + h * p.k_new_head_stride;
+  const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_batch_stride +
+                int64_t(t) * p.v_new_row_stride + h * p.v_new_head_stride;
+  for (int c = threadIdx.x; c < p.head_dim; c += kDecodeThreads) k[c] = kn[c];
+  for (int c = threadIdx.x; c < p.head_dim_v; c += kDecodeThreads) v[c] = vn[c];
+}
+
+// Shared memory of flash_decode_kernel, in floats.
+template <int kHeadDim, int kRows>
+constexpr int decode_smem_floats() {
+  return kRows * kHeadDim                       // q rows
+         + kDecodeWarps * kRows * kDecodeChunk  // each warp's P of its chunk
+         + kDecodeWarps * kRows * (kHeadDim + 2);  // each warp's O, m, l for the merge
+}
+
+// 3. Attention of kRows query rows of kv head blockIdx.y's group over one key split.
+template <typename T, int kHeadDim, int kRows>
+__global__ void __launch_bounds__(kDecodeThreads)
+    flash_decode_kernel(FwdParams p, DecodeLaunch launch) {
+  using namespace decode_detail;
+  constexpr int kCols = kHeadDim / 32;  // O columns per lane
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int row_block = blockIdx.x % launch.row_blocks, split = blockIdx.x / launch.row_blocks;
+  const int hkv = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads_q / p.heads_kv;
+  const int row0 = row_block * kRows;
+  const int rows = min(kRows, launch.rows - row0);
+
+  score::Seq seq;
+  seq.sq = p.seqlen_q;
+  seq.sk = score::cache_rows(p, b);
+  seq.off = seq.sk - seq.sq;  // bottom-right: the last query is the last row
+  if (split >= launch.splits_for(seq.sk)) return;  // past the sequence: unread
+  const bool refused = *launch.refused != 0;
+
+  FMHA_DYNAMIC_SHARED(float, smem);
+  float* q_s = smem;                                      // [kRows][kHeadDim]
+  float* p_s = q_s + kRows * kHeadDim;                    // [warp][kRows][kDecodeChunk]
+  float* o_s = p_s + kDecodeWarps * kRows * kDecodeChunk;  // [warp][kRows][kHeadDim]
+  float* ml_s = o_s + kDecodeWarps * kRows * kHeadDim;     // [warp][kRows][2]: m, l
+
+  // Row r of the CTA is query i = (row0 + r) / group of head hkv * group + (row0 + r) % group.
+  int ri[kRows], rh[kRows];
+  float slope[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = row0 + (r < rows ? r : 0);
+    ri[r] = row / group;
+    rh[r] = hkv * group + row % group;
+    slope[r] = float(score::alibi_slope(p, b, rh[r]));
+  }
+  for (int e = threadIdx.x; e < kRows * kHeadDim; e += kDecodeThreads) {
+    const int r = e / kHeadDim, c = e % kHeadDim;
+    const int row = row0 + r;
+    float x = 0.0f;
+    if (r < rows && c < p.head_dim)
+      x = to_float(static_cast<const T*>(p.q)[b * p.q_batch_stride +
+                                               int64_t(row / group) * p.q_row_stride +
+                                               (hkv * group + row % group) * p.q_head_stride + c]);
+    q_s[e] = x;
+  }
+  __syncthreads();
+
+  // Keys of this split that some row of the CTA sees (rows grow with r, and so do windows).
+  const int left = p.window_left, right = p.window_right;
+  int j_begin = split * launch.split_keys;
+  int j_end = min(j_begin + launch.split_keys, seq.sk);
+  j_begin = max(j_begin, score::key_lo(seq, left, ri[0]));
+  j_end = min(j_end, score::key_hi(seq, right, (row0 + rows - 1) / group) + 1);
+  if (refused) j_end = j_begin;  // read nothing; the rows are written as NaN
+
+  const T* K = static_cast<const T*>(p.k) + hkv * p.k_head_stride;
+  const T* V = static_cast<const T*>(p.v) + hkv * p.v_head_stride;
+  float m[kRows], l[kRows], acc[kRows][kCols];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  }
+  float* my_p = p_s + warp * kRows * kDecodeChunk;
+
+  for (int c0 = j_begin + warp * kDecodeChunk; c0 < j_end; c0 += kDecodeWarps * kDecodeChunk) {
+    // S for key j = c0 + lane: this lane's key row against every q row.
+    const int j = c0 + lane;
+    const bool key_in = j < j_end;
+    float s[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) s[r] = 0.0f;
+    // The V row of this lane's key, passed to the others in the P V loop below: in a paged
+    // cache, the block and the row in it (the table is read once per key).
+    int v_block = b, v_row = j;
+    if (key_in) {
+      if (p.block_table) {
+        v_block = p.block_table[b * p.block_table_stride + j / p.block_size];
+        v_row = j % p.block_size;
+      }
+      const T* krow = K + v_block * p.k_batch_stride + int64_t(v_row) * p.k_row_stride;
+#pragma unroll
+      for (int c = 0; c < kHeadDim; c += 8) {
+        float x[8];
+        load8(krow, c, p.head_dim, launch.vec, x);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[r] = fmaf(q_s[r * kHeadDim + c + e], x[e], s[r]);
+      }
+    }
+    // Logits, online softmax. `clean`: every row sees this lane's key (or it is past the end).
+    bool clean = true;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      bool vis = key_in && r < rows && score::key_visible(seq, left, right, ri[r], j);
+      if (key_in && r < rows && !vis) clean = false;
+      float dcap;
+      float x = score::logit_log2(p, seq, s[r], b, rh[r], ri[r], j, slope[r], vis, dcap);
+      x = vis ? x : -INFINITY;
+      const float m_new = fmaxf(m[r], warp_max(x));
+      // Nothing seen yet (m_new = -inf): P = 0 and the state stays; exp2(-inf - -inf) is NaN.
+      const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m[r] - m_new);
+      const float pr = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);
+      m[r] = m_new;
+      l[r] = l[r] * alpha + pr;  // this lane's share; summed over the warp at the end
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
+      my_p[r * kDecodeChunk + lane] = pr;
+    }
+    const bool all_clean = warp_ballot(!clean) == 0;
+    __syncwarp();
+    // O += P V over the chunk's keys; lane owns columns [lane * kCols, (lane + 1) * kCols).
+    const int n = min(kDecodeChunk, j_end - c0);
+    for (int t = 0; t < n; ++t) {
+      const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
+      float x[kCols];
+      load_cols<T, kCols>(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride,
+                          lane * kCols, p.head_dim_v, launch.vec, x);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float pr = my_p[r * kDecodeChunk + t];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c)
+          acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[c], acc[r][c]) : acc[r][c];
+      }
+    }
+    __syncwarp();  // my_p is rewritten by the next chunk
+  }
+
+  // ---- merge the warps: O = sum_w exp2(m_w - M) O_w / sum_w exp2(m_w - M) l_w, M = max m_w.
+  float* my_o = o_s + warp * kRows * kHeadDim;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float lr = warp_sum(l[r]);
+    if (lane == 0) {
+      ml_s[(warp * kRows + r) * 2] = m[r];
+      ml_s[(warp * kRows + r) * 2 + 1] = lr;
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) my_o[r * kHeadDim + lane * kCols + c] = acc[r][c];
+  }
+  __syncthreads();
+
+  const bool partial = launch.num_splits > 1;
+  const int dv = p.head_dim_v;
+  for (int e = threadIdx.x; e < kRows * kHeadDim; e += kDecodeThreads) {
+    const int r = e / kHeadDim, col = e % kHeadDim;
+    if (r >= rows || col >= dv) continue;
+    // The largest m, NaN if any warp's is (fmaxf would drop it).
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = ml_s[(w * kRows + r) * 2];
+      mx = mx != mx || mw != mw ? mx + mw : fmaxf(mx, mw);
+    }
+    float sum_l = 0.0f, sum_o = 0.0f;
+    if (mx != -INFINITY)
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float mw = ml_s[(w * kRows + r) * 2];
+        if (mw == -INFINITY) continue;  // this warp saw no key of the row
+        const float scale = exp2f(mw - mx);
+        sum_l += scale * ml_s[(w * kRows + r) * 2 + 1];
+        sum_o += scale * o_s[(w * kRows + r) * kHeadDim + col];
+      }
+    // A row with no visible key: out 0, lse -inf; a NaN score made sum_l NaN: NaN. A refused
+    // call: NaN everywhere.
+    float o = sum_l != 0.0f ? sum_o / sum_l : 0.0f;
+    float lse = sum_l != 0.0f ? (mx + log2f(sum_l)) * score::kLn2 : -INFINITY;
+    if (refused) o = lse = NAN;
+    const int row = row0 + r, i = row / group, h = hkv * group + row % group;
+    if (partial) {
+      const int64_t prow = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q + i;
+      launch.o_partial[prow * dv + col] = o;
+      if (col == 0) launch.lse_partial[prow] = lse;
+    } else {
+      static_cast<T*>(p.o)[b * p.o_batch_stride + int64_t(i) * p.o_row_stride +
+                           h * p.o_head_stride + col] = from_float<T>(o);
+      if (col == 0)
+        static_cast<float*>(p.lse)[b * p.lse_batch_stride + h * p.lse_head_stride +
+                                   int64_t(i) * p.lse_row_stride] = lse;
+    }
+  }
+}
+
+}  // namespace gpu
+}  // namespace fmha
