@@ -193,6 +193,31 @@ class _OnGpu:
         cls._copy_back(lse, d_lse)
 
     @classmethod
+    def forward_kvcache(cls, q, k_cache, v_cache, out, lse, k=None, v=None, cache_seqlens=None,
+                        block_table=None, alibi_slopes=None, **kw):
+        import torch
+        from fmha import _C
+
+        def tensor(x):  # torch callers pass DLPack capsules (fmha/_kvcache.py)
+            return torch.utils.dlpack.from_dlpack(x) if type(x).__name__ == "PyCapsule" else x
+        q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table = (
+            tensor(x) for x in (q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table))
+        caches, results = [_to_gpu(x) for x in (k_cache, v_cache)], [_to_gpu(out), _to_gpu(lse)]
+        kw["stream"] = torch.cuda.current_stream().cuda_stream
+        _C.forward_kvcache(_to_gpu(q), *caches, *results, _to_gpu(k), _to_gpu(v),
+                           _to_gpu(cache_seqlens), _to_gpu(block_table), _to_gpu(alibi_slopes),
+                           **kw)
+        torch.cuda.synchronize()
+        for host, dev in zip((k_cache, v_cache, out, lse), caches + results):
+            cls._copy_back(host, dev)
+
+    @staticmethod
+    def kvcache_refusals(clear=True):
+        import torch
+        from fmha import _C
+        return _C.cuda_kvcache_refusals(torch.cuda.current_device(), clear)
+
+    @classmethod
     def backward(cls, dout, q, k, v, out, lse, dq, dk, dv, dbias=None, **kw):
         import torch
         from fmha import _C

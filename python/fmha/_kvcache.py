@@ -12,19 +12,19 @@ from typing import Optional
 
 import numpy as np
 
-from . import _C
+from . import _core
 from ._core import get_num_threads
 from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
                         device_of, dtype_name, kind_of)
 
 
-def _int32_array(name, x, kind, ndim, batch=None):
+def _int32_array(name, x, kind, ndim, batch=None, device="cpu"):
     """cache_seqlens / block_table: an int32 array of q's kind (an int for cache_seqlens is
     the same length for every sequence)."""
     if name == "cache_seqlens" and isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         if kind == "torch":
             import torch
-            return torch.full((batch,), int(x), dtype=torch.int32)
+            return torch.full((batch,), int(x), dtype=torch.int32, device=device)
         return np.full((batch,), int(x), dtype=np.int32)
     _check_array(name, x, kind, (ndim,))
     if dtype_name(x) != "int32":
@@ -63,12 +63,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     What the call updates: the caches' appended rows, nothing else. ``cache_seqlens`` stays
     the caller's to advance (by seqlen_new), as in flash-attn. Every argument, including the
     values of cache_seqlens and block_table, is checked before the first write: a refused
-    call leaves the caches unchanged.
+    call leaves the caches unchanged. On the CPU a refused call raises. On CUDA the values
+    of cache_seqlens and block_table are checked by the kernels, on the device (no host
+    synchronisation; the call can be captured in a CUDA graph): a refused call writes
+    nothing into the caches, returns NaN in out and lse, and is reported by
+    :func:`check_refused`.
 
     Forward only (inference; no gradient flows). Returns out (batch, seqlen_q, heads_q,
     head_dim_v), or (out, lse) with lse (batch, heads_q, seqlen_q) float32 (float64 for
-    float64 inputs) when return_lse, for :func:`fmha.merge_states`. num_splits is validated
-    and reserved for the CUDA kernels. Torch tensors and NumPy arrays on the CPU.
+    float64 inputs) when return_lse, for :func:`fmha.merge_states`. num_splits (CUDA): 0
+    splits each sequence's keys into 256-key ranges (FlashDecoding), n > 0 cuts the capacity
+    into n ranges; the CPU ignores it. Torch tensors and NumPy arrays on the CPU
+    (float64/float32/bfloat16/float16), torch tensors on CUDA (float16/bfloat16, head_dim
+    <= 256).
     """
     kind = kind_of(q)
     if not kind:
@@ -90,10 +97,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if dt not in ("float64", "float32", "bfloat16", "float16"):
         _check_float("q", q)
     device = device_of(q)
-    if device != "cpu":
-        raise NotImplementedError(
-            f"q: on {device}; attention_with_kvcache runs on the CPU in this version (the CUDA "
-            "kernels do not take KV caches yet)")
     batch, seqlen_q, heads_q, head_dim = q.shape
     if seqlen_q < 1:
         raise ValueError(f"q: seqlen_q must be >= 1, got shape {tuple(q.shape)}")
@@ -110,7 +113,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if kind == "torch" and x.requires_grad:
             raise ValueError(f"{name}: requires grad; attention_with_kvcache writes the cache "
                              "in place and is forward-only (pass a tensor without grad)")
-    cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch)
+    cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch,
+                                 q.device if kind == "torch" else "cpu")
     if block_table is not None:
         block_table = _int32_array("block_table", block_table, kind, 2)
     if not isinstance(causal, (bool, np.bool_)):
@@ -139,10 +143,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         import torch
         from torch.utils.dlpack import to_dlpack
         q, k, v = (None if x is None else _last_dim_contiguous(x) for x in (q, k, v))
-        out = torch.empty(out_shape, dtype=q.dtype)
-        lse = torch.empty(lse_shape, dtype=torch.float64 if dt == "float64" else torch.float32)
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float64 if dt == "float64" else torch.float32,
+                          device=q.device)
         if alibi_slopes is not None:
-            a = alibi_slopes.detach().to(torch.float64)
+            a = alibi_slopes.detach().to(device=q.device, dtype=torch.float64)
             alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(batch, heads_q)
         # DLPack capsules: torch.utils.dlpack.to_dlpack costs a tenth of Tensor.__dlpack__
         # (the checks it skips are made above; the caches are written through theirs).
@@ -160,5 +165,46 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
               num_threads=get_num_threads())
     if num_splits:
         kw["num_splits"] = num_splits
-    _C.forward_kvcache(*args, alibi_slopes, **kw)
+    if device != "cpu":
+        import torch
+        kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
+    _core._kernels.forward_kvcache(*args, alibi_slopes, **kw)
     return (out, lse) if return_lse else out
+
+
+#: The bits of the CUDA kernels' refusal flag (csrc/cuda/flash_decode.h, KvCacheRefusal).
+_REFUSALS = (
+    (1, "cache_seqlens: an entry was negative"),
+    (2, "cache_seqlens: an entry plus the new rows exceeded the cache's capacity"),
+    (4, "block_table: a sequence read or wrote a block outside [0, num_blocks)"),
+)
+
+
+def check_refused(device=None):
+    """Raises ValueError if a CUDA call of :func:`attention_with_kvcache` on ``device``
+    (default: the current one) was refused since the last check, and resets the record.
+
+    On CUDA, ``cache_seqlens`` and ``block_table`` stay on the device: reading them on the
+    host would synchronise every decode step. The kernels check them instead, and a call
+    they refuse writes nothing into the caches and returns NaN in every row of ``out`` and
+    ``lse`` (docs/semantics.md, "KV caches"). This function synchronises with the device, so
+    call it where a synchronisation is cheap (after a generation step, in tests). On the
+    CPU every call is checked before it runs and raises at once: nothing is recorded.
+    """
+    from ._validate import _describe
+    if device is None:
+        import torch
+        device = torch.cuda.current_device()
+    index = getattr(device, "index", device)
+    if index is None:
+        import torch
+        index = torch.cuda.current_device()
+    if not isinstance(index, int):
+        raise TypeError(f"device: expected a CUDA device or its index, got {_describe(device)}")
+    module = _core._kernels
+    bits = (module.cuda_kvcache_refusals(index, True) if hasattr(module, "cuda_kvcache_refusals")
+            else module.kvcache_refusals(True))
+    if bits:
+        raise ValueError("attention_with_kvcache refused a call on the device (its caches are "
+                         "unchanged, its out and lse NaN): " +
+                         "; ".join(text for bit, text in _REFUSALS if bits & bit))

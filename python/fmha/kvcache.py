@@ -6,7 +6,7 @@ The semantics (which rows a query sees, what is written) are in docs/semantics.m
 "KV caches"; ``fmha.reference.attention_with_kvcache`` is their executable form.
 """
 
-from ._kvcache import attention_with_kvcache
+from ._kvcache import attention_with_kvcache, check_refused
 from .paged import PagedKVCache
 
-__all__ = ["attention_with_kvcache", "PagedKVCache"]
+__all__ = ["attention_with_kvcache", "check_refused", "PagedKVCache"]

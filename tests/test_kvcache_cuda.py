@@ -1,0 +1,259 @@
+"""fmha.kvcache.attention_with_kvcache on the CUDA decode kernels (csrc/cuda/flash_decode.cuh):
+under the SIMT emulator (backend ``emu``) and on a real GPU (``gpu``), through the public
+function (conftest's ``backend`` fixture swaps the kernel module behind it).
+
+The same checks as tests/test_kvcache.py for the CPU, in float16 / bfloat16: the reference
+with contiguous and paged caches (block sizes 1, 7, 16), ragged lengths including 0, GQA
+and MQA, causal, windows, ALiBi, softcap, appends; key splits (FlashDecoding) and their
+merge; paged == contiguous bitwise; token-by-token decode == one causal prefill. And what
+is CUDA's own: cache_seqlens and block_table are checked on the device, so a bad value is
+refused there -- caches byte for byte unchanged, out and lse NaN, and the refusal reported
+by fmha.kvcache.check_refused -- and a NaN in a V row no query sees stays out.
+
+Unused cache rows are NaN and table entries past a sequence's rows are out-of-range block
+ids (test_kvcache.Caches): the kernels must read neither. The emulator runs one OS thread
+per CUDA thread: shapes stay small.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fmha
+from fmha import reference
+from fmha.kvcache import attention_with_kvcache, check_refused
+from conftest import to_f64
+from test_kvcache import (CASES, CONTIGUOUS, Caches, _alibi, assert_near, convert, copy, int32,
+                          raw)
+
+pytestmark = [pytest.mark.backends("emu", "gpu"), pytest.mark.usefixtures("backend")]
+
+#: bfloat16 stores out with 8 bits of mantissa (test_kvcache's rule); float16 with 11.
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}
+LIB_DTYPES = [("numpy", "float16"), ("torch", "bfloat16")]
+
+
+def lib_dtype(i):
+    """The (lib, dtype) pairs in turn, so each case runs in one of them."""
+    return LIB_DTYPES[i % len(LIB_DTYPES)]
+
+
+def call(q, k_cache, v_cache, k, v, lens, table, **kw):
+    return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                  block_table=table, return_lse=True, **kw)
+
+
+def check_case(rng, spec, layout, lib, dtype, capacity=37, lens=None, **extra):
+    """spec: (heads_q, heads_kv, seqlen_q, seqlen_new, head_dim, head_dim_v, keywords), as
+    test_kvcache.CASES."""
+    if lib == "torch":
+        pytest.importorskip("torch")
+    hq, hkv, sq, sn, d, dv, kw = spec
+    kw = dict(kw, **extra)
+    cap = capacity if layout == CONTIGUOUS else -(-capacity // layout) * layout
+    if lens is None:
+        lens = [0, int(rng.integers(1, cap - sn)), cap - sn]
+    batch = len(lens)
+    caches = Caches(rng, lens, capacity, hkv, d, dv, None if layout == CONTIGUOUS else layout,
+                    reserve=sn)
+    k_cache, v_cache, table = caches.arrays(dtype, lib)
+    q = convert(rng.standard_normal((batch, sq, hq, d)), dtype, lib)
+    k = v = None
+    if sn:
+        k = convert(rng.standard_normal((batch, sn, hkv, d)), dtype, lib)
+        v = convert(rng.standard_normal((batch, sn, hkv, dv)), dtype, lib)
+    alibi = _alibi(rng, kw.pop("alibi", None), batch, hq, lib)
+    before_k, before_v = copy(k_cache), copy(v_cache)
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        to_f64(q), to_f64(k_cache), to_f64(v_cache), to_f64(k), to_f64(v), cache_seqlens=lens,
+        block_table=caches.table, alibi_slopes=to_f64(alibi),
+        **{n: x for n, x in kw.items() if n != "num_splits"})
+    out, lse = call(q, k_cache, v_cache, k, v, int32(lens, lib), table, alibi_slopes=alibi, **kw)
+    assert_near("out", out, ref_out, TOL[dtype])
+    assert_near("lse", lse, ref_lse, 1e-5)
+    want_k, want_v = caches.expected_after_append(before_k, before_v, k, v)
+    assert raw(k_cache) == raw(want_k) and raw(v_cache) == raw(want_v)
+    check_refused(0)  # nothing was refused
+
+
+# ============================================================================ 1. reference
+
+GRID = [(case, layout) for case in CASES for layout in (CONTIGUOUS, 1, 7, 16)]
+
+
+@pytest.mark.parametrize("i", range(len(GRID)), ids=[f"{c}-{'bs%s' % l if l != CONTIGUOUS else l}"
+                                                     for c, l in GRID])
+def test_matches_reference_and_writes_only_the_appended_rows(rng, i):
+    case, layout = GRID[i]
+    check_case(rng, CASES[case], layout, *lib_dtype(i))
+
+
+# Key splits: capacities past 256 keys split each sequence at 256-key positions (or into
+# num_splits ranges of the capacity); sequences of 0, < 256, = 256 and > 512 rows.
+SPLITS = {
+    "decode-gqa-default-splits": ("chunked-prefill-gqa-causal", CONTIGUOUS, {}),
+    "paged-bs16-window-mqa": ("mqa-causal-window-3-0", 16, {}),
+    "alibi-softcap-num-splits-5": ("alibi-heads-softcap-scale", 7, dict(num_splits=5)),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLITS))
+def test_key_splits_match_reference(rng, case):
+    name, layout, extra = SPLITS[case]
+    lib, dtype = lib_dtype(list(SPLITS).index(case))
+    sn = CASES[name][3]
+    check_case(rng, CASES[name], layout, lib, dtype, capacity=600, lens=[0, 256 - sn, 589],
+               **extra)
+
+
+def test_head_dims_and_wide_groups(rng):
+    """head_dim 128 (16-byte loads), 40 (a tail in the 64 tile), a head_dim_v of 96 and a
+    GQA group of 12 rows (two row blocks of 8)."""
+    for hq, hkv, d, dv, sq in ((4, 2, 128, 128, 1), (2, 1, 40, 96, 1), (12, 2, 32, 32, 2)):
+        check_case(rng, (hq, hkv, sq, 1, d, dv, dict(causal=True)), 5, "numpy", "float16",
+                   capacity=23)
+
+
+# ============================================================================ 2. bitwise
+
+def _pool(rows, lens, block_size, max_blocks, rng):
+    """rows (batch, n, heads, d) as a pool of scattered blocks of block_size rows (2 spare)
+    and its table; rows past lens[b] (+ room for the append) are left NaN."""
+    batch = rows.shape[0]
+    num_blocks = batch * max_blocks + 2
+    table = rng.permutation(num_blocks)[:batch * max_blocks].reshape(batch, max_blocks)
+    pool = np.full((num_blocks, block_size) + rows.shape[2:], np.nan, rows.dtype)
+    for b in range(batch):
+        for j in range(lens[b]):
+            pool[table[b, j // block_size], j % block_size] = rows[b, j]
+    return pool, table.astype(np.int32)
+
+
+@pytest.mark.parametrize("sq,causal", [(1, False), (3, True)])
+def test_paged_equals_contiguous_bitwise(rng, sq, causal):
+    """The same rows, contiguous (capacity 560) and paged (block sizes 16 and 7, other
+    capacities): equal out and lse, also across key splits."""
+    lens, hq, hkv, d = [300, 5], 4, 2, 32
+    q, k, v = (convert(rng.standard_normal((2, sq, h, d)), "float16", "numpy")
+               for h in (hq, hkv, hkv))
+    k_rows, v_rows = (convert(rng.standard_normal((2, 560, hkv, d)), "float16", "numpy")
+                      for _ in range(2))
+    for b, n in enumerate(lens):
+        k_rows[b, n:] = v_rows[b, n:] = np.nan
+    results = [call(q, k_rows.copy(), v_rows.copy(), k, v, int32(lens, "numpy"), None,
+                    causal=causal)]
+    for block_size, max_blocks in ((16, 25), (7, 46)):
+        (kp, table), (vp, _) = (_pool(x, lens, block_size, max_blocks,
+                                      np.random.default_rng(3)) for x in (k_rows, v_rows))
+        results.append(call(q, kp, vp, k, v, int32(lens, "numpy"), table, causal=causal))
+    for out, lse in results[1:]:
+        assert raw(out) == raw(results[0][0]) and raw(lse) == raw(results[0][1])
+
+
+def test_token_by_token_decode_equals_one_causal_prefill(rng):
+    batch, n, prefill, hq, hkv, d = 2, 9, 4, 4, 2, 32
+    q_all = convert(rng.standard_normal((batch, n, hq, d)), "float16", "numpy")
+    k_all = convert(rng.standard_normal((batch, n, hkv, d)), "float16", "numpy")
+    v_all = convert(rng.standard_normal((batch, n, hkv, d)), "float16", "numpy")
+    caches = Caches(rng, [0] * batch, 12, hkv, d, d, 4, reserve=12)
+    k_cache, v_cache, table = caches.arrays("float16", "numpy")
+    seqlens = np.zeros(batch, np.int32)
+    outs = []
+    for a, z in [(0, prefill)] + [(t, t + 1) for t in range(prefill, n)]:
+        out, _ = call(q_all[:, a:z], k_cache, v_cache, k_all[:, a:z], v_all[:, a:z], seqlens,
+                      table, causal=True)
+        outs.append(out)
+        seqlens += z - a
+    want = reference.attention_forward(q_all.astype(np.float64), k_all.astype(np.float64),
+                                       v_all.astype(np.float64), causal=True)[0]
+    assert_near("out", np.concatenate(outs, axis=1), want, TOL["float16"])
+    for b in range(batch):
+        assert raw(reference.kvcache_rows(k_cache, b, n, table)) == raw(k_all[b])
+
+
+# ============================================================================ 3. refusals
+
+def _refusal_base(rng):
+    """Batch 2, heads 4 / 2, head_dim 16, 2 new rows; pool of 8 blocks of 4 rows, tables
+    [[0, 1, 2], [3, 4, 5]] (capacity 12), lens [5, 6]."""
+    f16 = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
+    return dict(q=f16(2, 1, 4, 16), k_cache=f16(8, 4, 2, 16), v_cache=f16(8, 4, 2, 16),
+                k=f16(2, 2, 2, 16), v=f16(2, 2, 2, 16), lens=np.array([5, 6], np.int32),
+                table=np.array([[0, 1, 2], [3, 4, 5]], np.int32))
+
+
+REFUSED = {
+    "negative-length": (dict(lens=[5, -1]), "an entry was negative"),
+    "over-capacity": (dict(lens=[5, 11]), "exceeded the cache's capacity"),
+    "block-out-of-range": (dict(table=[[0, 1, 2], [3, 8, 5]]), r"outside \[0, num_blocks\)"),
+    "block-negative-read": (dict(table=[[-1, 1, 2], [3, 4, 5]]), r"outside \[0, num_blocks\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_device_refusal_writes_nothing_and_is_reported(rng, case):
+    change, message = REFUSED[case]
+    a = _refusal_base(rng)
+    for name, value in change.items():
+        a[name] = np.array(value, np.int32)
+    before = raw(a["k_cache"]), raw(a["v_cache"])
+    check_refused(0)  # a clean record to start from
+    out, lse = call(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["lens"], a["table"])
+    assert (raw(a["k_cache"]), raw(a["v_cache"])) == before
+    assert np.isnan(out.astype(np.float32)).all() and np.isnan(lse).all()
+    with pytest.raises(ValueError, match=message):
+        check_refused(0)
+    check_refused(0)  # reported once, then cleared
+    # The same call with good values goes through.
+    good = _refusal_base(rng)
+    out, _ = call(good["q"], good["k_cache"], good["v_cache"], good["k"], good["v"],
+                  good["lens"], good["table"])
+    assert np.isfinite(out.astype(np.float32)).all()
+    check_refused(0)
+
+
+def test_nan_in_rows_outside_the_window_stays_out(rng):
+    """Three queries with a causal window of 10 keys: V rows 61 and 62 hold NaN and Inf.
+    Queries 0 and 1 see them (their out is NaN, as the reference says); query 2's window
+    starts at row 63, so its out is finite though those rows sit in the chunk it reads."""
+    lens, hq, hkv, d, sq = [70], 4, 2, 32, 3
+    caches = Caches(rng, lens, 96, hkv, d, d, 8, reserve=sq)
+    k_cache, v_cache, table = caches.arrays("float16", "numpy")
+    for j in list(range(0, 40)) + [61, 62]:
+        blk, r = table[0, j // 8], j % 8
+        v_cache[blk, r, :, ::3] = np.nan
+        v_cache[blk, r, :, 1::3] = np.inf
+    q, k, v = (convert(rng.standard_normal((1, sq, h, d)), "float16", "numpy")
+               for h in (hq, hkv, hkv))
+    f64 = lambda x: x.astype(np.float64)  # noqa: E731
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        f64(q), f64(k_cache), f64(v_cache), f64(k), f64(v), cache_seqlens=lens,
+        block_table=table, window=(9, 0))
+    out, lse = call(q, k_cache, v_cache, k, v, int32(lens, "numpy"), table, window=(9, 0))
+    # Column by column, as IEEE arithmetic says (a NaN may stand for an Inf: semantics.md).
+    bad = ~np.isfinite(ref_out)
+    assert bad[:, :2, :, ::3].all() and bad[:, :2, :, 1::3].all() and not bad[:, 2].any()
+    out = out.astype(np.float64)
+    assert np.array_equal(~np.isfinite(out), bad)
+    assert np.abs(out[~bad] - ref_out[~bad]).max() <= TOL["float16"] * np.abs(ref_out[~bad]).max()
+    assert_near("lse", lse, ref_lse, 1e-5)
+
+
+def test_float32_is_refused_on_the_cuda_kernels(rng):
+    a = _refusal_base(rng)
+    q32 = a["q"].astype(np.float32)
+    with pytest.raises(NotImplementedError, match="float16/bfloat16"):
+        call(q32, a["k_cache"].astype(np.float32), a["v_cache"].astype(np.float32), None, None,
+             a["lens"], a["table"])
+
+
+def test_fmha_attention_on_the_same_rows_agrees(rng):
+    """A cache call and fmha.attention on the gathered rows (both the CUDA kernels): close."""
+    lens, hq, hkv, d = [40], 4, 1, 64
+    caches = Caches(rng, lens, 48, hkv, d, d, None, reserve=0)
+    k_cache, v_cache, _ = caches.arrays("float16", "numpy")
+    q = convert(rng.standard_normal((1, 1, hq, d)), "float16", "numpy")
+    out, _ = call(q, k_cache, v_cache, None, None, int32(lens, "numpy"), None)
+    want = fmha.attention(q, k_cache[:, :40], v_cache[:, :40])
+    assert_near("out", out, want.astype(np.float64), TOL["float16"])
