@@ -11,7 +11,7 @@ refused there -- caches byte for byte unchanged, out and lse NaN, and the refusa
 by fmha.kvcache.check_refused -- and a NaN in a V row no query sees stays out.
 
 Unused cache rows are NaN and table entries past a sequence's rows are out-of-range block
-ids (test_kvcache.Caches): the kernels must read neither. The emulator runs one OS thread
+ids (kvcache_cases.Caches): the kernels must read neither. The emulator runs one OS thread
 per CUDA thread: shapes stay small.
 """
 
@@ -24,7 +24,7 @@ import fmha
 from fmha import reference
 from fmha.kvcache import attention_with_kvcache, check_refused
 from conftest import to_f64
-from test_kvcache import (CASES, CONTIGUOUS, Caches, _alibi, assert_near, convert, copy, int32,
+from kvcache_cases import (CASES, CONTIGUOUS, Caches, _alibi, assert_near, convert, copy, int32,
                           raw)
 
 pytestmark = [pytest.mark.backends("emu", "gpu"), pytest.mark.usefixtures("backend")]
@@ -46,7 +46,7 @@ def call(q, k_cache, v_cache, k, v, lens, table, **kw):
 
 def check_case(rng, spec, layout, lib, dtype, capacity=37, lens=None, **extra):
     """spec: (heads_q, heads_kv, seqlen_q, seqlen_new, head_dim, head_dim_v, keywords), as
-    test_kvcache.CASES."""
+    kvcache_cases.CASES."""
     if lib == "torch":
         pytest.importorskip("torch")
     hq, hkv, sq, sn, d, dv, kw = spec
