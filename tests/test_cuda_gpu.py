@@ -251,6 +251,92 @@ def test_varlen_cuda_graph_capture(deterministic):
             assert torch.equal(a, b), name
 
 
+def _decode_inputs(b=3, hq=8, hkv=2, d=128, block_size=16, max_blocks=40, seed=0):
+    """A paged bfloat16 cache on the GPU (blocks in a shuffled order) with ragged lengths."""
+    g = torch.Generator().manual_seed(seed)
+    pool = lambda: torch.randn(b * max_blocks, block_size, hkv, d, generator=g)  # noqa: E731
+    k_pool, v_pool = (pool().to(torch.bfloat16).to(DEV) for _ in range(2))
+    table = torch.randperm(b * max_blocks, generator=g).reshape(b, max_blocks).to(torch.int32)
+    lens = torch.tensor([0, 300, 600][:b], dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, generator=g).to(torch.bfloat16).to(DEV)
+    k, v = (torch.randn(b, 1, hkv, d, generator=g).to(torch.bfloat16).to(DEV) for _ in range(2))
+    return q, k_pool, v_pool, k, v, lens.to(DEV), table.to(DEV)
+
+
+def test_kvcache_decode_matches_the_cpu_without_host_sync():
+    """A paged decode step with append on CUDA tensors runs without any synchronising CUDA
+    operation and gives what the CPU kernels give on the same rows (both near float64)."""
+    from fmha.kvcache import attention_with_kvcache, check_refused
+    from fmha import reference
+    q, kp, vp, k, v, lens, table = _decode_inputs()
+    cpu = [x.cpu().clone() for x in (q, kp, vp, k, v, lens, table)]
+    torch.cuda.synchronize()
+    with _kernel_module(_C):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, lse = attention_with_kvcache(q, kp, vp, k, v, cache_seqlens=lens,
+                                              block_table=table, causal=True, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out_cpu, lse_cpu = attention_with_kvcache(*cpu[:5], cache_seqlens=cpu[5],
+                                                  block_table=cpu[6], causal=True,
+                                                  return_lse=True)
+        check_refused()
+    ref_out, _ = reference.attention_with_kvcache(
+        *(to_f64(x) for x in cpu[:5]), cache_seqlens=cpu[5].numpy(), block_table=cpu[6].numpy(),
+        causal=True)
+    assert torch.equal(kp.cpu(), cpu[1]) and torch.equal(vp.cpu(), cpu[2])  # both appended
+    err_gpu, err_cpu = (np.abs(to_f64(o) - ref_out).max() for o in (out, out_cpu))
+    assert err_gpu <= 2 * err_cpu + 1e-3, (err_gpu, err_cpu)
+    torch.testing.assert_close(lse.cpu(), lse_cpu, rtol=1e-5, atol=1e-5)
+
+
+def test_kvcache_decode_cuda_graph_capture():
+    """A decode step (append + attend) captured in a CUDA graph, replayed with new lengths
+    and new rows, gives the bits of an eager call on the same inputs."""
+    from fmha.kvcache import attention_with_kvcache
+    q, kp, vp, k, v, lens, table = _decode_inputs()
+    with _kernel_module(_C):
+        def step():
+            return attention_with_kvcache(q, kp, vp, k, v, cache_seqlens=lens,
+                                          block_table=table, causal=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out = step()
+        lens.copy_(torch.tensor([5, 301, 599], dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        kp_before, vp_before = kp.clone(), vp.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        got, kp_graph = g_out.clone(), kp.clone()
+        kp.copy_(kp_before)
+        vp.copy_(vp_before)
+        want = step()
+    assert torch.equal(got, want) and torch.equal(kp_graph, kp)
+
+
+def test_kvcache_refused_on_the_device():
+    """A length past the capacity, on the device: nothing written, NaN out, reported once."""
+    from fmha.kvcache import attention_with_kvcache, check_refused
+    q, kp, vp, k, v, lens, table = _decode_inputs()
+    lens[1] = 40 * 16  # + 1 new row > capacity
+    before = kp.clone(), vp.clone()
+    with _kernel_module(_C):
+        check_refused()
+        out = attention_with_kvcache(q, kp, vp, k, v, cache_seqlens=lens, block_table=table)
+        assert torch.isnan(out).all()
+        assert torch.equal(kp, before[0]) and torch.equal(vp, before[1])
+        with pytest.raises(ValueError, match="exceeded the cache's capacity"):
+            check_refused()
+        check_refused()
+
+
 def test_deterministic_backward_bitwise_on_gpu(rng):
     q, k, v, do = (x.to(DEV) for x in make_inputs(rng, 2, 500, 700, 8, 2, 128, dtype="bfloat16",
                                                   lib="torch"))

@@ -10,13 +10,14 @@
 #
 # Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 470 s, so the
 # whole script stays under 8 minutes): environment, build, tests, benchmark (fmha vs torch
-# SDPA's flash backend), fmha-bench --cuda. A failing phase is recorded and the next one
+# SDPA's flash backend), decode (KV caches vs the measured HBM read bandwidth), fmha-bench --cuda. A failing phase is recorded and the next one
 # runs; the exit status is non-zero when any phase failed. Without a GPU the script still
 # builds (for FMHA_CUDA_ARCHS, default 80) and stops with a message at the first phase that
 # needs the GPU.
 #
 # OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), bench.log, bench.json,
-# bench.csv, bench.md, fmha-bench-cuda.txt and summary.txt (phase, status, seconds).
+# bench.csv, bench.md, decode.log, decode.json, fmha-bench-cuda.txt and summary.txt (phase,
+# status, seconds).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -152,7 +153,7 @@ fi
 
 # ---- tests: the GPU suite, plus the build/benchmark checks (fmha-bench --cuda on the GPU) ----
 tests=()
-for t in ${GPU_CHECK_TESTS:-tests/test_cuda_gpu.py tests/test_cuda_emu_cases.py tests/test_empty.py tests/test_build.py}; do
+for t in ${GPU_CHECK_TESTS:-tests/test_cuda_gpu.py tests/test_kvcache_cuda.py tests/test_cuda_emu_cases.py tests/test_empty.py tests/test_build.py}; do
   if [[ -f $t ]]; then tests+=("$t"); else echo "gpu_check: $t not found" | tee -a "$OUT/summary.txt"; failed=1; fi
 done
 if (( ${#tests[@]} )); then
@@ -164,6 +165,7 @@ fi
 
 # ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
 run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench_cuda --out "$OUT/bench.json"
+run_phase decode 60 "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode --out "$OUT/decode.json"
 scripts="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
 if [[ -x "$scripts/fmha-bench" ]]; then
   run_phase fmha-bench 60 "$OUT/fmha-bench-cuda.txt" "$scripts/fmha-bench" --cuda --reps 10

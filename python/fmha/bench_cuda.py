@@ -3,6 +3,7 @@
     python -m fmha.bench_cuda                          # the grid below, float16 and bfloat16
     python -m fmha.bench_cuda --quick                  # one small shape, for a smoke run
     python -m fmha.bench_cuda --out benchmarks/gpu/H100/bench.json
+    python -m fmha.bench_cuda --decode --out decode.json   # KV-cache decode vs HBM bandwidth
 
 Grid: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128, causal and not. For
 every case it times the forward and the forward+backward of both implementations on the
@@ -13,6 +14,10 @@ forward, so forward+backward 3.5×), the ratio fmha / SDPA (> 1: fmha is faster)
 largest difference between the two outputs, and writes the rows to a JSON file with a CSV
 and a Markdown table beside it (the same row format as python -m fmha.bench; "gflops" there
 is GFLOP/s). Speed is only ever reported here, never asserted by tests.
+
+--decode runs fmha/bench_decode.py's cases on the GPU instead: attention_with_kvcache
+(contiguous, paged 16 and 256), fmha.attention and torch SDPA (enable_gqa) on the same cache,
+as GB/s of K+V read and % of the read bandwidth measured in the same run.
 
 Exit status: 0 when every fmha measurement ran, 1 when one failed (recorded in its row's
 "error"), 2 when there is no usable GPU.
@@ -231,6 +236,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fmha.bench_cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two small shapes only")
+    ap.add_argument("--decode", action="store_true",
+                    help="KV-cache decode against the measured read bandwidth")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -272,6 +279,11 @@ def main(argv=None) -> int:
         print(f"python -m fmha.bench_cuda: fmha has no usable CUDA backend: "
               f"fmha.cuda_status(): {fmha.cuda_status()}", file=sys.stderr)
         return 2
+    if a.decode:
+        from . import bench_decode
+        bench_decode.run(a.dtypes.split(","), a.out, None,
+                         bench_decode.QUICK_CASES if a.quick else None, device="cuda")
+        return 0
     rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out)
     failed = [r for r in rows if r.impl == "fmha" and r.error]
     return 1 if failed else 0

@@ -18,6 +18,11 @@ reported bandwidth is the bytes of K and V read once (batch · seqlen_k · heads
 judged against is measured in the same run by fmha's read probe (``fmha._C.
 cpu_read_bandwidth_gbs``: the same threads summing a buffer of the same size, best of
 five). No new rows are appended (the cache is full), so every call reads the same bytes.
+
+On a GPU (``python -m fmha.bench_cuda --decode``, float16/bfloat16) the same entries run on
+CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth measured in the
+same run: ``torch.sum`` over a float32 buffer of the same size as K+V, median of 20 (so a
+cache that fits the L2 cache is judged against the L2-fed read, as it should be).
 """
 
 from __future__ import annotations
@@ -50,6 +55,16 @@ def _paged(cache, block_size, generator):
     return pool, table
 
 
+def cuda_read_bandwidth_gbs(nbytes: int, device) -> float:
+    """GB/s of torch.sum over a float32 buffer of nbytes on the GPU: the read limit."""
+    import torch
+
+    from .bench_cuda import _median_s
+    x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    secs = _median_s(lambda: torch.sum(x), 20, x.device)
+    return x.numel() * 4 / secs / 1e9
+
+
 def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> float:
     """Median seconds per call over at least min_reps calls and min_seconds (one warm-up)."""
     fn()
@@ -64,7 +79,7 @@ def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> floa
 
 
 def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
-        min_seconds: float = 0.5) -> list:
+        min_seconds: float = 0.5, device: str = "cpu") -> list:
     import torch
 
     import fmha
@@ -72,13 +87,20 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
 
     from ._host import host_meta, write_json
 
+    on_gpu = device != "cpu"
     if threads:
         torch.set_num_threads(threads)
     nthreads = torch.get_num_threads()
     cases = cases or DECODE_CASES
     rows = []
-    print(f"decode | CPU ISA {fmha.cpu_isa()} | threads {nthreads} | GB/s of K+V read once, "
-          f"% of the measured read bandwidth")
+    where = (f"GPU {torch.cuda.get_device_name(device)}" if on_gpu else
+             f"CPU ISA {fmha.cpu_isa()} | threads {nthreads}")
+    print(f"decode | {where} | GB/s of K+V read once, % of the measured read bandwidth")
+    if on_gpu:
+        from .bench_cuda import _median_s
+        timer = lambda fn: _median_s(fn, 20, torch.device(device))  # noqa: E731
+    else:
+        timer = lambda fn: _time(fn, min_seconds)  # noqa: E731
     print(f"{'case':24s} {'dtype':9s} {'sq':>2s} {'entry':17s} {'ms':>9s} {'GB/s':>7s} "
           f"{'% bw':>6s} {'x sdpa':>7s}")
     for dtype_name in dtypes:
@@ -88,16 +110,19 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
             kc = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
             vc = torch.randn(b, sk, hkv, d, generator=g).to(dtype)
             nbytes = 2 * kc.numel() * kc.element_size()
-            bandwidth = fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes)
-            lens = torch.full((b,), sk, dtype=torch.int32)
+            lens = torch.full((b,), sk, dtype=torch.int32, device=device)
             pools = {}
             for bs in (16, 256):
                 if sk % bs == 0:
                     (kp, table), (vp, _) = (_paged(kc, bs, torch.Generator().manual_seed(bs)),
                                             _paged(vc, bs, torch.Generator().manual_seed(bs)))
+                    kp, vp, table = kp.to(device), vp.to(device), table.to(device)
                     pools[bs] = ((kp, table), (vp, table))
+            kc, vc = kc.to(device), vc.to(device)
+            bandwidth = (cuda_read_bandwidth_gbs(nbytes, device) if on_gpu else
+                         fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes))
             for sq in SEQLEN_Q:
-                q = torch.randn(b, sq, hq, d, generator=g).to(dtype)
+                q = torch.randn(b, sq, hq, d, generator=g).to(dtype).to(device)
                 calls = {
                     "kvcache": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                               causal=True),
@@ -114,7 +139,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                 with torch.no_grad():
                     for entry in ENTRIES:
                         if entry in calls:
-                            times[entry] = _time(calls[entry], min_seconds)
+                            times[entry] = timer(calls[entry])
                 for entry, secs in times.items():
                     gbs = nbytes / secs / 1e9
                     row = dict(case=name, dtype=dtype_name, batch=b, heads_q=hq, heads_kv=hkv,
@@ -130,5 +155,8 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
             print(f"{'':24s} {dtype_name:9s}    read bandwidth {bandwidth:.1f} GB/s "
                   f"({nbytes / 1e6:.0f} MB)")
     if out_path:
-        write_json(out_path, dict(meta=host_meta(torch, fmha), rows=rows))
+        meta = host_meta(torch, fmha)
+        if on_gpu:
+            meta["gpu"] = torch.cuda.get_device_name(device)
+        write_json(out_path, dict(meta=meta, rows=rows))
     return rows
