@@ -68,6 +68,10 @@ namespace decode_detail {
 struct __align__(16) Pack8 {
   uint32_t w[4];
 };
+// Four floats of shared memory, one 16-byte load (a broadcast when every lane reads them).
+struct __align__(16) Float4 {
+  float x[4];
+};
 
 // x[0..7] = row[c .. c + 8) as float, zero past n (the head dim); 16-byte loads when vec.
 template <typename T>
@@ -167,7 +171,8 @@ template <int kHeadDim, int kRows>
 constexpr int decode_smem_floats() {
   return kRows * kHeadDim                       // q rows
          + kDecodeWarps * kRows * kDecodeChunk  // each warp's P of its chunk
-         + kDecodeWarps * kRows * (kHeadDim + 2);  // each warp's O, m, l for the merge
+         + kDecodeWarps * kRows * (kHeadDim + 2)  // each warp's O, m, l for the merge
+         + 3 * kRows;                              // each row's query, head and ALiBi slope
 }
 
 // 3. Attention of kRows query rows of kv head blockIdx.y's group over one key split.
@@ -175,7 +180,8 @@ template <typename T, int kHeadDim, int kRows>
 __global__ void __launch_bounds__(kDecodeThreads)
     flash_decode_kernel(FwdParams p, DecodeLaunch launch) {
   using namespace decode_detail;
-  constexpr int kCols = kHeadDim / 32;  // O columns per lane
+  constexpr int kCols = kHeadDim / 32;       // O columns per lane
+  constexpr int kUnroll = kCols >= 8 ? 4 : 8;  // V rows loaded ahead in P V
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_block = blockIdx.x % launch.row_blocks, split = blockIdx.x / launch.row_blocks;
   const int hkv = blockIdx.y, b = blockIdx.z;
@@ -195,13 +201,14 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* p_s = q_s + kRows * kHeadDim;                    // [warp][kRows][kDecodeChunk]
   float* o_s = p_s + kDecodeWarps * kRows * kDecodeChunk;  // [warp][kRows][kHeadDim]
   float* ml_s = o_s + kDecodeWarps * kRows * kHeadDim;     // [warp][kRows][2]: m, l
-
-  // Row r of the CTA is query i = (row0 + r) / group of head hkv * group + (row0 + r) % group.
-  int ri[kRows], rh[kRows];
-  float slope[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = row0 + (r < rows ? r : 0);
+  // Row r of the CTA is query ri[r] = (row0 + r) / group of head rh[r] = hkv * group +
+  // (row0 + r) % group (rows past the CTA's repeat row0). Kept in shared memory, read by
+  // broadcast: in registers they would cost 3 x kRows of them through the key loop.
+  float* slope = ml_s + kDecodeWarps * kRows * 2;
+  int* ri = reinterpret_cast<int*>(slope + kRows);
+  int* rh = ri + kRows;
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x, row = row0 + (r < rows ? r : 0);
     ri[r] = row / group;
     rh[r] = hkv * group + row % group;
     slope[r] = float(score::alibi_slope(p, b, rh[r]));
@@ -222,7 +229,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int left = p.window_left, right = p.window_right;
   int j_begin = split * launch.split_keys;
   int j_end = min(j_begin + launch.split_keys, seq.sk);
-  j_begin = max(j_begin, score::key_lo(seq, left, ri[0]));
+  j_begin = max(j_begin, score::key_lo(seq, left, row0 / group));
   j_end = min(j_end, score::key_hi(seq, right, (row0 + rows - 1) / group) + 1);
   if (refused) j_end = j_begin;  // read nothing; the rows are written as NaN
 
@@ -261,7 +268,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s[r] = fmaf(q_s[r * kHeadDim + c + e], x[e], s[r]);
+          for (int h = 0; h < 8; h += 4) {
+            const Float4 qv = *reinterpret_cast<const Float4*>(q_s + r * kHeadDim + c + h);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[r] = fmaf(qv.x[e], x[h + e], s[r]);
+          }
       }
     }
     // Logits, online softmax. `clean`: every row sees this lane's key (or it is past the end).
@@ -286,18 +297,32 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const bool all_clean = warp_ballot(!clean) == 0;
     __syncwarp();
     // O += P V over the chunk's keys; lane owns columns [lane * kCols, (lane + 1) * kCols).
+    // kUnroll V rows are loaded before any is used, so that many loads are in flight.
     const int n = min(kDecodeChunk, j_end - c0);
-    for (int t = 0; t < n; ++t) {
-      const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
-      float x[kCols];
-      load_cols<T, kCols>(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride,
-                          lane * kCols, p.head_dim_v, launch.vec, x);
+    for (int t0 = 0; t0 < n; t0 += kUnroll) {
+      float x[kUnroll][kCols];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float pr = my_p[r * kDecodeChunk + t];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = t0 + u;
+        const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
+        if (t < n) {
+          load_cols<T, kCols>(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride,
+                              lane * kCols, p.head_dim_v, launch.vec, x[u]);
+        } else {
 #pragma unroll
-        for (int c = 0; c < kCols; ++c)
-          acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[c], acc[r][c]) : acc[r][c];
+          for (int c = 0; c < kCols; ++c) x[u][c] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (t0 + u >= n) break;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float pr = my_p[r * kDecodeChunk + t0 + u];
+#pragma unroll
+          for (int c = 0; c < kCols; ++c)
+            acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[u][c], acc[r][c]) : acc[r][c];
+        }
       }
     }
     __syncwarp();  // my_p is rewritten by the next chunk
