@@ -216,6 +216,17 @@ def test_flash_backward_clean_under_sanitizers(programs, variant):
     assert "ERROR: AddressSanitizer" not in proc.stderr
 
 
+@pytest.mark.parametrize("variant", ["asan", "racecheck"])
+def test_decode_clean_under_sanitizers(programs, variant):
+    """The CUDA decode over KV caches (csrc/cuda/flash_decode.cuh: paged reads, splits and
+    their merge, 12 rows in two row blocks, a refused call) against a float64 reference,
+    with no out-of-bounds access on exactly sized pools (ASan) and no shared-memory race
+    (race checker)."""
+    proc = programs.run(variant, "decode.*")
+    _assert_all_pass(proc, expect_at_least=4)
+    assert "ERROR: AddressSanitizer" not in proc.stderr
+
+
 def test_tsan_clean(programs):
     """ThreadSanitizer finds no race in the emulator runtime nor in correct kernels."""
     proc = programs.run("tsan", "kat.*", "gemm.f16.64x64x64", "gemm.bf16.17x33x29",
@@ -331,7 +342,8 @@ def test_ptxas_no_spills_or_stack(nvcc):
         kernels, errors = ptxas_check.check(shipped, ["80", "90"], nvcc)
         assert not errors, "\n".join(errors)
     names = " ".join(k.name for k in kernels)
-    for kernel in ("flash_fwd_kernel", "flash_fwd_combine", "flash_bwd_kernel",
+    for kernel in ("flash_fwd_kernel", "flash_fwd_combine", "flash_decode_kernel",
+                   "kvcache_check_kernel", "kvcache_append_kernel", "flash_bwd_kernel",
                    "flash_bwd_dq_kernel", "flash_bwd_dot_do_o", "flash_bwd_convert_dq",
                    "flash_bwd_dbias_kernel"):
         assert kernel in names, kernel
