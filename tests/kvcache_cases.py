@@ -156,3 +156,46 @@ def _alibi(rng, kind, batch, heads_q, lib):
         return None
     shape = (heads_q,) if kind == "heads" else (batch, heads_q)
     return convert(rng.uniform(0.05, 1.0, shape), "float32", lib)
+
+
+class Call:
+    """One reference case's inputs: spec (heads_q, heads_kv, seqlen_q, seqlen_new, head_dim,
+    head_dim_v, keywords) as CASES; layout CONTIGUOUS or a block size; lens default to
+    ragged ones (empty, partial, full with the new rows). ``kw`` are the call's keywords
+    (alibi replaced by the array ``alibi``); the caches are NaN wherever unread."""
+
+    def __init__(self, rng, spec, layout, lib, dtype, capacity=37, lens=None):
+        need_lib(lib)
+        hq, hkv, sq, sn, d, dv, kw = spec
+        self.kw = dict(kw)
+        cap = capacity if layout == CONTIGUOUS else -(-capacity // layout) * layout
+        if lens is None:
+            lens = [0, int(rng.integers(1, cap - sn)), cap - sn]
+        self.lens, self.sq, self.hq, self.dv = lens, sq, hq, dv
+        self.batch = batch = len(lens)
+        self.caches = Caches(rng, lens, capacity, hkv, d, dv,
+                             None if layout == CONTIGUOUS else layout, reserve=sn)
+        self.k_cache, self.v_cache, self.table = self.caches.arrays(dtype, lib)
+        self.q = convert(rng.standard_normal((batch, sq, hq, d)), dtype, lib)
+        self.k = self.v = None
+        if sn:
+            self.k = convert(rng.standard_normal((batch, sn, hkv, d)), dtype, lib)
+            self.v = convert(rng.standard_normal((batch, sn, hkv, dv)), dtype, lib)
+        self.alibi = _alibi(rng, self.kw.pop("alibi", None), batch, hq, lib)
+        self.before = copy(self.k_cache), copy(self.v_cache)
+
+    def reference(self):
+        """(out, lse) of fmha.reference in float64, on the caches as they are now."""
+        from fmha import reference
+        kw = {n: x for n, x in self.kw.items() if n != "num_splits"}
+        return reference.attention_with_kvcache(
+            to_f64(self.q), to_f64(self.k_cache), to_f64(self.v_cache), to_f64(self.k),
+            to_f64(self.v), cache_seqlens=self.lens, block_table=self.caches.table,
+            alibi_slopes=to_f64(self.alibi), **kw)
+
+    def assert_only_appended(self):
+        """The caches hold the new rows at lens[b].., and nothing else changed."""
+        want_k, want_v = self.caches.expected_after_append(*self.before, self.k, self.v)
+        assert raw(self.k_cache) == raw(want_k)
+        assert raw(self.v_cache) == raw(want_v)
+

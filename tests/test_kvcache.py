@@ -16,8 +16,8 @@ import pytest
 
 import fmha
 from conftest import TOL_F32, TOL_F64, to_f64
-from kvcache_cases import (CASES, CONTIGUOUS, LAYOUTS, LIB_DTYPES, TOL_LSE, TOL_OUT, Caches,
-                           _alibi, assert_near, convert, copy, int32, ints, need_lib, raw)
+from kvcache_cases import (CASES, CONTIGUOUS, LAYOUTS, LIB_DTYPES, TOL_LSE, TOL_OUT, Caches, Call,
+                           assert_near, convert, copy, int32, ints, need_lib, raw)
 from fmha import reference
 from fmha.kvcache import attention_with_kvcache
 
@@ -26,46 +26,26 @@ from fmha.kvcache import attention_with_kvcache
                                                  for x in LAYOUTS])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference_and_writes_only_the_appended_rows(rng, case, layout, lib, dtype):
-    need_lib(lib)
-    hq, hkv, sq, sn, d, dv, kw = CASES[case]
-    kw = dict(kw)
-    capacity = 37
-    # Ragged lengths: empty, partial, full up to the capacity with the new rows.
-    cap = capacity if layout == CONTIGUOUS else -(-capacity // layout) * layout
-    lens = [0, int(rng.integers(1, cap - sn)), cap - sn]
-    batch = len(lens)
-    caches = Caches(rng, lens, capacity, hkv, d, dv, None if layout == CONTIGUOUS else layout,
-                    reserve=sn)
-    k_cache, v_cache, table = caches.arrays(dtype, lib)
-    q = convert(rng.standard_normal((batch, sq, hq, d)), dtype, lib)
-    k = v = None
-    if sn:
-        k = convert(rng.standard_normal((batch, sn, hkv, d)), dtype, lib)
-        v = convert(rng.standard_normal((batch, sn, hkv, dv)), dtype, lib)
-    alibi = _alibi(rng, kw.pop("alibi", None), batch, hq, lib)
-    seqlens = int32(lens, lib)
-    before_k, before_v = copy(k_cache), copy(v_cache)
-    ref_out, ref_lse = reference.attention_with_kvcache(
-        to_f64(q), to_f64(k_cache), to_f64(v_cache), to_f64(k), to_f64(v),
-        cache_seqlens=lens, block_table=caches.table, alibi_slopes=to_f64(alibi), **kw)
+    c = Call(rng, CASES[case], layout, lib, dtype)
+    seqlens = int32(c.lens, lib)
+    ref_out, ref_lse = c.reference()
 
-    out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
-                                      block_table=table, alibi_slopes=alibi, return_lse=True,
-                                      **kw)
+    out, lse = attention_with_kvcache(c.q, c.k_cache, c.v_cache, c.k, c.v, cache_seqlens=seqlens,
+                                      block_table=c.table, alibi_slopes=c.alibi, return_lse=True,
+                                      **c.kw)
 
-    assert tuple(out.shape) == (batch, sq, hq, dv) and tuple(lse.shape) == (batch, hq, sq)
+    assert tuple(out.shape) == (c.batch, c.sq, c.hq, c.dv)
+    assert tuple(lse.shape) == (c.batch, c.hq, c.sq)
     assert str(out.dtype).endswith(dtype)
     assert str(lse.dtype).endswith("float64" if dtype == "float64" else "float32")
     assert_near("out", out, ref_out, TOL_OUT[dtype])
     assert_near("lse", lse, ref_lse, TOL_LSE[dtype])
     # Sequence 0 with no rows at all sees no key: out 0, lse -inf.
-    if sn == 0:
+    if c.k is None:
         assert np.all(to_f64(out)[0] == 0) and np.all(np.isneginf(to_f64(lse)[0]))
     # The caches: the appended rows, nothing else; cache_seqlens is not advanced.
-    want_k, want_v = caches.expected_after_append(before_k, before_v, k, v)
-    assert raw(k_cache) == raw(want_k)
-    assert raw(v_cache) == raw(want_v)
-    assert np.array_equal(to_f64(seqlens), lens)
+    c.assert_only_appended()
+    assert np.array_equal(to_f64(seqlens), c.lens)
 
 
 def test_shared_prefix_block_read_by_two_sequences_is_accepted(rng):

@@ -23,9 +23,7 @@ import pytest
 import fmha
 from fmha import reference
 from fmha.kvcache import attention_with_kvcache, check_refused
-from conftest import to_f64
-from kvcache_cases import (CASES, CONTIGUOUS, Caches, _alibi, assert_near, convert, copy, int32,
-                          raw)
+from kvcache_cases import CASES, CONTIGUOUS, Caches, Call, assert_near, convert, int32, raw
 
 pytestmark = [pytest.mark.backends("emu", "gpu"), pytest.mark.usefixtures("backend")]
 
@@ -45,35 +43,15 @@ def call(q, k_cache, v_cache, k, v, lens, table, **kw):
 
 
 def check_case(rng, spec, layout, lib, dtype, capacity=37, lens=None, **extra):
-    """spec: (heads_q, heads_kv, seqlen_q, seqlen_new, head_dim, head_dim_v, keywords), as
-    kvcache_cases.CASES."""
-    if lib == "torch":
-        pytest.importorskip("torch")
-    hq, hkv, sq, sn, d, dv, kw = spec
-    kw = dict(kw, **extra)
-    cap = capacity if layout == CONTIGUOUS else -(-capacity // layout) * layout
-    if lens is None:
-        lens = [0, int(rng.integers(1, cap - sn)), cap - sn]
-    batch = len(lens)
-    caches = Caches(rng, lens, capacity, hkv, d, dv, None if layout == CONTIGUOUS else layout,
-                    reserve=sn)
-    k_cache, v_cache, table = caches.arrays(dtype, lib)
-    q = convert(rng.standard_normal((batch, sq, hq, d)), dtype, lib)
-    k = v = None
-    if sn:
-        k = convert(rng.standard_normal((batch, sn, hkv, d)), dtype, lib)
-        v = convert(rng.standard_normal((batch, sn, hkv, dv)), dtype, lib)
-    alibi = _alibi(rng, kw.pop("alibi", None), batch, hq, lib)
-    before_k, before_v = copy(k_cache), copy(v_cache)
-    ref_out, ref_lse = reference.attention_with_kvcache(
-        to_f64(q), to_f64(k_cache), to_f64(v_cache), to_f64(k), to_f64(v), cache_seqlens=lens,
-        block_table=caches.table, alibi_slopes=to_f64(alibi),
-        **{n: x for n, x in kw.items() if n != "num_splits"})
-    out, lse = call(q, k_cache, v_cache, k, v, int32(lens, lib), table, alibi_slopes=alibi, **kw)
+    """kvcache_cases.Call's case, with extra keywords, against the reference."""
+    c = Call(rng, spec, layout, lib, dtype, capacity, lens)
+    c.kw.update(extra)
+    ref_out, ref_lse = c.reference()
+    out, lse = call(c.q, c.k_cache, c.v_cache, c.k, c.v, int32(c.lens, lib), c.table,
+                    alibi_slopes=c.alibi, **c.kw)
     assert_near("out", out, ref_out, TOL[dtype])
     assert_near("lse", lse, ref_lse, 1e-5)
-    want_k, want_v = caches.expected_after_append(before_k, before_v, k, v)
-    assert raw(k_cache) == raw(want_k) and raw(v_cache) == raw(want_v)
+    c.assert_only_appended()
     check_refused(0)  # nothing was refused
 
 
@@ -257,3 +235,34 @@ def test_fmha_attention_on_the_same_rows_agrees(rng):
     out, _ = call(q, k_cache, v_cache, None, None, int32(lens, "numpy"), None)
     want = fmha.attention(q, k_cache[:, :40], v_cache[:, :40])
     assert_near("out", out, want.astype(np.float64), TOL["float16"])
+
+
+def test_paged_kv_cache_with_a_fork_decodes_on_the_cuda_kernels(rng, backend):
+    """PagedKVCache (block size 4, a fork sharing a prefix) driven through four steps: the
+    CUDA kernels give, step by step, what the CPU kernels give on a second cache fed the same
+    rows (within float16's tolerance), and both pools end with the same rows."""
+    from fmha._core import _C, _kernel_module
+    from fmha.kvcache import PagedKVCache
+    f16 = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
+    caches = [PagedKVCache(16, 4, 1, 2, 32, dtype=np.float16) for _ in range(2)]
+    ids = [[c.add_sequence() for _ in range(2)] for c in caches]
+    outs = [[], []]
+    for t, n in enumerate((5, 1, 1, 2)):
+        q, k, v = f16(2, n, 4, 32), f16(2, n, 2, 32), f16(2, n, 2, 32)
+        for which, (cache, seqs) in enumerate(zip(caches, ids)):
+            if t == 2:  # sequence 1 becomes a fork of sequence 0 (copy-on-write of its tail)
+                cache.free(seqs[1])
+                seqs[1] = cache.fork(seqs[0])
+            cache.reserve(seqs, n)
+            if which == 0:
+                outs[0].append(cache.attention(0, q, k, v, seqs, causal=True))
+            else:
+                with _kernel_module(_C):
+                    outs[1].append(cache.attention(0, q, k, v, seqs, causal=True))
+            cache.commit(seqs, n)
+    for got, want in zip(*outs):
+        assert_near("out", got, want.astype(np.float64), TOL["float16"])
+    for s0, s1 in zip(*ids):
+        assert caches[0].blocks(s0) == caches[1].blocks(s1)
+    assert raw(caches[0].k_pool(0)) == raw(caches[1].k_pool(0))
+    check_refused(0)

@@ -88,13 +88,8 @@ int run(const FwdParams& p, int tile, Stream stream) {
                 stream, p, launch.refused);
   }
 
-  const int64_t partial_rows =
-      launch.num_splits > 1 ? int64_t(launch.num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
-  Scratch scratch(size_t(partial_rows) * (p.head_dim_v + 1) * sizeof(float), stream);
-  if (partial_rows > 0) {
-    launch.o_partial = scratch.as<float>();
-    launch.lse_partial = launch.o_partial + partial_rows * p.head_dim_v;
-  }
+  Scratch scratch(launch.partial_bytes(p), stream);
+  launch.place_partials(p, scratch.as<float>());
   if (launch.rows == 0) return launch.num_splits;  // no query row: the append was all
   with_head_dim_tile(tile, [&](auto tile_c) {
     constexpr int kTile = decltype(tile_c)::value;

@@ -173,6 +173,18 @@ struct FwdLaunch {
     if (split_keys == 0) return num_splits;
     return keys > split_keys ? (keys + split_keys - 1) / split_keys : 1;
   }
+  // Host: the scratch the partials take (0 without splits), and pointing them into it.
+  int64_t partial_rows(const FwdParams& p) const {
+    return num_splits > 1 ? int64_t(num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
+  }
+  size_t partial_bytes(const FwdParams& p) const {
+    return size_t(partial_rows(p)) * (p.head_dim_v + 1) * sizeof(float);
+  }
+  void place_partials(const FwdParams& p, float* scratch) {
+    if (partial_rows(p) == 0) return;
+    o_partial = scratch;
+    lse_partial = scratch + partial_rows(p) * p.head_dim_v;
+  }
 };
 
 namespace flash_detail {
@@ -562,14 +574,9 @@ int run_flash_fwd(const FwdParams& p, Stream stream) {
   launch.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   launch.num_splits = flash_fwd_num_splits(
       p, launch.m_blocks, (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, Cfg::kCtasPerSm);
-  const int64_t partial_rows =
-      launch.num_splits > 1 ? int64_t(launch.num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
   // Stream-ordered: freed after the combine kernel on the same stream has run.
-  Scratch scratch(size_t(partial_rows) * (p.head_dim_v + 1) * sizeof(float), stream);
-  if (partial_rows > 0) {
-    launch.o_partial = scratch.as<float>();
-    launch.lse_partial = launch.o_partial + partial_rows * p.head_dim_v;
-  }
+  Scratch scratch(launch.partial_bytes(p), stream);
+  launch.place_partials(p, scratch.as<float>());
   auto kernel = &flash_fwd_kernel<T, Cfg, kExtras>;
   if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
   const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);

@@ -22,9 +22,10 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def host_meta(torch, fmha) -> dict:
-    """The command, versions and host of a result file (python -m fmha.bench, in both modes)."""
-    return dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] +
+def host_meta(torch, fmha, module: str = "fmha.bench") -> dict:
+    """The command (python -m <module> and its arguments), versions and host of a result
+    file."""
+    return dict(command=" ".join([os.path.basename(sys.executable), "-m", module] +
                                  sys.argv[1:]),
                 fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
                 cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
@@ -42,6 +43,26 @@ def median_seconds(fn, reps: int, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def median_seconds_on(fn, reps: int, device, warmup: int = 3) -> float:
+    """Median seconds of fn on a torch device: CUDA events around each call on a GPU (after
+    warm-up calls), wall-clock time on the CPU (median_seconds)."""
+    import torch
+
+    if device.type != "cuda":
+        return median_seconds(fn, reps, warmup)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(stop) for start, stop in events) / 1e3
 
 
 def write_json(path: str, result: dict) -> None:

@@ -30,13 +30,12 @@ import csv
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
-from ._host import median_seconds
+from ._host import median_seconds_on as _median_s
 
 # (name, batch, heads, seqlen, head_dim, causal): heads_q == heads_kv, seqlen_q == seqlen_k,
 # so SDPA's top-left causal mask and fmha's bottom-right one are the same mask.
@@ -63,24 +62,6 @@ def flops(b, h, sq, sk, d, causal, with_bwd):
     if causal:
         f /= 2
     return f * (3.5 if with_bwd else 1.0)
-
-
-def _median_s(fn, reps: int, device, warmup: int = 3) -> float:
-    import torch
-
-    if device.type != "cuda":  # --device cpu: a smoke run of this script, wall-clock timed
-        return median_seconds(fn, reps, warmup)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events) / 1e3
 
 
 def _short(e: BaseException) -> str:

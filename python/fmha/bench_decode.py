@@ -59,9 +59,9 @@ def cuda_read_bandwidth_gbs(nbytes: int, device) -> float:
     """GB/s of torch.sum over a float32 buffer of nbytes on the GPU: the read limit."""
     import torch
 
-    from .bench_cuda import _median_s
+    from ._host import median_seconds_on
     x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    secs = _median_s(lambda: torch.sum(x), 20, x.device)
+    secs = median_seconds_on(lambda: torch.sum(x), 20, x.device)
     return x.numel() * 4 / secs / 1e9
 
 
@@ -97,8 +97,8 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
              f"CPU ISA {fmha.cpu_isa()} | threads {nthreads}")
     print(f"decode | {where} | GB/s of K+V read once, % of the measured read bandwidth")
     if on_gpu:
-        from .bench_cuda import _median_s
-        timer = lambda fn: _median_s(fn, 20, torch.device(device))  # noqa: E731
+        from ._host import median_seconds_on
+        timer = lambda fn: median_seconds_on(fn, 20, torch.device(device))  # noqa: E731
     else:
         timer = lambda fn: _time(fn, min_seconds)  # noqa: E731
     print(f"{'case':24s} {'dtype':9s} {'sq':>2s} {'entry':17s} {'ms':>9s} {'GB/s':>7s} "
@@ -155,7 +155,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
             print(f"{'':24s} {dtype_name:9s}    read bandwidth {bandwidth:.1f} GB/s "
                   f"({nbytes / 1e6:.0f} MB)")
     if out_path:
-        meta = host_meta(torch, fmha)
+        meta = host_meta(torch, fmha, "fmha.bench_cuda" if on_gpu else "fmha.bench")
         if on_gpu:
             meta["gpu"] = torch.cuda.get_device_name(device)
         write_json(out_path, dict(meta=meta, rows=rows))

@@ -50,12 +50,14 @@ class PagedKVCache:
 
     ``kind`` is "torch" or "numpy"; ``dtype``, ``num_blocks``, ``block_size``, ``num_layers``,
     ``heads_kv``, ``head_dim``, ``head_dim_v`` and ``max_blocks_per_seq`` are as given
-    (max_blocks_per_seq defaults to num_blocks).
+    (max_blocks_per_seq defaults to num_blocks). ``device`` (torch dtypes only; default the
+    CPU) is where the pools live: on a CUDA device the kernels are the CUDA ones, and the
+    block tables and lengths are copied there at each step (host to device, no sync back).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, heads_kv: int,
                  head_dim: int, head_dim_v: Optional[int] = None, *, dtype=np.float32,
-                 max_blocks_per_seq: Optional[int] = None):
+                 max_blocks_per_seq: Optional[int] = None, device=None):
         self.num_blocks = _int_at_least("num_blocks", num_blocks)
         self.block_size = _int_at_least("block_size", block_size)
         self.num_layers = _int_at_least("num_layers", num_layers)
@@ -74,10 +76,17 @@ class PagedKVCache:
                 raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
             self.kind = "torch"
             self.dtype = dtype
+            self.device = torch.device("cpu" if device is None else device)
             self.itemsize = torch.empty((), dtype=dtype).element_size()
-            self._k = [torch.zeros(k_shape, dtype=dtype) for _ in range(self.num_layers)]
-            self._v = [torch.zeros(v_shape, dtype=dtype) for _ in range(self.num_layers)]
+            self._k = [torch.zeros(k_shape, dtype=dtype, device=self.device)
+                       for _ in range(self.num_layers)]
+            self._v = [torch.zeros(v_shape, dtype=dtype, device=self.device)
+                       for _ in range(self.num_layers)]
         else:
+            if device not in (None, "cpu"):
+                raise ValueError(f"device: {device!r}; NumPy pools live on the CPU (pass a "
+                                 "torch dtype for pools on another device)")
+            self.device = "cpu"
             try:
                 np_dtype = np.dtype(dtype)
             except TypeError:
@@ -281,7 +290,7 @@ class PagedKVCache:
         lengths = np.array([self._length[s] for s in ids], dtype=np.int32)
         if self.kind == "torch":
             import torch
-            table, lengths = torch.from_numpy(table), torch.from_numpy(lengths)
+            table, lengths = (torch.from_numpy(x).to(self.device) for x in (table, lengths))
         self._inputs = (key, lengths, table)
         return lengths, table
 
