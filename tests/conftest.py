@@ -221,7 +221,7 @@ class _OnGpu:
     def backward(cls, dout, q, k, v, out, lse, dq, dk, dv, dbias=None, **kw):
         import torch
         from fmha import _C
-        arrays = {n: _to_gpu(kw.pop(n, None)) for n in cls._EXTRAS}
+        arrays = {n: _to_gpu(kw.pop(n, None)) for n in cls._EXTRAS + ("dlse",)}
         grads = [_to_gpu(g) for g in (dq, dk, dv, dbias)]
         kw["stream"] = torch.cuda.current_stream().cuda_stream
         _C.backward(_to_gpu(dout), _to_gpu(q), _to_gpu(k), _to_gpu(v), _to_gpu(out),

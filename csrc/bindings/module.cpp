@@ -58,9 +58,9 @@ void forward(py::object q, py::object k, py::object v, py::object out, py::objec
 void backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
               py::object lse, py::object dq, py::object dk, py::object dv, py::object dbias,
               py::object bias, py::object mask, py::object alibi, py::object cu_q,
-              py::object cu_k, py::kwargs kw) {
+              py::object cu_k, py::object dlse, py::kwargs kw) {
   run(bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask, alibi, cu_q,
-                          cu_k, kw, /*host_only=*/false),
+                          cu_k, dlse, kw, /*host_only=*/false),
       cpu_backward, cuda_backward);
 }
 
@@ -86,8 +86,9 @@ PYBIND11_MODULE(_C, m) {
       "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
       "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "
       "device cu_seqlens).",
-      "Writes dq, dk, dv (and dbias). Keyword settings as forward, plus deterministic "
-      "(CUDA: bitwise-reproducible dQ; the CPU backward always is).");
+      "Writes dq, dk, dv (and dbias). dlse: the gradient reaching lse (lse's layout), or "
+      "None. Keyword settings as forward, plus deterministic (CUDA: bitwise-reproducible dQ; "
+      "the CPU backward always is).");
   m.def("forward_kvcache", &forward_kvcache, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),

@@ -174,7 +174,7 @@ struct Call {
   intptr_t import_stream = -1;
   View q, k, v, o, lse;
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
-  std::optional<View> dout, dq, dk, dv, dbias;  // backward only
+  std::optional<View> dout, dq, dk, dv, dbias, dlse;  // backward only
 };
 
 inline std::optional<View> import_opt(const std::string& name, const py::object& obj,
@@ -449,8 +449,8 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
                                      const py::object& dv, const py::object& dbias,
                                      const py::object& bias, const py::object& mask,
                                      const py::object& alibi, const py::object& cu_q,
-                                     const py::object& cu_k, const py::kwargs& kw,
-                                     bool host_only) {
+                                     const py::object& cu_k, const py::object& dlse,
+                                     const py::kwargs& kw, bool host_only) {
   const Settings s("backward", kw, {FMHA_FORWARD_KEYWORDS, "deterministic"});
   Call<BwdParams> c;
   fill_forward(c, s, q, k, v, out, lse, false, bias, mask, alibi, cu_q, cu_k, host_only);
@@ -505,6 +505,22 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
     p.dbias_heads = int(db.size(1));
     p.dbias_rows = int(db.size(2));
     p.dbias_cols = int(db.size(3));
+  }
+  // The gradient through lse: lse's shape, dtype and strides (the kernels index both alike).
+  c.dlse = import_opt("dlse", dlse, false, c.import_stream);
+  if (c.dlse) {
+    const View& g = *c.dlse;
+    expect_device(g, c.dev);
+    FMHA_CHECK_ARG(g.dtype.code == c.lse.dtype.code && g.dtype.bits == c.lse.dtype.bits &&
+                       g.dtype.lanes == 1 && g.ndim == c.lse.ndim,
+                   "dlse: expected lse's dtype and ", c.lse.ndim, " dimensions");
+    for (int i = 0; i < g.ndim; ++i)
+      FMHA_CHECK_ARG(g.size(i) == c.lse.size(i) && (g.stride(i) == c.lse.stride(i) ||
+                                                    g.size(i) == 1 || g.empty()),
+                     "dlse: expected lse's shape and strides (dimension ", i, ": size ",
+                     g.size(i), ", stride ", g.stride(i), "; lse: ", c.lse.size(i), ", ",
+                     c.lse.stride(i), ")");
+    p.dlse = g.data;
   }
   return c;
 }
@@ -651,7 +667,7 @@ void def_forward_backward(py::module_& m, Forward&& forward, Backward&& backward
         py::arg("dk"), py::arg("dv"), py::arg("dbias") = py::none(),
         py::arg("bias") = py::none(), py::arg("mask") = py::none(),
         py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(), backward_doc);
+        py::arg("cu_seqlens_k") = py::none(), py::arg("dlse") = py::none(), backward_doc);
 }
 
 // The exception translation both modules install: the core's error types become the Python

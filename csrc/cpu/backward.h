@@ -272,7 +272,8 @@ struct BwdHead {
   }
 };
 
-// Pass 0: D_i = rowsum(dO_i ∘ O_i), in the accumulation type.
+// Pass 0: D_i = rowsum(dO_i ∘ O_i) - dlse_i (dlse: the gradient through lse, when given), in
+// the accumulation type.
 template <typename T, typename A>
 void d_task(const BwdParams& p, int64_t task, A* D_all) {
   const int n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
@@ -281,6 +282,10 @@ void d_task(const BwdParams& p, int64_t task, A* D_all) {
   const int i0 = int(task % n_qblocks) * kBr;
   const Seq s = seq_of(p, b);
   A* D = D_all + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  const A* dlse = p.dlse ? static_cast<const A*>(p.dlse) + h * p.lse_head_stride +
+                               (p.cu_seqlens_q ? s.q_first * p.lse_row_stride
+                                               : b * p.lse_batch_stride)
+                         : nullptr;
   for (int i = i0; i < std::min(i0 + kBr, s.sq); ++i) {
     const T* o = static_cast<const T*>(p.o) + h * p.o_head_stride +
                  row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i);
@@ -288,7 +293,7 @@ void d_task(const BwdParams& p, int64_t task, A* D_all) {
                  row_offset(p, b, p.do_batch_stride, p.do_row_stride, s.q_first, i);
     A acc = 0;
     for (int t = 0; t < p.head_dim_v; ++t) acc += to_acc<A>(o[t]) * to_acc<A>(g[t]);
-    D[i] = acc;
+    D[i] = dlse ? acc - dlse[int64_t(i) * p.lse_row_stride] : acc;
   }
 }
 
@@ -540,11 +545,12 @@ void dbias_task(const BwdParams& p, int64_t task, const A* D_all) {
       out[int64_t(out_r0 + r) * C + out_c0 + c] = t.acc[r * kBc + c];
 }
 
-// A bias constant along the keys gets dbias = Σ_j dS_ij = D_i - D_i = 0 without any pass;
-// but a row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN in IEEE
+// A bias constant along the keys gets dbias = Σ_j dS_ij = D_i - D_i = 0 without any pass (the
+// caller fills the zeros), plus dlse_i for a row that sees a key when lse has a gradient;
+// a row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN in IEEE
 // arithmetic (docs/semantics.md, non-finite inputs): its dbias entry is NaN.
 template <typename A>
-void mark_nonfinite_rows(const BwdParams& p, const A* D_all) {
+void constant_bias_rows(const BwdParams& p, const A* D_all) {
   A* out = static_cast<A*>(p.dbias);
   for (int b = 0; b < p.batch; ++b) {
     const Seq s = seq_of(p, b);
@@ -552,13 +558,17 @@ void mark_nonfinite_rows(const BwdParams& p, const A* D_all) {
       const A* lse = static_cast<const A*>(p.lse) + h * p.lse_head_stride +
                      (p.cu_seqlens_q ? s.q_first * p.lse_row_stride : b * p.lse_batch_stride);
       const A* D = D_all + (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+      const A* dlse = p.dlse ? static_cast<const A*>(p.dlse) + (lse - static_cast<const A*>(p.lse))
+                             : nullptr;
       for (int i = 0; i < s.sq; ++i) {
         const A L = lse[int64_t(i) * p.lse_row_stride];
-        if (!(std::isnan(L) || (L != neg_inf<A>() && !std::isfinite(D[i])))) continue;
         const int64_t at = (int64_t(p.dbias_batch == 1 ? 0 : b) * p.dbias_heads +
                             (p.dbias_heads == 1 ? 0 : h)) * p.dbias_rows +
                            (p.dbias_rows == 1 ? 0 : i);
-        out[at] = std::numeric_limits<A>::quiet_NaN();
+        if (std::isnan(L) || (L != neg_inf<A>() && !std::isfinite(D[i])))
+          out[at] = std::numeric_limits<A>::quiet_NaN();
+        else if (dlse && L != neg_inf<A>())
+          out[at] += dlse[int64_t(i) * p.lse_row_stride];  // rows in a fixed order
       }
     }
   }
@@ -606,7 +616,7 @@ void backward_typed(const BwdParams& p) {
   if (dbias_is_zero(p)) {
     std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
                 A(0));
-    mark_nonfinite_rows(p, D.data());
+    constant_bias_rows(p, D.data());
   } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);

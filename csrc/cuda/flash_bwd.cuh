@@ -226,13 +226,16 @@ __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w
 #pragma unroll
     for (int m = 16; m >= 1; m /= 2) sum += shfl_xor(sum, m);
     if (lane == 0) {
+      // D - dlse: the gradient through lse folds into the per-row term (fmha/params.h).
+      const int64_t lse_at = h * p.lse_head_stride +
+                             score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride) +
+                             int64_t(i) * p.lse_row_stride;
+      if (p.dlse && i < s.sq) sum -= static_cast<const float*>(p.dlse)[lse_at];
       w.d[bwd_detail::work_row(p, h, b, i)] = sum;
       // dbias of a bias constant along the keys is 0 (run_flash_bwd fills it), except that a
       // row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN.
       if (p.dbias && p.dbias_cols == 1 && i < s.sq) {  // dbias_is_zero(p), host-only
-        const float L = static_cast<const float*>(p.lse)[
-            h * p.lse_head_stride + score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride) +
-            int64_t(i) * p.lse_row_stride];
+        const float L = static_cast<const float*>(p.lse)[lse_at];
         if (L != L || (L != -INFINITY && !(fabsf(sum) < INFINITY)))
           static_cast<float*>(p.dbias)[(int64_t(p.dbias_batch == 1 ? 0 : b) * p.dbias_heads +
                                         (p.dbias_heads == 1 ? 0 : h)) * p.dbias_rows +
@@ -714,6 +717,36 @@ __global__ void __launch_bounds__(128) flash_bwd_convert_dq(BwdParams p, BwdWork
 
 // ---------------------------------------------------------------------------- 4. dbias
 
+// dbias of a bias constant along the keys when lse has a gradient (fmha/params.h,
+// dbias_is_zero): the zeros and NaNs already there plus dlse_i of every row that sees a key,
+// summed over the bias's broadcast dimensions in a fixed order (b, h, i). One thread per
+// dbias element; no atomics, so the sum is the same every run. (A template, like every
+// kernel of this header, so that each instantiation file may hold a copy.)
+template <typename T>
+__global__ void __launch_bounds__(128) flash_bwd_dbias_dlse(BwdParams p) {
+  const int64_t e = int64_t(blockIdx.x) * 128 + threadIdx.x;
+  if (e >= int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows) return;
+  const int bb = int(e / (int64_t(p.dbias_heads) * p.dbias_rows));
+  const int hh = int(e / p.dbias_rows % p.dbias_heads), ii = int(e % p.dbias_rows);
+  const float* lse = static_cast<const float*>(p.lse);
+  const float* dlse = static_cast<const float*>(p.dlse);
+  float acc = static_cast<float*>(p.dbias)[e];
+  const int b_end = p.dbias_batch == 1 ? p.batch : bb + 1;
+  const int h_end = p.dbias_heads == 1 ? p.heads_q : hh + 1;
+  for (int b = p.dbias_batch == 1 ? 0 : bb; b < b_end; ++b) {
+    const score::Seq s = score::seq_of(p, b);
+    const int i_end = p.dbias_rows == 1 ? s.sq : min(ii + 1, s.sq);
+    for (int h = p.dbias_heads == 1 ? 0 : hh; h < h_end; ++h)
+      for (int i = p.dbias_rows == 1 ? 0 : ii; i < i_end; ++i) {
+        const int64_t at = h * p.lse_head_stride +
+                           score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride) +
+                           int64_t(i) * p.lse_row_stride;
+        if (lse[at] != -INFINITY) acc += dlse[at];  // a NaN lse already made acc NaN
+      }
+  }
+  static_cast<float*>(p.dbias)[e] = acc;
+}
+
 // dbias = dS (before the softcap factor) summed over the bias's broadcast dimensions, with
 // memory O(size of dbias): nothing is stored between kernels but D. One CTA per (tile of
 // kBlockM rows x kBlockN keys of dbias, dbias head hh, dbias batch bb); dbias_cols is
@@ -901,6 +934,11 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
 
   const dim3 row_grid(bwd_detail::ceil_div(p.seqlen_q, 64), p.heads_q, p.batch);
   FMHA_LAUNCH(flash_bwd_dot_do_o<T>, row_grid, dim3(128), 0, stream, p, w);
+  if (dbias_is_zero(p) && p.dlse) {
+    const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows;
+    FMHA_LAUNCH(flash_bwd_dbias_dlse<T>, dim3(unsigned((n + 127) / 128)), dim3(128), 0, stream,
+                p);
+  }
 
   auto launch_main = [&](auto atomic_dq) {
     constexpr bool kAtomic = decltype(atomic_dq)::value;

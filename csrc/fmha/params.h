@@ -123,6 +123,10 @@ struct BwdParams : FwdParams {
   // float32, float64 for float64 inputs.
   void* dbias = nullptr;
   int dbias_batch = 0, dbias_heads = 0, dbias_rows = 0, dbias_cols = 0;
+  // The gradient reaching lse (a differentiable lse), laid out like lse (its strides), or
+  // nullptr for none. lse_i = log sum_j exp(s_ij) gives d lse_i / d s_ij = P_ij, so it folds
+  // into the per-row term: dS = P o (dP - (D - dlse)), D = rowsum(dO o O).
+  const void* dlse = nullptr;
   // CUDA: true = bitwise-reproducible gradients (dQ summed in a fixed order instead of by
   // atomics). The CPU backward is always deterministic.
   bool deterministic = false;
@@ -133,6 +137,9 @@ struct BwdParams : FwdParams {
 // sum_j P_ij dP_ij - D_i = 0, with masks, dropout, softcap and ALiBi too). Both backends
 // write those zeros instead of summing dS, whose sum would be only the rounding error of D
 // = rowsum(dO o O) taken from the stored low-precision O (see csrc/cuda/NOTES.md).
+// With a gradient through lse (dlse) the sum is dlse_i instead, for a row that sees a key:
+// lse moves with the bias. Both backends then add those dlse_i, in a fixed order, to the
+// zeros.
 inline bool dbias_is_zero(const BwdParams& p) { return p.dbias != nullptr && p.dbias_cols == 1; }
 
 }  // namespace fmha

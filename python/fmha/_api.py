@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
+from . import _core, _sinks
 from ._core import (_last_contiguous, _xp, core_args, dbias_shape, get_num_threads,
                     kernel_settings, stream_of)
 from ._validate import Spec, device_of, kind_of, prepare
@@ -80,7 +80,7 @@ def _device_of_array(x):
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
               scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
               softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False, seed=None,
-              deterministic: bool = False, num_splits: int = 0):
+              deterministic: bool = False, num_splits: int = 0, sinks=None):
     """Exact multi-head attention, softmax(scale·QKᵀ [softcap] + bias + ALiBi, masked) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
@@ -111,17 +111,31 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     the CUDA forward divides its work, not the result beyond float rounding; the CPU
     kernels and the backward validate it (an int >= 0) and ignore it.
 
+    sinks: float (heads_q,) logits, one per query head, added to every softmax denominator
+    (gpt-oss): softmax over [scores, sink], the sink carrying no value, so a row with no
+    visible key gives 0 (all its mass on the sink); lse then includes the sink. Torch:
+    differentiable (dsinks by autograd); arrays: attention_backward(..., sinks=).
+
     Torch CUDA tensors and CuPy arrays run the CUDA kernels (float16/bfloat16, head_dim up
     to 256, sm_80+) on the current stream. Returns out, or (out, lse) when return_lse.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
+    if sinks is not None:
+        _sinks.check(sinks, q, spec.heads_q)
     if spec.kind == "torch":
-        return _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
-                                         deterministic=deterministic)
+        res = _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes,
+                                        return_lse or sinks is not None,
+                                        deterministic=deterministic)
+        if sinks is None:
+            return res
+        out, lse = _sinks.apply_torch(*res, sinks)
+        return (out, lse) if return_lse else out
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
                               _array_seed(seed) if spec.dropout_p > 0 else 0)
+    if sinks is not None:
+        out, lse = _sinks.apply_numpy(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -171,19 +185,33 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
                        alignment: str = "bottom_right", scale: Optional[float] = None,
                        bias=None, mask=None, dropout_p: float = 0.0, softcap: float = 0.0,
                        alibi_slopes=None, seed=None, bias_grad: bool = False,
-                       deterministic: bool = False):
+                       deterministic: bool = False, dlse=None, sinks=None):
     """The backward of :func:`attention` for NumPy / CuPy arrays (torch users: autograd).
 
     Takes the forward's out and lse (``return_lse=True``) and the same keyword arguments
     (with the same ``seed`` when dropout was on). Returns (dq, dk, dv), plus dbias shaped
     like bias when ``bias_grad`` (exact zeros for a bias constant along the keys, whose
-    shift softmax cancels). deterministic: as in :func:`attention`.
+    shift softmax cancels, unless dlse is given). deterministic: as in :func:`attention`.
+    dlse: the gradient of the loss with respect to lse (shaped like lse), when lse was used
+    (merging partial attentions, a loss on lse); None: out only. sinks: the forward's (out
+    and lse are then the ones it returned with them); dsinks (shaped like sinks) is returned
+    last.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes)
-    return _array_backward(spec, "attention_backward", dout, q, k, v, out, lse, bias, mask,
-                           alibi_slopes, seed, bias_grad, deterministic)
+    if sinks is not None:
+        _sinks.check(sinks, q, spec.heads_q)
+    # With sinks, the kernels' P = exp(S - lse) from the lse that includes them is the sinks'
+    # softmax: every gradient but dsinks (and a row-constant bias's) is exact as it comes.
+    grads = _array_backward(spec, "attention_backward", dout, q, k, v, out, lse, bias, mask,
+                            alibi_slopes, seed, bias_grad, deterministic, dlse=dlse)
+    if sinks is None:
+        return grads
+    if bias_grad and spec.bias_shape[-1] == 1:
+        fix = _sinks.constant_bias_correction(dout, out, lse, sinks, dlse, spec.bias_shape)
+        grads = grads[:3] + ((grads[3] + fix.reshape(grads[3].shape)).astype(grads[3].dtype),)
+    return grads + (_sinks.dsinks_numpy(dout, out, lse, sinks, dlse),)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -191,7 +219,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               window=(-1, -1), alignment: str = "bottom_right",
                               scale: Optional[float] = None, bias=None, mask=None,
                               dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes=None,
-                              seed=None, bias_grad: bool = False, deterministic: bool = False):
+                              seed=None, bias_grad: bool = False, deterministic: bool = False,
+                              dlse=None):
     """The backward of :func:`attention_varlen` for NumPy / CuPy arrays (torch: autograd).
 
     dout and out: (total_q, heads_q, head_dim_v); lse: (heads_q, total_q), as
@@ -207,11 +236,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                    max_seqlen_k=max_seqlen_k)
     return _array_backward(spec, "attention_varlen_backward", dout, q, k, v, out, lse, bias,
                            mask, alibi_slopes, seed, bias_grad, deterministic,
-                           cu=(cu_seqlens_q, cu_seqlens_k))
+                           cu=(cu_seqlens_q, cu_seqlens_k), dlse=dlse)
 
 
 def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, alibi_slopes,
-                    seed, bias_grad, deterministic, cu=None):
+                    seed, bias_grad, deterministic, cu=None, dlse=None):
     """attention_backward / attention_varlen_backward once prepare() has checked q, k, v and
     the keywords: checks the forward's outputs and dout, then runs the core's backward."""
     if spec.kind == "torch":
@@ -222,6 +251,10 @@ def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, al
     lse_shape = ((spec.heads_q, q.shape[0]) if spec.varlen
                  else (spec.batch, spec.heads_q, spec.seqlen_q))
     _check_like("lse", lse, q, lse_shape, lse_dtype)
+    if dlse is not None:
+        _check_like("dlse", dlse, q, lse_shape, lse_dtype)
+        # The kernels read dlse with lse's strides.
+        lse, dlse = (_xp(q).ascontiguousarray(x) for x in (lse, dlse))
     if spec.dropout_p > 0 and seed is None:
         raise ValueError("seed: required when dropout_p > 0 (the forward's seed)")
     if bias_grad and bias is None:
@@ -239,7 +272,7 @@ def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, al
                             **kernel_settings(spec.settings(),
                                               _array_seed(seed) if spec.dropout_p > 0 else 0,
                                               stream=stream_of(q)),
-                            deterministic=bool(deterministic))
+                            dlse=dlse, deterministic=bool(deterministic))
     if bias_grad:
         return dq, dk, dv, dbias.reshape(spec.bias_shape).astype(bias.dtype, copy=False)
     return dq, dk, dv

@@ -148,11 +148,14 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
         max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
-        bias_grad: bool, deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        bias_grad: bool, deterministic: bool = False,
+        dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
     deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
-    bitwise-reproducible CUDA gradients."""
+    bitwise-reproducible CUDA gradients. dlse: the gradient reaching lse, or None."""
     dout, q, k, v, out, lse, bias = _ready(dout, q, k, v, out, lse, bias)
+    if dlse is not None:  # the kernels read it with lse's strides
+        lse, dlse = lse.contiguous(), dlse.to(lse.dtype).contiguous()
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = None
@@ -165,6 +168,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    *_offsets(cu_seqlens_q, cu_seqlens_k)),
         **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
                     max_seqlen_q if varlen else None, max_seqlen_k),
+        dlse=None if dlse is None else _exported(dlse)[0],
         deterministic=bool(deterministic or torch.are_deterministic_algorithms_enabled()))
     if dbias is None:
         dbias = q.new_empty((0,))
@@ -176,7 +180,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right,
-      dropout_p, bias_grad, deterministic=False):
+      dropout_p, bias_grad, deterministic=False, dlse=None):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -202,19 +206,23 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(out, lse, *(getattr(args, name) for name in _SAVED_INPUTS))
     # The non-tensor settings, by name; the tensors are only in saved_tensors.
     ctx.settings = args._replace(**dict.fromkeys(_SAVED_INPUTS))
+    # An output nobody differentiates arrives as None, not as zeros: lse's gradient is
+    # folded in only when lse was used (docs/semantics.md, "The backward").
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    # The gradient through lse is not propagated (flash-attn does the same); lse is an
-    # auxiliary output for merging partial attentions, not a training target.
     out, lse, *saved = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     args = ctx.settings._replace(**dict(zip(_SAVED_INPUTS, saved)))
     bias_grad = args.bias is not None and ctx.needs_input_grad[_FwdInputs._fields.index("bias")]
     dq, dk, dv, dbias = bwd(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
                             args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k,
                             args.max_seqlen_q, args.max_seqlen_k, args.rng, args.scale,
                             args.softcap, args.window_left, args.window_right,
-                            args.bottom_right, args.dropout_p, bias_grad, args.deterministic)
+                            args.bottom_right, args.dropout_p, bias_grad, args.deterministic,
+                            dlse)
     return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 

@@ -101,6 +101,9 @@ class _Intermediates:
     p: np.ndarray          # softmax probabilities, before dropout
     lse: np.ndarray        # (B, Hq, Sq)
     z: Optional[np.ndarray]  # dropout multiplier (keep / (1 - p)), None without dropout
+    # Attention sinks: each row's probability of its head's sink, exp(sink - lse), laid
+    # out like lse (p and lse then include the sinks); None without sinks.
+    p_sink: Optional[np.ndarray]
     excluded: np.ndarray   # (B, Hq, Sq, Sk) bool: invisible, or a -inf bias
 
 
@@ -229,7 +232,7 @@ def _weighted_sum(w: np.ndarray, x: np.ndarray, zero: np.ndarray) -> np.ndarray:
 
 def _forward(
     q, k, v, *, scale, causal, window, alignment, bias, mask, alibi_slopes,
-    softcap, dropout_p, seed, offset, batch_index_start=0,
+    softcap, dropout_p, seed, offset, batch_index_start=0, sinks=None,
 ) -> _Intermediates:
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -269,6 +272,15 @@ def _forward(
 
     p, lse = _masked_softmax(s)
     p = np.where(s == -np.inf, 0.0, p)  # also in a NaN row
+    p_sink = None
+    if sinks is not None:
+        # softmax over [s_i1 .. s_in, sink_h]: the sink joins the denominator, not the sum.
+        sink = np.asarray(sinks, dtype=np.float64)[None, :, None]
+        lse_with = np.logaddexp(lse, sink)
+        with np.errstate(invalid="ignore"):
+            p = p * np.exp(lse - lse_with)[..., None]  # 0 for a row with no visible key
+        p_sink = np.exp(sink - lse_with)
+        lse = lse_with
 
     z = None
     if dropout_p > 0.0:
@@ -282,7 +294,7 @@ def _forward(
 
     return _Intermediates(
         q=qh, k=kh, v=vh, heads_kv=heads_kv, scale=scale, softcap=softcap,
-        s_raw=s_raw, p=p, lse=lse, z=z, excluded=excluded,
+        s_raw=s_raw, p=p, lse=lse, z=z, excluded=excluded, p_sink=p_sink,
     )
 
 
@@ -306,9 +318,10 @@ def _skipped(it: _Intermediates) -> np.ndarray:
     return it.excluded if it.z is None else it.excluded | (it.z == 0)
 
 
-def _backward(dout, it: _Intermediates, bias_shape, out=None):
+def _backward(dout, it: _Intermediates, bias_shape, out=None, dlse=None):
     """Gradients (dq, dk, dv, dbias) from the forward intermediates; D from ``out`` when
-    given (batch, seqlen_q, heads_q, head_dim_v), else from the exact output."""
+    given (batch, seqlen_q, heads_q, head_dim_v), else from the exact output; ``dlse``
+    (batch, heads_q, seqlen_q), the gradient reaching lse, when given."""
     batch, heads_q, seqlen_q, _ = it.q.shape
     expected = (batch, seqlen_q, heads_q, it.v.shape[-1])
     if np.shape(dout) != expected:
@@ -332,9 +345,14 @@ def _backward(dout, it: _Intermediates, bias_shape, out=None):
             raise ValueError(f"out must have shape {expected}, got {np.shape(out)}")
         out = np.transpose(np.asarray(out, dtype=np.float64), (0, 2, 1, 3))
         d = np.sum(do * out, axis=-1, keepdims=True)
+        if dlse is not None:
+            # lse_i = log sum_j exp(s_ij): d lse_i / d s_ij = P_ij, so dS_ij gains P_ij dlse_i.
+            d = d - np.asarray(dlse, dtype=np.float64)[..., None]
         ds = np.where(none, 0.0, p * (dp - d))
 
     dbias = None if bias_shape is None else _sum_to_shape(ds, bias_shape)
+    # A sink's logit enters as s does but carries no value (dP = 0): dsink = -sum P_sink D.
+    dsinks = None if it.p_sink is None else -np.sum(it.p_sink * d[..., 0], axis=(0, 2))
 
     if it.softcap > 0:
         with np.errstate(invalid="ignore"):
@@ -347,12 +365,15 @@ def _backward(dout, it: _Intermediates, bias_shape, out=None):
     dq = np.transpose(dq, (0, 2, 1, 3))
     dk = _sum_heads_to_kv(dk, it.heads_kv)
     dv = _sum_heads_to_kv(dv, it.heads_kv)
+    if dsinks is not None:
+        return dq, dk, dv, dbias, dsinks
     return dq, dk, dv, dbias
 
 
 def attention_forward(
     q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
     bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+    sinks=None,
 ):
     """Reference attention forward pass.
 
@@ -379,6 +400,9 @@ def attention_forward(
         Tanh soft-capping of the scaled scores when > 0.
     dropout_p, seed, offset :
         Dropout probability and Philox state (see :mod:`fmha._philox`).
+    sinks : array_like, optional
+        ``(heads_q,)`` attention-sink logits: each row's softmax runs over its scores and
+        its head's sink, which carries no value (lse then includes it).
 
     Returns
     -------
@@ -389,7 +413,7 @@ def attention_forward(
     it = _forward(
         q, k, v, scale=scale, causal=causal, window=window, alignment=alignment,
         bias=bias, mask=mask, alibi_slopes=alibi_slopes, softcap=softcap,
-        dropout_p=dropout_p, seed=seed, offset=offset,
+        dropout_p=dropout_p, seed=seed, offset=offset, sinks=sinks,
     )
     return _output(it), it.lse
 
@@ -397,12 +421,13 @@ def attention_forward(
 def attention_backward(
     dout, q, k, v, *, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
     bias=None, mask=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
-    out=None,
+    out=None, dlse=None, sinks=None,
 ):
     """Reference attention backward pass.
 
     Recomputes the forward pass with the same arguments as
-    :func:`attention_forward` and returns the gradients of ``sum(out * dout)``.
+    :func:`attention_forward` and returns the gradients of ``sum(out * dout)``, plus
+    ``sum(lse * dlse)`` when ``dlse`` ((batch, heads_q, seqlen_q)) is given.
     ``out``, when given, is the forward output that ``D = rowsum(dout o out)`` is taken
     from (say, the rounded one a 16-bit kernel stored: the kernels take D from their stored
     out); by default the exact one.
@@ -414,14 +439,15 @@ def attention_backward(
         each kv head)
     dbias : ndarray shaped like ``bias`` (summed over its broadcast axes), or
         None when ``bias`` is None
+    dsinks : ndarray (heads_q,), only when ``sinks`` is given
     """
     it = _forward(
         q, k, v, scale=scale, causal=causal, window=window, alignment=alignment,
         bias=bias, mask=mask, alibi_slopes=alibi_slopes, softcap=softcap,
-        dropout_p=dropout_p, seed=seed, offset=offset,
+        dropout_p=dropout_p, seed=seed, offset=offset, sinks=sinks,
     )
     bias_shape = None if bias is None else np.shape(bias)
-    return _backward(dout, it, bias_shape, out)
+    return _backward(dout, it, bias_shape, out, dlse)
 
 
 def attention_probs(
@@ -515,11 +541,13 @@ def attention_varlen_forward(
 def attention_varlen_backward(
     dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=False, window=(-1, -1),
     alignment="bottom_right", alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, offset=0,
+    dlse=None,
 ):
     """Reference backward pass over a packed variable-length batch.
 
     Arguments as :func:`attention_varlen_forward`, plus ``dout`` shaped like
-    its ``out``. Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
+    its ``out`` and, optionally, ``dlse`` shaped like its lse ``(heads_q, total_q)``.
+    Returns ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``.
     """
     dout = np.asarray(dout, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
@@ -534,7 +562,8 @@ def attention_varlen_backward(
             alignment=alignment, bias=None, mask=None, alibi_slopes=slopes, softcap=softcap,
             dropout_p=dropout_p, seed=seed, offset=offset, batch_index_start=b,
         )
-        dq_b, dk_b, dv_b, _ = _backward(dout[None, sq], it, None)
+        dlse_b = None if dlse is None else np.asarray(dlse, dtype=np.float64)[None, :, sq]
+        dq_b, dk_b, dv_b, _ = _backward(dout[None, sq], it, None, dlse=dlse_b)
         dq[sq] = dq_b[0]
         dk[sk] = dk_b[0]
         dv[sk] = dv_b[0]

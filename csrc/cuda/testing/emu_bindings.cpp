@@ -384,9 +384,10 @@ int emu_forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py
 void emu_backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
                   py::object lse, py::object dq, py::object dk, py::object dv,
                   py::object dbias, py::object bias, py::object mask, py::object alibi,
-                  py::object cu_q, py::object cu_k, py::kwargs kw) {
+                  py::object cu_q, py::object cu_k, py::object dlse, py::kwargs kw) {
   const auto c = fmha::bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias,
-                                           mask, alibi, cu_q, cu_k, kw, /*host_only=*/true);
+                                           mask, alibi, cu_q, cu_k, dlse, kw,
+                                           /*host_only=*/true);
   launch_emulated(c.p, [](const fmha::BwdParams& p, void* s) { fmha::gpu::launch_flash_bwd(p, s); });
 }
 

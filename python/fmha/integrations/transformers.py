@@ -16,10 +16,11 @@ padding, and greedy generation with the KV cache. The attention function alone i
 checked with a float mask, a T5-style ``position_bias``, ``softcap`` and grouped heads.
 No other model family has been run.
 
-Not supported: attention sinks (``s_aux`` / ``sinks``, e.g. gpt-oss) raise
-``NotImplementedError``; ``output_attentions=True`` gets ``None`` for the weights (fmha
-never forms them); there is no paged-attention / paged KV-cache path (only the models' own
-dense caches, passed as K/V).
+Attention sinks (``s_aux``, gpt-oss) go to :func:`fmha.attention`'s ``sinks``; a tiny
+randomly initialised ``GptOssForCausalLM`` is checked against ``"eager"`` (its sinks are
+in no other implementation). Not supported: ``output_attentions=True`` gets ``None`` for
+the weights (fmha never forms them); there is no paged-attention / paged KV-cache path
+(only the models' own dense caches, passed as K/V).
 
 transformers is imported here and only here: ``import fmha`` does not need it.
 """
@@ -66,17 +67,18 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         softcap: ``softcap * tanh(scores / softcap)`` before masking (Gemma 2 style).
         position_bias: an additive bias (T5-style relative positions), applied together
             with ``attention_mask``.
-        **kwargs: everything else models pass (``position_ids``, ``sliding_window``, ...)
-            is ignored, as by ``"sdpa"``: sliding windows are already in the mask.
+        **kwargs: ``s_aux`` (or ``sinks``), ``(heads_q,)`` attention-sink logits (gpt-oss),
+            become fmha's ``sinks``; everything else models pass (``position_ids``,
+            ``sliding_window``, ...) is ignored, as by ``"sdpa"``: sliding windows are
+            already in the mask.
 
     Returns:
         ``(attn_output, None)``: ``(batch, seqlen_q, heads_q, head_dim_v)``, contiguous
         (the layout transformers expects), and no attention weights.
     """
-    for unsupported in ("s_aux", "sinks"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"{unsupported}: attention sinks are not supported by "
-                                      f"fmha")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -94,7 +96,7 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         bias = position_bias if bias is None else bias + position_bias
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                     causal=causal, alignment="top_left", scale=scaling, bias=bias, mask=mask,
-                    dropout_p=dropout, softcap=0.0 if softcap is None else softcap)
+                    dropout_p=dropout, softcap=0.0 if softcap is None else softcap, sinks=sinks)
     return out, None
 
 
