@@ -163,3 +163,47 @@ def test_cuda_kernels_with_sinks(rng, backend):
             continue
         err = np.abs(to_f64(g) - w).max()
         assert err <= 4e-2 * max(np.abs(w).max(), 1.0), (name, err)
+
+
+def test_varlen_kvcache_and_sdpa_entries_take_sinks(rng):
+    """attention_varlen (torch autograd and NumPy backward), attention_with_kvcache and the
+    SDPA entry give what fmha.attention gives with the same sinks."""
+    from fmha.kvcache import attention_with_kvcache
+    x, _ = inputs(rng, b=1, sq=5, sk=7, hq=4, hkv=2)
+    sinks = x["sinks"]
+    want, want_lse = fmha.attention(x["q"], x["k"], x["v"], causal=True, sinks=sinks,
+                                    return_lse=True)
+    cu_q, cu_k = np.array([0, 5], np.int32), np.array([0, 7], np.int32)
+    out, lse = fmha.attention_varlen(x["q"][0], x["k"][0], x["v"][0], cu_q, cu_k, causal=True,
+                                     sinks=sinks, return_lse=True)
+    np.testing.assert_allclose(out, want[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-12, atol=1e-12)
+    dout = rng.standard_normal(out.shape)
+    got = fmha.attention_varlen_backward(dout, x["q"][0], x["k"][0], x["v"][0], out, lse, cu_q,
+                                         cu_k, causal=True, sinks=sinks)
+    ref = reference.attention_backward(dout[None], x["q"], x["k"], x["v"], causal=True,
+                                       sinks=sinks, out=want)
+    for g, w in zip(got, [r[0] for r in ref[:3]] + [ref[4]]):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    # torch varlen autograd: dsinks equal to the dense call's.
+    grads = []
+    for varlen in (False, True):
+        s = torch.tensor(sinks, requires_grad=True)
+        t = [torch.tensor(a[0] if varlen else a) for a in (x["q"], x["k"], x["v"])]
+        o = (fmha.attention_varlen(*t, torch.tensor(cu_q), torch.tensor(cu_k), causal=True,
+                                   sinks=s) if varlen else
+             fmha.attention(*t, causal=True, sinks=s)[0])
+        (o * torch.tensor(dout)).sum().backward()
+        grads.append(s.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-10)
+    # The KV cache: the same rows as the last 7 keys, 5 queries, bottom-right.
+    kc, vc = (np.concatenate([a, np.zeros((1, 3, 2, 8))], axis=1) for a in (x["k"], x["v"]))
+    out = attention_with_kvcache(x["q"], kc, vc, cache_seqlens=np.array([7], np.int32),
+                                 causal=True, sinks=sinks)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+    # The SDPA entry (top-left causal = bottom-right here: seqlen_q = seqlen_k).
+    q, k, v = (torch.tensor(a).transpose(1, 2) for a in (x["q"], x["k"][:, :5], x["v"][:, :5]))
+    got = fmha.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                            sinks=torch.tensor(sinks))
+    want = fmha.attention(x["q"], x["k"][:, :5], x["v"][:, :5], causal=True, sinks=sinks)
+    np.testing.assert_allclose(got.transpose(1, 2).numpy(), want, rtol=1e-12, atol=1e-12)

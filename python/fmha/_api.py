@@ -128,14 +128,18 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
         res = _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes,
                                         return_lse or sinks is not None,
                                         deterministic=deterministic)
-        if sinks is None:
-            return res
-        out, lse = _sinks.apply_torch(*res, sinks)
-        return (out, lse) if return_lse else out
+        return res if sinks is None else _result(*res, sinks, return_lse)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
                               _array_seed(seed) if spec.dropout_p > 0 else 0)
+    return _result(out, lse, sinks, return_lse)
+
+
+def _result(out, lse, sinks, return_lse):
+    """What attention / attention_varlen return from the kernels' out and lse: sinks
+    applied when given (fmha/_sinks.py), lse when asked for."""
     if sinks is not None:
-        out, lse = _sinks.apply_numpy(out, lse, sinks)
+        apply = _sinks.apply_torch if kind_of(out) == "torch" else _sinks.apply_numpy
+        out, lse = apply(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -143,7 +147,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
                      scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
                      softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False,
-                     seed=None, deterministic: bool = False, num_splits: int = 0):
+                     seed=None, deterministic: bool = False, num_splits: int = 0, sinks=None):
     """:func:`attention` on packed variable-length batches.
 
     q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim[_v]); sequence b owns
@@ -155,21 +159,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     CUDA-graph capturable) and so are not validated: the kernels clamp each sequence to the
     packed rows and the maxima (docs/semantics.md, "Variable-length batches").
     num_splits: as in :func:`attention` (CUDA forward only; validated and ignored on the CPU).
-    NumPy/CuPy users get the gradients from :func:`attention_varlen_backward`.
+    sinks: as in :func:`attention`. NumPy/CuPy users get the gradients from
+    :func:`attention_varlen_backward`.
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+    if sinks is not None:
+        _sinks.check(sinks, q, spec.heads_q)
     if spec.kind == "torch":
-        return _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes, return_lse,
-                                         cu_seqlens_q, cu_seqlens_k,
-                                         deterministic=deterministic)
+        res = _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes,
+                                        return_lse or sinks is not None, cu_seqlens_q,
+                                        cu_seqlens_k, deterministic=deterministic)
+        return res if sinks is None else _result(*res, sinks, return_lse)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
                               _array_seed(seed) if spec.dropout_p > 0 else 0,
                               _array_cu(spec, q, cu_seqlens_q, cu_seqlens_k))
-    return (out, lse) if return_lse else out
+    return _result(out, lse, sinks, return_lse)
 
 
 def _array_cu(spec: Spec, q, cu_seqlens_q, cu_seqlens_k) -> dict:
@@ -220,23 +228,34 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               scale: Optional[float] = None, bias=None, mask=None,
                               dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes=None,
                               seed=None, bias_grad: bool = False, deterministic: bool = False,
-                              dlse=None):
+                              dlse=None, sinks=None):
     """The backward of :func:`attention_varlen` for NumPy / CuPy arrays (torch: autograd).
 
     dout and out: (total_q, heads_q, head_dim_v); lse: (heads_q, total_q), as
     :func:`attention_varlen` returned it with ``return_lse=True``. The offsets, maxima and
     keyword arguments are the forward's (the same ``seed`` when dropout was on). Returns
     (dq, dk, dv) shaped like q, k, v, plus dbias shaped like bias when ``bias_grad``.
-    Rows of an empty sequence get zero gradients.
+    Rows of an empty sequence get zero gradients. dlse and sinks as in
+    :func:`attention_backward` (dsinks returned last; with sinks, a bias constant along the
+    keys cannot take bias_grad here).
     """
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k)
-    return _array_backward(spec, "attention_varlen_backward", dout, q, k, v, out, lse, bias,
-                           mask, alibi_slopes, seed, bias_grad, deterministic,
-                           cu=(cu_seqlens_q, cu_seqlens_k), dlse=dlse)
+    if sinks is not None:
+        _sinks.check(sinks, q, spec.heads_q)
+        if bias_grad and spec.bias_shape[-1] == 1:
+            raise NotImplementedError("bias_grad: a bias constant along the keys with sinks "
+                                      "is not supported by attention_varlen_backward (use "
+                                      "attention_backward, or torch autograd)")
+    grads = _array_backward(spec, "attention_varlen_backward", dout, q, k, v, out, lse, bias,
+                            mask, alibi_slopes, seed, bias_grad, deterministic,
+                            cu=(cu_seqlens_q, cu_seqlens_k), dlse=dlse)
+    if sinks is None:
+        return grads
+    return grads + (_sinks.dsinks_numpy(dout, out, lse, sinks, dlse),)
 
 
 def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, alibi_slopes,

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
+from . import _core, _sinks
 from ._core import get_num_threads
 from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
                         device_of, dtype_name, kind_of)
@@ -43,7 +43,8 @@ def _last_dim_contiguous(x):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                            block_table=None, causal: bool = False, window=_NO_WINDOW,
                            scale: Optional[float] = None, softcap: float = 0.0,
-                           alibi_slopes=None, return_lse: bool = False, num_splits: int = 0):
+                           alibi_slopes=None, return_lse: bool = False, num_splits: int = 0,
+                           sinks=None):
     """Attention of new queries over a KV cache, appending new keys and values in place.
 
     q: (batch, seqlen_q, heads_q, head_dim), seqlen_q >= 1 (decode, speculative
@@ -73,7 +74,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     head_dim_v), or (out, lse) with lse (batch, heads_q, seqlen_q) float32 (float64 for
     float64 inputs) when return_lse, for :func:`fmha.merge_states`. num_splits (CUDA): 0
     splits each sequence's keys into 256-key ranges (FlashDecoding), n > 0 cuts the capacity
-    into n ranges; the CPU ignores it. Torch tensors and NumPy arrays on the CPU
+    into n ranges; the CPU ignores it. sinks: attention-sink logits (heads_q,), as in
+    :func:`fmha.attention` (lse then includes them). Torch tensors and NumPy arrays on the CPU
     (float64/float32/bfloat16/float16), torch tensors on CUDA (float16/bfloat16, head_dim
     <= 256).
     """
@@ -130,6 +132,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_number("scale", scale)
     softcap = _check_number("softcap", softcap, lo=0.0)
     num_splits = _check_int("num_splits", num_splits, 0)
+    if sinks is not None:
+        _sinks.check(sinks, q, heads_q)
 
     if alibi_slopes is not None:
         _check_array("alibi_slopes", alibi_slopes, kind, (1, 2))
@@ -169,6 +173,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         import torch
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
     _core._kernels.forward_kvcache(*args, alibi_slopes, **kw)
+    if sinks is not None:  # applied to the kernels' out and lse (fmha/_sinks.py)
+        out, lse = (_sinks.apply_torch if kind == "torch" else _sinks.apply_numpy)(
+            out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

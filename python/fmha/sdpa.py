@@ -20,7 +20,8 @@ from ._api import attention
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, *, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False,
+                                 sinks: Optional[Tensor] = None) -> Tensor:
     """``softmax(query @ key.T * scale + mask) @ value``, as torch's SDPA computes it.
 
     Args:
@@ -40,6 +41,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         scale: the score scale; ``None`` means ``1/sqrt(E)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``H`` (grouped-query attention). fmha
             reads the shared key/value heads in place; nothing is repeated.
+        sinks: fmha's extension, not torch's: ``(Hq,)`` attention-sink logits (gpt-oss), one
+            per query head, in every softmax denominator (:func:`fmha.attention`).
 
     Returns:
         ``(N, ..., Hq, L, Ev)`` in query's dtype, as a transposed view of fmha's
@@ -81,7 +84,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             bias = m
 
     out = attention(q, k, v, causal=is_causal, alignment="top_left", scale=scale, bias=bias,
-                    mask=mask, dropout_p=dropout_p)
+                    mask=mask, dropout_p=dropout_p, sinks=sinks)
     # (B, L, Hq, Ev) -> (..., Hq, L, Ev): a transpose and a split of the batch dimension,
     # both views of fmha's contiguous output.
     out = out.transpose(1, 2).reshape(*lead, heads_q, seqlen_q, out.shape[-1])
