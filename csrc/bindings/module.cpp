@@ -89,14 +89,12 @@ PYBIND11_MODULE(_C, m) {
       "Writes dq, dk, dv (and dbias). dlse: the gradient reaching lse (lse's layout), or "
       "None. Keyword settings as forward, plus deterministic (CUDA: bitwise-reproducible dQ; "
       "the CPU backward always is).");
-  m.def("forward_kvcache", &forward_kvcache, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
-        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
-        "Appends k, v (if given) to the caches in place at cache_seqlens, then writes out and "
-        "lse of q over each sequence's cache_seqlens + seqlen_new cached rows (bottom-right "
-        "aligned). Keyword settings: scale, softcap, window_left, window_right (required); "
-        "num_threads, num_splits, stream.");
+  bind::def_forward_kvcache(
+      m, &forward_kvcache,
+      "Appends k, v (if given) to the caches in place at cache_seqlens, then writes out and "
+      "lse of q over each sequence's cache_seqlens + seqlen_new cached rows (bottom-right "
+      "aligned). Keyword settings: scale, softcap, window_left, window_right (required); "
+      "num_threads, num_splits, stream.");
   m.def("cpu_features", &cpu_features, "CPU features relevant to the kernels");
   m.def("cpu_isa", [] { return std::string(isa_name(active_cpu_isa())); },
         "The instruction set the CPU kernels use");

@@ -670,6 +670,16 @@ void def_forward_backward(py::module_& m, Forward&& forward, Backward&& backward
         py::arg("cu_seqlens_k") = py::none(), py::arg("dlse") = py::none(), backward_doc);
 }
 
+// forward_kvcache with fmha._C's signature (the arrays by position or name, the settings as
+// keywords: FMHA_KVCACHE_KEYWORDS). Both modules define it through this.
+template <typename ForwardKvcache>
+void def_forward_kvcache(py::module_& m, ForwardKvcache&& fn, const char* doc) {
+  m.def("forward_kvcache", std::forward<ForwardKvcache>(fn), py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
+        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
+        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(), doc);
+}
+
 // The exception translation both modules install: the core's error types become the Python
 // exceptions the Python layer documents.
 inline void register_errors() {

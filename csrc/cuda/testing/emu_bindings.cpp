@@ -459,14 +459,12 @@ PYBIND11_MODULE(_cuda_emu, m) {
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
-  m.def("forward_kvcache", &emu_forward_kvcache, py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
-        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
-        "fmha._C.forward_kvcache's signature and keyword settings, on host float16/bfloat16 "
-        "arrays, run by the emulated CUDA decode (launch_flash_decode: device-side checks, "
-        "append, split-KV attention, combine). The arrays stand for GPU memory: cache_seqlens "
-        "and block_table are not read on the host. Returns the number of key splits.");
+  fmha::bind::def_forward_kvcache(
+      m, &emu_forward_kvcache,
+      "fmha._C.forward_kvcache's signature and keyword settings, on host float16/bfloat16 "
+      "arrays, run by the emulated CUDA decode (launch_flash_decode: device-side checks, "
+      "append, split-KV attention, combine). The arrays stand for GPU memory: cache_seqlens "
+      "and block_table are not read on the host. Returns the number of key splits.");
   m.def("kvcache_refusals", &fmha::gpu::kvcache_refusals, py::arg("clear") = true,
         "The KvCacheRefusal bits (1 length < 0, 2 over capacity, 4 block out of range) of "
         "refused forward_kvcache calls since the last clear.");
