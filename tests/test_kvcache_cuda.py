@@ -86,9 +86,11 @@ def test_key_splits_match_reference(rng, case):
 
 
 def test_head_dims_and_wide_groups(rng):
-    """head_dim 128 (16-byte loads), 40 (a tail in the 64 tile), a head_dim_v of 96 and a
-    GQA group of 12 rows (two row blocks of 8)."""
-    for hq, hkv, d, dv, sq in ((4, 2, 128, 128, 1), (2, 1, 40, 96, 1), (12, 2, 32, 32, 2)):
+    """head_dim 128 (16-byte loads), 40 (a tail in the 64 tile), a head_dim_v of 96, a GQA
+    group of 12 rows (two row blocks of 8), and head_dim 12 (rows not 16-byte aligned:
+    element loads)."""
+    for hq, hkv, d, dv, sq in ((4, 2, 128, 128, 1), (2, 1, 40, 96, 1), (12, 2, 32, 32, 2),
+                               (2, 1, 12, 12, 1)):
         check_case(rng, (hq, hkv, sq, 1, d, dv, dict(causal=True)), 5, "numpy", "float16",
                    capacity=23)
 
