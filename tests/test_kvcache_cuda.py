@@ -6,7 +6,8 @@ The same checks as tests/test_kvcache.py for the CPU, in float16 / bfloat16: the
 with contiguous and paged caches (block sizes 1, 7, 16), ragged lengths including 0, GQA
 and MQA, causal, windows, ALiBi, softcap, appends; key splits (FlashDecoding) and their
 merge; paged == contiguous bitwise; token-by-token decode == one causal prefill. And what
-is CUDA's own: cache_seqlens and block_table are checked on the device, so a bad value is
+is CUDA's own: cache_seqlens and block_table are checked on the device (lengths, block
+ranges, and blocks appended to through one entry but used through another), so a bad value is
 refused there -- caches byte for byte unchanged, out and lse NaN, and the refusal reported
 by fmha.kvcache.check_refused -- and a NaN in a V row no query sees stays out.
 
@@ -168,6 +169,15 @@ REFUSED = {
     "over-capacity": (dict(lens=[5, 11]), "exceeded the cache's capacity"),
     "block-out-of-range": (dict(table=[[0, 1, 2], [3, 8, 5]]), r"outside \[0, num_blocks\)"),
     "block-negative-read": (dict(table=[[-1, 1, 2], [3, 4, 5]]), r"outside \[0, num_blocks\)"),
+    # rows 5, 6 of sequence 0 and 6, 7 of sequence 1 would both land in block 1
+    "block-appended-by-two-sequences": (dict(table=[[0, 1, 2], [3, 1, 5]]),
+                                        "appended to through one table entry"),
+    # sequence 1 reads block 1 (its rows 0..3) while sequence 0 appends to it
+    "block-read-while-appended": (dict(table=[[0, 1, 2], [1, 4, 5]]),
+                                  "appended to through one table entry"),
+    # one table names block 1 twice: the append would overwrite the sequence's own row 0
+    "block-twice-in-one-table": (dict(table=[[1, 1, 2], [3, 4, 5]]),
+                                 "appended to through one table entry"),
 }
 
 
@@ -268,3 +278,18 @@ def test_paged_kv_cache_with_a_fork_decodes_on_the_cuda_kernels(rng, backend):
         assert caches[0].blocks(s0) == caches[1].blocks(s1)
     assert raw(caches[0].k_pool(0)) == raw(caches[1].k_pool(0))
     check_refused(0)
+
+
+def test_shared_prefix_block_read_by_two_sequences_is_accepted(rng):
+    """A full block read by two sequences (a forked prefix), each appending into a block of
+    its own: the device check lets it through, and the result is the reference's."""
+    a = _refusal_base(rng)
+    table = np.array([[0, 1, 2], [0, 4, 5]], np.int32)
+    f64 = lambda x: x.astype(np.float64)  # noqa: E731
+    ref_out, _ = reference.attention_with_kvcache(
+        f64(a["q"]), f64(a["k_cache"]), f64(a["v_cache"]), f64(a["k"]), f64(a["v"]),
+        cache_seqlens=a["lens"], block_table=table, causal=True)
+    out, _ = call(a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["lens"], table,
+                  causal=True)
+    check_refused(0)
+    assert_near("out", out, ref_out, TOL["float16"])

@@ -137,5 +137,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("clear") = true, py::call_guard<py::gil_scoped_release>(),
         "Bits of the KV-cache calls on CUDA device `device` refused since the last clear (1: a "
         "cache_seqlens entry < 0, 2: cache_seqlens + new rows over the capacity, 4: a "
-        "block_table entry out of range); synchronises with the device.");
+        "block_table entry out of range, 8: a block appended to through one table entry and "
+        "read or written through another); synchronises with the device.");
 }

@@ -80,8 +80,12 @@ int run(const FwdParams& p, int tile, Stream stream) {
 
   Scratch refused(sizeof(int), stream);
   launch.refused = refused.as<int>();
+  // Which table entry appends to each block (paged appends only), zeros to start from.
+  const bool shared_check = p.block_table && p.seqlen_new > 0;
+  Scratch writer(shared_check ? size_t(p.num_blocks) * sizeof(int64_t) : 0, stream,
+                 /*zero=*/true);
   FMHA_LAUNCH(kvcache_check_kernel, dim3(1), dim3(kDecodeThreads), 0, stream, p,
-              refused.as<int>(), refusal_flag());
+              refused.as<int>(), refusal_flag(), shared_check ? writer.as<int64_t>() : nullptr);
   if (p.seqlen_new > 0) {
     auto append = &kvcache_append_kernel<T>;
     FMHA_LAUNCH(append, dim3(p.seqlen_new, p.heads_kv, p.batch), dim3(kDecodeThreads), 0,

@@ -115,30 +115,51 @@ FMHA_DEVICE float warp_sum(float x) {
 
 // 1. The call's lengths and block table against the capacity and the pool: one CTA, which
 // writes the call's KvCacheRefusal bits to *refused and ORs them into *flag (sticky).
-// A length is checked before the blocks it implies are (a refused length reads no table).
+// A length is checked before the blocks it implies are (a refused length reads no table),
+// and the blocks before `writer` is indexed by them. writer (paged appends only: num_blocks
+// zeros) records, per block, the table entry whose append writes into it; every entry that
+// reads or writes a block must then be that entry (the host's rule, fmha/kvcache.h).
 __global__ void __launch_bounds__(kDecodeThreads)
-    kvcache_check_kernel(FwdParams p, int* refused, int* flag) {
+    kvcache_check_kernel(FwdParams p, int* refused, int* flag, int64_t* writer) {
   int code = 0;
   for (int b = threadIdx.x; b < p.batch; b += kDecodeThreads) {
     const int64_t len = p.cache_seqlens[b];
     if (len < 0) code |= kRefusedLength;
     else if (len + p.seqlen_new > p.seqlen_k) code |= kRefusedCapacity;
   }
-  if (p.block_table) {
-    const int max_blocks = p.seqlen_k / p.block_size;
-    const int64_t entries = int64_t(p.batch) * max_blocks;
-    for (int64_t e = threadIdx.x; e < entries; e += kDecodeThreads) {
-      const int b = int(e / max_blocks), i = int(e % max_blocks);
+  // Table entry (b, i) of every sequence whose length passed, among the entries its rows
+  // use: f(b, i, len, block). Sequences in turn, entries across the threads (no 64-bit
+  // division, which ptxas turns into a call).
+  const int max_blocks = p.block_table ? p.seqlen_k / p.block_size : 0;
+  auto for_each_entry = [&](auto&& f) {
+    for (int b = 0; b < p.batch; ++b) {
       const int64_t len = p.cache_seqlens[b];
       if (len < 0 || len + p.seqlen_new > p.seqlen_k) continue;  // refused above
-      if (int64_t(i) * p.block_size >= len + p.seqlen_new) continue;  // never read
-      const int block = p.block_table[b * p.block_table_stride + i];
-      if (block < 0 || block >= p.num_blocks) code |= kRefusedBlock;
+      for (int i = threadIdx.x; i < max_blocks; i += kDecodeThreads) {
+        if (int64_t(i) * p.block_size >= len + p.seqlen_new) break;  // never read
+        f(b, i, len, p.block_table[b * p.block_table_stride + i]);
+      }
     }
+  };
+  for_each_entry([&](int, int, int64_t, int block) {
+    if (block < 0 || block >= p.num_blocks) code |= kRefusedBlock;
+  });
+  if (writer && !__syncthreads_or(code)) {  // every length and block in range
+    // The entry (b, i) appending to a block stores b * max_blocks + i + 1 there (two such
+    // entries both store; the loser sees it below); then every entry reading or writing a
+    // block must be the one stored.
+    for_each_entry([&](int b, int i, int64_t len, int block) {
+      if (int64_t(i + 1) * p.block_size > len) writer[block] = int64_t(b) * max_blocks + i + 1;
+    });
+    __syncthreads();
+    for_each_entry([&](int b, int i, int64_t, int block) {
+      const int64_t w = writer[block];
+      if (w != 0 && w != int64_t(b) * max_blocks + i + 1) code |= kRefusedShared;
+    });
   }
   int all = 0;
 #pragma unroll
-  for (int bit = 1; bit <= kRefusedBlock; bit *= 2)
+  for (int bit = 1; bit <= kRefusedShared; bit *= 2)
     if (__syncthreads_or(code & bit)) all |= bit;
   if (threadIdx.x == 0) {
     *refused = all;

@@ -14,6 +14,8 @@ enum KvCacheRefusal : int {
   kRefusedLength = 1,    // a cache_seqlens entry < 0
   kRefusedCapacity = 2,  // cache_seqlens[b] + seqlen_new > capacity
   kRefusedBlock = 4,     // a block_table entry a sequence reads or writes outside [0, num_blocks)
+  kRefusedShared = 8,    // a block appended to through one table entry and read or written
+                         // through another (of this sequence or another)
 };
 
 // fmha.kvcache.attention_with_kvcache on CUDA memory (p.cache_seqlens set; float16 or

@@ -184,6 +184,8 @@ _REFUSALS = (
     (1, "cache_seqlens: an entry was negative"),
     (2, "cache_seqlens: an entry plus the new rows exceeded the cache's capacity"),
     (4, "block_table: a sequence read or wrote a block outside [0, num_blocks)"),
+    (8, "block_table: a block appended to through one table entry was read or written "
+        "through another in the same call"),
 )
 
 
