@@ -388,3 +388,15 @@ def test_cache_that_requires_grad_is_refused():
     with pytest.raises(ValueError, match="k_cache: requires grad"):
         attention_with_kvcache(torch.zeros(1, 1, 1, 8), k_cache, v_cache,
                                cache_seqlens=torch.zeros(1, dtype=torch.int32))
+
+
+def test_check_refused_without_a_gpu_says_so():
+    """fmha.kvcache.check_refused reads a CUDA device's record: without a usable GPU it
+    raises NotImplementedError saying why, for the default device and an explicit one."""
+    from fmha import _C
+    from fmha.kvcache import check_refused
+    if _C.cuda_built() and _C.cuda_device_count() > 0:
+        pytest.skip("a GPU is present: the record is readable")
+    for device in (None, 0):
+        with pytest.raises(NotImplementedError, match="CUDA"):
+            check_refused(device)

@@ -201,13 +201,13 @@ def check_refused(device=None):
     CPU every call is checked before it runs and raises at once: nothing is recorded.
     """
     from ._validate import _describe
-    if device is None:
-        import torch
-        device = torch.cuda.current_device()
     index = getattr(device, "index", device)
-    if index is None:
-        import torch
-        index = torch.cuda.current_device()
+    if index is None:  # the current device; without one, 0 (the core says there is none)
+        try:
+            import torch
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        except ImportError:
+            index = 0
     if not isinstance(index, int):
         raise TypeError(f"device: expected a CUDA device or its index, got {_describe(device)}")
     module = _core._kernels
