@@ -85,7 +85,8 @@ PYBIND11_MODULE(_C, m) {
       "Keyword settings: scale, softcap, window_left, window_right, bottom_right, dropout_p "
       "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
       "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "
-      "device cu_seqlens).",
+      "device cu_seqlens); q_position, k_position, head_position, heads_total (a block of "
+      "a larger attention, params.h).",
       "Writes dq, dk, dv (and dbias). dlse: the gradient reaching lse (lse's layout), or "
       "None. Keyword settings as forward, plus deterministic (CUDA: bitwise-reproducible dQ; "
       "the CPU backward always is).");

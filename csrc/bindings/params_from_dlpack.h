@@ -76,7 +76,7 @@ inline void expect_device(const View& v, const Device& dev) {
 // setting).
 class Settings {
  public:
-  static constexpr int kMax = 16;
+  static constexpr int kMax = 20;
 
   Settings(const char* fn, const py::kwargs& kw, std::initializer_list<const char*> allowed)
       : fn_(fn), n_(int(allowed.size())) {
@@ -157,7 +157,8 @@ class Settings {
 
 #define FMHA_FORWARD_KEYWORDS                                                                  \
   "scale", "softcap", "window_left", "window_right", "bottom_right", "dropout_p", "seed",     \
-      "offset", "num_threads", "max_seqlen_q", "max_seqlen_k", "stream", "num_splits"
+      "offset", "num_threads", "max_seqlen_q", "max_seqlen_k", "stream", "num_splits",       \
+      "q_position", "k_position", "head_position", "heads_total"
 
 // ------------------------------------------------------------------------------ the call
 
@@ -428,6 +429,10 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   p.offset = s.get<uint64_t>("offset", 0);
   p.num_threads = s.get<int>("num_threads", 0);
   p.num_splits = s.get<int>("num_splits", 0);
+  p.q_position = s.get<int>("q_position", 0);
+  p.k_position = s.get<int>("k_position", 0);
+  p.head_position = s.get<int>("head_position", 0);
+  p.heads_total = s.get<int>("heads_total", 0);
 }
 
 inline Call<FwdParams> forward_call(const py::object& q, const py::object& k,

@@ -83,6 +83,14 @@ struct FwdParams {
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;
 
+  // --- one block of a larger attention (fmha.distributed cuts one attention into blocks
+  // over processes): q's row 0 is query position q_position and k's row 0 key position
+  // k_position of the whole attention, and query head 0 is its head head_position of
+  // heads_total (0 = heads_q). The diagonal offset of causal / window / ALiBi gains
+  // q_position - k_position, and dropout draws at the whole attention's coordinates, so the
+  // blocks' results merge into the whole's exactly. All zero for an ordinary call. ---
+  int q_position = 0, k_position = 0, head_position = 0, heads_total = 0;
+
   // --- KV cache (forward only: fmha.attention_with_kvcache; docs/semantics.md, "KV caches").
   // When cache_seqlens is set, k and v are caches: sequence b's keys are its cache rows
   // [0, cache_seqlens[b] + seqlen_new), seqlen_k is the capacity (rows a sequence can hold),

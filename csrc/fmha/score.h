@@ -30,7 +30,7 @@ constexpr float kLn2 = 0.6931471805599453f;    // log(x) = log2(x) * kLn2
 // sequence (0..sq-1, 0..sk-1) are what the window, ALiBi, bias/mask and dropout see.
 struct Seq {
   int sq = 0, sk = 0;
-  int off = 0;                   // sk - sq (bottom-right alignment) or 0 (top-left)
+  int off = 0;  // sk - sq (bottom-right alignment) or 0 (top-left), + q_position - k_position
   int q_first = 0, k_first = 0;  // varlen: first packed row of q / k; else 0
 };
 
@@ -81,7 +81,7 @@ FMHA_HD Seq seq_of(const FwdParams& p, int b) {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;
   }
-  s.off = p.bottom_right ? s.sk - s.sq : 0;
+  s.off = (p.bottom_right ? s.sk - s.sq : 0) + (p.q_position - p.k_position);
   return s;
 }
 
@@ -174,13 +174,18 @@ FMHA_HD bool mask_allows(const Broadcast4& mask, int b, int h, int i, int j) {
 // (lo32(seed), hi32(seed) + hi32(offset)), is >= dropout_threshold(p). The mask is a pure
 // function of its coordinates: the same on every backend, tiling and thread count
 // (python/fmha/_philox.py implements the same and checks it against Random123's vectors).
+// For a block of a larger attention (params.h: q_position, ...) the coordinates are the
+// whole attention's: (j + k_position, i + q_position, b * heads_total + head_position + h);
+// k_position is a multiple of 4 there (check_params), so a draw's four keys stay together.
 //
 // The draw that decides keys 4 * (j / 4) .. 4 * (j / 4) + 3 of row i. Key and counter are
 // formed from the params at each draw: on the GPU the params sit in the constant bank, and
 // holding them in registers instead cost the kernels registers.
 FMHA_HD Philox4 dropout_draw(const FwdParams& p, int b, int h, int i, int j) {
-  const uint32_t bh = uint32_t(b) * uint32_t(p.heads_q) + uint32_t(h);
-  return philox4x32_10(uint32_t(j >> 2), uint32_t(i), bh, uint32_t(p.offset), uint32_t(p.seed),
+  const uint32_t heads = uint32_t(p.heads_total ? p.heads_total : p.heads_q);
+  const uint32_t bh = uint32_t(b) * heads + uint32_t(p.head_position + h);
+  return philox4x32_10(uint32_t(j + p.k_position) >> 2, uint32_t(i + p.q_position), bh,
+                       uint32_t(p.offset), uint32_t(p.seed),
                        uint32_t(p.seed >> 32) + uint32_t(p.offset >> 32));
 }
 // Word w (0..3) of a draw, by selects: a runtime index into the draw would put it in

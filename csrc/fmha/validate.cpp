@@ -71,7 +71,21 @@ void check_params(const FwdParams& p, Backend backend) {
   FMHA_CHECK_ARG(p.window_left >= -1 && p.window_right >= -1,
                  "window_left, window_right: expected >= -1 (-1 = unbounded), got ",
                  p.window_left, " and ", p.window_right);
+  FMHA_CHECK_ARG(p.q_position >= 0 && p.k_position >= 0 && p.head_position >= 0,
+                 "q_position, k_position, head_position: expected >= 0, got ", p.q_position,
+                 ", ", p.k_position, " and ", p.head_position);
+  FMHA_CHECK_ARG(p.heads_total == 0 || p.heads_total >= p.head_position + p.heads_q,
+                 "heads_total: expected 0 or >= head_position + heads_q (",
+                 p.head_position + p.heads_q, "), got ", p.heads_total);
+  // A Philox draw decides four consecutive keys (score::dropout_draw): a block must start on
+  // one of those groups to draw the whole attention's mask.
+  FMHA_CHECK_ARG(p.dropout_p == 0.0 || p.k_position % 4 == 0,
+                 "k_position: expected a multiple of 4 with dropout, got ", p.k_position);
   if (p.cache_seqlens) {
+    FMHA_CHECK_ARG(p.q_position == 0 && p.k_position == 0 && p.head_position == 0 &&
+                       p.heads_total == 0,
+                   "KV caches (cache_seqlens): q_position, k_position, head_position and "
+                   "heads_total do not apply");
     FMHA_CHECK_ARG(!p.cu_seqlens_q && !p.bias.ptr && !p.mask.ptr && p.dropout_p == 0.0,
                    "KV caches (cache_seqlens): cu_seqlens, bias, mask and dropout do not apply");
     FMHA_CHECK_ARG(p.seqlen_new >= 0 && p.seqlen_new <= p.seqlen_k,

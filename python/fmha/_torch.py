@@ -60,19 +60,27 @@ def _rng_pair(rng: Optional[Tensor]):
 
 
 def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
-              max_q=None, max_k=None, num_splits=0) -> dict:
-    """fmha._C's keyword settings (see _core.kernel_settings: zeros are left out)."""
+              max_q=None, max_k=None, num_splits=0, block=(0, 0, 0, 0)) -> dict:
+    """fmha._C's keyword settings (see _core.kernel_settings: zeros are left out). block:
+    (q_position, k_position, head_position, heads_total) of a block of a larger attention
+    (csrc/fmha/params.h; fmha.distributed), all zero for an ordinary call."""
     kw = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
               bottom_right=bottom_right, dropout_p=dropout_p, num_threads=get_num_threads())
     if rng is not None:
         kw["seed"], kw["offset"] = _rng_pair(rng)
     if num_splits:
         kw["num_splits"] = num_splits
+    if any(block):
+        kw.update(zip(_BLOCK_FIELDS, block))
     if q.is_cuda:
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
     if max_q is not None:
         kw.update(max_seqlen_q=max_q, max_seqlen_k=max_k)
     return kw
+
+
+#: Where a block sits in a larger attention: the ops' last four arguments.
+_BLOCK_FIELDS = ("q_position", "k_position", "head_position", "heads_total")
 
 
 def _exported(*xs):
@@ -88,18 +96,22 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional
          cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
          rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
          window_right: int, bottom_right: bool, dropout_p: float,
-         deterministic: bool = False, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
+         deterministic: bool = False, num_splits: int = 0, q_position: int = 0,
+         k_position: int = 0, head_position: int = 0,
+         heads_total: int = 0) -> Tuple[Tensor, Tensor]:
     """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout.
     deterministic only travels to the backward (see _setup_context); num_splits: key splits
-    of the CUDA forward (0 = by occupancy), ignored by the CPU kernels. The body of the
-    fmha::fwd op, and what eager calls that need no op (see _direct) run."""
+    of the CUDA forward (0 = by occupancy), ignored by the CPU kernels; the positions: a
+    block of a larger attention (_settings). The body of the fmha::fwd op, and what eager
+    calls that need no op (see _direct) run."""
     varlen = cu_seqlens_q is not None
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return _run_forward(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, full,
                         _lse_shape(q, full, varlen),
                         _settings(q, scale, softcap, window_left, window_right, bottom_right,
                                   dropout_p, rng, max_seqlen_q if varlen else None,
-                                  max_seqlen_k, num_splits))
+                                  max_seqlen_k, num_splits,
+                                  (q_position, k_position, head_position, heads_total)))
 
 
 def _run_forward(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, full, lse_shape, kw):
@@ -134,7 +146,8 @@ fwd = torch.library.custom_op("fmha::fwd", _fwd, mutates_args=(), device_types=(
 @fwd.register_fake
 def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right, dropout_p,
-      deterministic=False, num_splits=0):
+      deterministic=False, num_splits=0, q_position=0, k_position=0, head_position=0,
+      heads_total=0):
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, full, cu_seqlens_q is not None),
@@ -148,8 +161,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
         max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
-        bias_grad: bool, deterministic: bool = False,
-        dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        bias_grad: bool, deterministic: bool = False, dlse: Optional[Tensor] = None,
+        q_position: int = 0, k_position: int = 0, head_position: int = 0,
+        heads_total: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
     deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
     bitwise-reproducible CUDA gradients. dlse: the gradient reaching lse, or None."""
@@ -167,7 +181,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    *core_args(full, bias, mask, alibi_slopes),
                    *_offsets(cu_seqlens_q, cu_seqlens_k)),
         **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
-                    max_seqlen_q if varlen else None, max_seqlen_k),
+                    max_seqlen_q if varlen else None, max_seqlen_k, 0,
+                    (q_position, k_position, head_position, heads_total)),
         dlse=None if dlse is None else _exported(dlse)[0],
         deterministic=bool(deterministic or torch.are_deterministic_algorithms_enabled()))
     if dbias is None:
@@ -180,7 +195,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right,
-      dropout_p, bias_grad, deterministic=False, dlse=None):
+      dropout_p, bias_grad, deterministic=False, dlse=None, q_position=0, k_position=0,
+      head_position=0, heads_total=0):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -192,7 +208,8 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
 _FwdInputs = namedtuple(
     "_FwdInputs", "q k v bias mask alibi_slopes cu_seqlens_q cu_seqlens_k max_seqlen_q "
     "max_seqlen_k rng scale softcap window_left window_right bottom_right dropout_p "
-    "deterministic num_splits", defaults=(False, 0))
+    "deterministic num_splits q_position k_position head_position heads_total",
+    defaults=(False, 0, 0, 0, 0, 0))
 
 
 #: The tensor inputs the backward needs; they travel through ctx.save_for_backward.
@@ -222,7 +239,8 @@ def _backward(ctx, dout, dlse):
                             args.max_seqlen_q, args.max_seqlen_k, args.rng, args.scale,
                             args.softcap, args.window_left, args.window_right,
                             args.bottom_right, args.dropout_p, bias_grad, args.deterministic,
-                            dlse)
+                            dlse, args.q_position, args.k_position, args.head_position,
+                            args.heads_total)
     return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
