@@ -51,3 +51,19 @@ def test_a_failing_rank_does_not_hang_the_others():
     rank0 = results["rank 1 raises"].get(0) or results["<worker>"][0]
     assert rank0 != "ok" and ("Error" in rank0 or "terminated" in rank0), rank0
     assert elapsed < 60, f"the launcher took {elapsed:.0f} s"
+
+
+def test_ring_example_under_torchrun(tmp_path):
+    """examples/ring_attention.py as the README starts it (torchrun, 2 processes, Gloo), on a
+    shorter sequence: the ring run stays under the per-process cap that the whole sequence
+    exceeds, and the check against single-process fmha.attention passes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "ring_attention.py"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(cases.free_port()), str(example),
+                          "--seqlen", "8192"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and "PASS" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "largest per-rank peak" in run.stdout

@@ -6,6 +6,7 @@
     python -m fmha.bench --latency --out latency.json   # per-call µs on small shapes
     python -m fmha.bench --e2e --out e2e.json           # ViT and a decode loop, fmha vs sdpa
     python -m fmha.bench --decode --out decode.json     # KV-cache decode vs read bandwidth
+    python -m fmha.bench --distributed --out dist.json  # ring attention / Ulysses, P = 1, 2
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
@@ -221,6 +222,8 @@ def main(argv=None):
                     help="whole models through Hugging Face, fmha vs sdpa (see above)")
     ap.add_argument("--decode", action="store_true",
                     help="KV-cache decode against the measured read bandwidth (see above)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="ring attention and Ulysses on 1 and 2 processes (see above)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
@@ -238,6 +241,11 @@ def main(argv=None):
     if a.e2e:
         from . import bench_e2e
         bench_e2e.run(a.out, a.threads, a.batches)
+        return
+    if a.distributed:
+        from . import bench_distributed
+        bench_distributed.run((a.dtypes or "float32,bfloat16").split(","), a.out,
+                              quick=a.quick)
         return
     if a.decode:
         from . import bench_decode
