@@ -167,6 +167,7 @@ def main(argv=None) -> int:
         ap.error(f"--seqlen must split into {2 * world} equal chunks")
     ok_long = long_run(a, rank, world, device, getattr(torch, a.dtype))
     ok_check = check(a, rank, world, device)
+    dist.barrier()  # nobody tears the group down while another rank still uses it
     dist.destroy_process_group()
     if rank == 0:
         print("PASS" if ok_long and ok_check else

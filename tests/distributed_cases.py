@@ -68,6 +68,8 @@ def launch(world: int, scenarios, deadline_s: float = 240.0) -> dict:
             results.setdefault("<worker>", {})[r] = (
                 f"terminated (exit code {p.exitcode}) after another rank failed or the "
                 f"{deadline_s:.0f} s deadline passed")
+        elif p.exitcode != 0:  # finished its scenarios, then crashed on the way out
+            results.setdefault("<worker>", {})[r] = f"exit code {p.exitcode} after finishing"
     return results
 
 
@@ -239,6 +241,12 @@ def _rank_1_raises(rank, world):
     ring_attention(q, q, q)  # waits for rank 1 in the shape check
 
 
+def _tp_indivisible_heads(rank, world):
+    from fmha.distributed import TensorParallelMultiheadAttention
+    _expect_error(lambda: TensorParallelMultiheadAttention(48, 6, num_kv_heads=3),
+                  "multiples of the process group's size")
+
+
 SCENARIOS = {
     "ring zigzag causal": _sequence_scheme("ring", "zigzag", dict(causal=True)),
     "ring zigzag": _sequence_scheme("ring", "zigzag", {}),
@@ -258,6 +266,7 @@ SCENARIOS = {
     "tensor parallel GQA causal dropout": _tensor_parallel(4, dropout=0.2, causal=True),
     "unequal shards refused on every rank": _unequal_shards,
     "indivisible heads refused on every rank": _indivisible_heads,
+    "tensor parallel: indivisible heads refused": _tp_indivisible_heads,
 }
 
 #: Run only by the launcher's own test.

@@ -39,6 +39,12 @@ def test_scenario(outcomes, world, scenario):
         f"ranks that reported: {sorted(per_rank)}; the workers: {results.get('<worker>')}")
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_rank_exits_cleanly(outcomes, world):
+    """After the scenarios every worker tears its process group down and exits with 0."""
+    assert "<worker>" not in outcomes(world), outcomes(world)["<worker>"]
+
+
 def test_a_failing_rank_does_not_hang_the_others():
     """Rank 1 raises before the call while rank 0 waits for it in ring_attention: rank 1's
     error is reported and rank 0 fails or is stopped within seconds, not at the deadline."""
@@ -61,9 +67,9 @@ def test_ring_example_under_torchrun(tmp_path):
     import sys
     from pathlib import Path
     example = Path(__file__).resolve().parents[1] / "examples" / "ring_attention.py"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(cases.free_port()), str(example),
-                          "--seqlen", "8192"],
+    # --standalone: torchrun picks a free port for its rendezvous itself.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(example), "--seqlen", "8192"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0 and "PASS" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "largest per-rank peak" in run.stdout

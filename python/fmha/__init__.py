@@ -61,7 +61,7 @@ def __getattr__(name):
     if name == "scaled_dot_product_attention":
         from .sdpa import scaled_dot_product_attention
         return scaled_dot_product_attention
-    if name in ("nn", "integrations"):
+    if name in ("nn", "integrations", "distributed"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -95,6 +95,7 @@ def _rank_main(rank, world, port, cases, dtypes, reps, queue):
                                          seconds=_timed(fn_, world, reps)))
                 if world > 1:
                     rows += _ring_parts(rank, world, name, b, n, hq, hkv, d, dtype, reps)
+        dist.barrier()
         dist.destroy_process_group()
         queue.put((rank, rows if rank == 0 else None, None))
     except Exception:
