@@ -61,6 +61,8 @@ def launch(world: int, scenarios, deadline_s: float = 240.0) -> dict:
         else:
             results[name][rank] = outcome
     for r, p in enumerate(procs):
+        if r in finished:
+            p.join(30)  # it is tearing down and exiting
         if p.is_alive():
             p.terminate()
         p.join(10)
