@@ -71,3 +71,20 @@ def test_generate_short_run(tmp_path):
                           "--prompt-len", "10", "--new-tokens", "6", "--batch", "3",
                           "--block-size", "4", "--threads", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["tokens_equal"] is True
+
+
+def test_vit_example_small(tmp_path):
+    """examples/vit.py on its 2-layer stand-in: both implementations run forward and a
+    training step, the result file records them, and the logits agree."""
+    spec = importlib.util.spec_from_file_location(
+        "vit_example", Path(__file__).resolve().parents[1] / "examples" / "vit.py")
+    vit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vit)
+    out = tmp_path / "vit.json"
+    assert vit.main(["--small", "--batch", "4", "--reps", "1", "--dtypes", "float32",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = {(r["mode"], r["impl"]) for r in rows if "seconds" in r}
+    assert timed == {(m, i) for m in ("inference", "training") for i in ("fmha", "sdpa")}
+    logits = next(r for r in rows if r["mode"] == "logits")
+    assert logits["max_abs_diff"] <= 1e-5 * max(logits["max_abs"], 1.0)

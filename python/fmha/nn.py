@@ -17,8 +17,9 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ._api import attention
+from ._heads import gate_heads, head_importance, heads_to_prune, prune_heads
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "head_importance", "heads_to_prune", "prune_heads"]
 
 
 class MultiheadAttention(Module):
@@ -244,6 +245,7 @@ class MultiheadAttention(Module):
 
         out = attention(q, k, v, causal=causal, alignment="top_left", bias=bias, mask=mask,
                         dropout_p=self.dropout if self.training else 0.0)
+        out = gate_heads(self, out)  # head-importance gates, when fmha.nn.head_importance set them
         out = out.flatten(2)                                 # (N, L, H·d)
         if seq_first:
             # The projection writes a contiguous (L, N, E) result, the layout torch returns.

@@ -33,6 +33,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import _heads
 from .._api import attention
 
 __all__ = ["NAME", "fmha_attention_forward", "register"]
@@ -97,7 +98,9 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                     causal=causal, alignment="top_left", scale=scaling, bias=bias, mask=mask,
                     dropout_p=dropout, softcap=0.0 if softcap is None else softcap, sinks=sinks)
-    return out, None
+    # Head importance (fmha.nn.head_importance): find the layers, gate their heads.
+    _heads.observe(module, query.shape[1])
+    return _heads.gate_heads(module, out), None
 
 
 def register(name: str = NAME) -> None:
