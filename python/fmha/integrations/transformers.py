@@ -9,12 +9,14 @@ can select fmha::
     model = AutoModelForCausalLM.from_config(config, attn_implementation="fmha")
     model.set_attn_implementation("fmha")  # or switch an existing model
 
-Verified (tests/test_transformers.py, transformers 5.24, CPU): one model family, Llama
-(a tiny randomly initialised ``LlamaForCausalLM`` with grouped kv heads), against
-``attn_implementation="sdpa"``: logits, loss and training gradients with and without left
-padding, and greedy generation with the KV cache. The attention function alone is also
-checked with a float mask, a T5-style ``position_bias``, ``softcap`` and grouped heads.
-No other model family has been run.
+Verified (transformers 5.24, CPU): tests/test_models.py runs BERT, RoBERTa, ViT, CLIP,
+Whisper, T5, BART, GPT-2, Llama (GQA), Mistral (sliding window), Qwen2 and Gemma 2
+(softcap) against ``"sdpa"`` and ``"eager"`` (forward, a training step's gradients, greedy
+decoding); tests/test_transformers.py checks Llama in more depth and the attention function
+alone with a float mask, a T5-style ``position_bias``, ``softcap`` and grouped heads.
+
+Head importance (fmha.nn.head_importance) gates each head's output here: the function
+reports the layers it computes (``_heads.observe``) and multiplies in their gates.
 
 Attention sinks (``s_aux``, gpt-oss) go to :func:`fmha.attention`'s ``sinks``; a tiny
 randomly initialised ``GptOssForCausalLM`` is checked against ``"eager"`` (its sinks are
