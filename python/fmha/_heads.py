@@ -40,10 +40,8 @@ def attention_layers(model: torch.nn.Module, sample: Optional[Callable] = None
     """(name, module, heads) of every attention layer of the model that fmha computes:
     each fmha.nn.MultiheadAttention, and each module that called fmha's Hugging Face
     attention function while ``sample()`` ran (one forward pass that finds them)."""
-    from .nn import MultiheadAttention
     names = {m: n for n, m in model.named_modules()}
-    found = [(n, m, m.num_heads) for n, m in model.named_modules()
-             if isinstance(m, MultiheadAttention)]
+    found = [(n, m, m.num_heads) for n, m in model.named_modules() if _gates_itself(m)]
     if sample is not None:
         seen: Dict[torch.nn.Module, int] = {}
         with _watching(seen), torch.no_grad():
@@ -51,6 +49,12 @@ def attention_layers(model: torch.nn.Module, sample: Optional[Callable] = None
         found += [(names.get(m, type(m).__name__), m, h) for m, h in seen.items()
                   if not any(m is f[1] for f in found)]
     return found
+
+
+def _gates_itself(m) -> bool:
+    """A layer that applies its gates in its own forward (fmha.nn.MultiheadAttention marks
+    itself so; this module does not import fmha.nn, which imports it)."""
+    return getattr(type(m), "fmha_gates_heads", False)
 
 
 class _watching:
@@ -161,7 +165,6 @@ def prune_heads(model: torch.nn.Module, heads: Dict[str, List[int]]) -> None:
     BERT family (separate query/key/value projections; the output projection in the parent
     module's ``output.dense``: BERT, RoBERTa, MiniLM, ...). Indices are those of the current
     model (as :func:`head_importance` reports them). Other layers raise NotImplementedError."""
-    from .nn import MultiheadAttention
     modules = dict(model.named_modules())
     for name, hs in heads.items():
         if not hs:
@@ -169,7 +172,7 @@ def prune_heads(model: torch.nn.Module, heads: Dict[str, List[int]]) -> None:
         m = modules.get(name)
         if m is None:
             raise ValueError(f"heads: the model has no module named {name!r}")
-        if isinstance(m, MultiheadAttention):
+        if _gates_itself(m):
             current = [h for h in range(m.num_heads + len(m.pruned_heads))
                        if h not in m.pruned_heads]
             m.prune_heads([current[h] for h in hs])

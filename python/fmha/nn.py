@@ -68,6 +68,9 @@ class MultiheadAttention(Module):
       ``torch.backends.mha.set_fastpath_enabled(False)`` keeps fmha in the loop.
     """
 
+    #: Applies head-importance gates in forward (fmha.nn.head_importance; see fmha._heads).
+    fmha_gates_heads = True
+
     __constants__ = ["batch_first"]
     bias_k: Optional[Tensor]
     bias_v: Optional[Tensor]
