@@ -210,6 +210,27 @@ def _tensor_parallel(num_kv_heads, dropout=0.0, padding=False, causal=False):
     return run
 
 
+def _tp_initialisation(rank, world):
+    """A new tensor-parallel layer holds its rank's slices of the unsplit layer that the same
+    seed gives (not copies of one slice, nor random replicated biases)."""
+    import torch
+    import fmha.nn
+    from fmha.distributed import TensorParallelMultiheadAttention
+    torch.manual_seed(11)
+    full = fmha.nn.MultiheadAttention(64, 8, batch_first=True, num_kv_heads=4)
+    torch.manual_seed(11)
+    tp = TensorParallelMultiheadAttention(64, 8, num_kv_heads=4)
+    assert torch.equal(tp.in_proj_weight, full.in_proj_weight[tp._rows()])
+    assert torch.equal(tp.in_proj_bias, full.in_proj_bias[tp._rows()])
+    cols = tp.local_heads * tp.head_dim
+    assert torch.equal(tp.out_proj.weight, full.out_proj.weight[:, rank * cols:(rank + 1) * cols])
+    assert torch.equal(tp.out_proj.bias, full.out_proj.bias)
+    x = torch.randn(2, 5, 64)
+    _close("out", tp(x), full(x, x, x, need_weights=False)[0])
+    _expect_error(lambda: tp(x, key_padding_mask=torch.zeros(2, 5)), "key_padding_mask")
+    _expect_error(lambda: tp(x, torch.randn(2, 3, 64), causal=True), "causal")
+
+
 def _expect_error(fn, match):
     import re
     try:
@@ -224,14 +245,24 @@ def _unequal_shards(rank, world):
     import torch
     from fmha.distributed import ring_attention
     q = torch.randn(1, 8 + 2 * rank, 2, 8)  # every rank a different length
-    _expect_error(lambda: ring_attention(q, q, q), "differ between ranks")
+    if world > 1:
+        _expect_error(lambda: ring_attention(q, q, q), "differ between ranks .*seqlen: rank 0 8")
 
 
 def _indivisible_heads(rank, world):
     import torch
     from fmha.distributed import ulysses_attention
-    q = torch.randn(1, 8, 3, 8)
-    _expect_error(lambda: ulysses_attention(q, q, q), "multiples of")
+    q = torch.randn(1, 8, 3 * world + 1, 8)
+    if world > 1:  # everything divides into one share
+        _expect_error(lambda: ulysses_attention(q, q, q), "multiples of")
+
+
+def _unequal_settings(rank, world):
+    import torch
+    from fmha.distributed import ring_attention
+    q = torch.randn(1, 8, 2, 8)
+    if world > 1:
+        _expect_error(lambda: ring_attention(q, q, q, softcap=float(rank)), "softcap: rank 0 0")
 
 
 def _rank_1_raises(rank, world):
@@ -245,8 +276,9 @@ def _rank_1_raises(rank, world):
 
 def _tp_indivisible_heads(rank, world):
     from fmha.distributed import TensorParallelMultiheadAttention
-    _expect_error(lambda: TensorParallelMultiheadAttention(48, 6, num_kv_heads=3),
-                  "multiples of the process group's size")
+    if world > 1:  # everything divides into one share
+        _expect_error(lambda: TensorParallelMultiheadAttention(48, 6, num_kv_heads=3),
+                      "multiples of the process group's size")
 
 
 SCENARIOS = {
@@ -268,7 +300,9 @@ SCENARIOS = {
     "tensor parallel GQA causal dropout": _tensor_parallel(4, dropout=0.2, causal=True),
     "unequal shards refused on every rank": _unequal_shards,
     "indivisible heads refused on every rank": _indivisible_heads,
+    "unequal settings refused on every rank": _unequal_settings,
     "tensor parallel: indivisible heads refused": _tp_indivisible_heads,
+    "tensor parallel: initialised as the unsplit layer, bad masks refused": _tp_initialisation,
 }
 
 #: Run only by the launcher's own test.

@@ -1,5 +1,5 @@
 """fmha.distributed across processes: ring attention (both layouts), Ulysses and
-tensor-parallel heads on 2 and 4 ranks of a Gloo group on this host, each against the
+tensor-parallel heads on 1, 2 and 4 ranks of a Gloo group on this host, each against the
 single-process result (outputs, lse and every gradient within 1e-5), plus refusals that
 reach every rank and a launcher that fails cleanly instead of hanging. The scenarios are in
 tests/distributed_cases.py; one launch per group size runs them all."""
@@ -13,7 +13,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
-WORLDS = (2, 4)
+WORLDS = (1, 2, 4)
 
 
 @pytest.fixture(scope="module")

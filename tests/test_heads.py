@@ -174,3 +174,35 @@ def test_bad_input():
         fmha.nn.prune_heads(TwoLayers(), {"nope": [0]})
     with pytest.raises(NotImplementedError, match="Linear"):
         fmha.nn.prune_heads(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"0": [0]})
+
+
+def test_pruning_requests_are_checked_before_anything_changes():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # "a" is valid; "b"'s index is out of range, then a GQA choice leaves kv heads unequal
+    for heads, match in (({"a": [0, 1], "b": [4]}, r"expected indices in \[0, 4\)"),
+                         ({"b": [1], "a": [0]}, "as many"),
+                         ({"b": [-1], "a": [0, 1]}, r"expected indices")):
+        with pytest.raises(ValueError, match=match):
+            fmha.nn.prune_heads(model, heads)
+        assert model.a.num_heads == 4 and model.b.num_heads == 4
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+
+def test_pruning_keeps_frozen_weights_frozen():
+    bert = _tiny_bert()
+    layer = bert.encoder.layer[0].attention
+    layer.self.query.weight.requires_grad_(False)
+    fmha.nn.prune_heads(bert, {"encoder.layer.0.attention.self": [0]})
+    assert not layer.self.query.weight.requires_grad
+    assert layer.self.key.weight.requires_grad
+
+
+def test_heads_to_prune_refuses_nan_and_partial_orders():
+    imp = {"x": torch.tensor([0.1, float("nan")])}
+    with pytest.raises(ValueError, match="NaN"):
+        fmha.nn.heads_to_prune(imp, 0.5)
+    with pytest.raises(ValueError, match="order"):
+        fmha.nn.heads_to_prune({"x": torch.tensor([0.1, 0.2])}, 0.5, order={"y": torch.ones(2)})

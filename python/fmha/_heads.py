@@ -16,6 +16,7 @@ fmha.nn.heads_to_prune and fmha.nn.prune_heads.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -32,7 +33,7 @@ def gate_heads(module, out: Tensor, head_dim: int = 2) -> Tensor:
         return out
     shape = [1] * out.dim()
     shape[head_dim] = -1
-    return out * gate.to(out.dtype).view(shape)
+    return out * gate.to(device=out.device, dtype=out.dtype).view(shape)
 
 
 def attention_layers(model: torch.nn.Module, sample: Optional[Callable] = None
@@ -134,10 +135,17 @@ def heads_to_prune(importance: Dict[str, Tensor], ratio: float, *, per_layer: bo
                    order: Optional[Dict[str, Tensor]] = None) -> Dict[str, List[int]]:
     """The heads to remove: the ``ratio`` fraction of all heads with the lowest importance
     (``per_layer=True``: that fraction of every layer's heads). Every layer keeps at least
-    one head. ``order``: rank by these scores instead (say, random ones, for a baseline)."""
+    one head. ``order``: rank by these scores instead (say, random ones, for a baseline).
+    The choice does not know about grouped kv heads: for a GQA layer, :func:`prune_heads`
+    refuses a choice that leaves its kv heads unequal query heads."""
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"ratio: expected a fraction in [0, 1), got {ratio!r}")
     scores = order if order is not None else importance
+    if order is not None and (set(order) != set(importance) or
+                              any(len(order[n]) != len(importance[n]) for n in importance)):
+        raise ValueError("order: expected a score for every head of every layer of importance")
+    if any(bool(torch.isnan(torch.as_tensor(s)).any()) for s in scores.values()):
+        raise ValueError(f"{'order' if order is not None else 'importance'}: holds NaN scores")
     result = {name: [] for name in importance}
     if per_layer:
         for name, s in scores.items():
@@ -164,29 +172,60 @@ def prune_heads(model: torch.nn.Module, heads: Dict[str, List[int]]) -> None:
     fmha.nn.MultiheadAttention by its own ``prune_heads``, and Hugging Face layers of the
     BERT family (separate query/key/value projections; the output projection in the parent
     module's ``output.dense``: BERT, RoBERTa, MiniLM, ...). Indices are those of the current
-    model (as :func:`head_importance` reports them). Other layers raise NotImplementedError."""
+    model (as :func:`head_importance` reports them). Every layer's request is checked before
+    any layer changes: an invalid one raises and leaves the model as it was. Other layers
+    raise NotImplementedError. (A pruned Hugging Face model keeps its config's head count:
+    save it with torch.save / state_dict and prune a fresh model the same way before loading,
+    not with save_pretrained / from_pretrained.)"""
     modules = dict(model.named_modules())
+    plan = []
     for name, hs in heads.items():
+        try:
+            hs = sorted({operator.index(h) for h in hs if not isinstance(h, bool)} |
+                        ({-1} if any(isinstance(h, bool) for h in hs) else set()))
+        except TypeError:
+            raise TypeError(f"heads: {name}: expected head indices (ints), got {hs!r}") from None
         if not hs:
             continue
         m = modules.get(name)
         if m is None:
             raise ValueError(f"heads: the model has no module named {name!r}")
         if _gates_itself(m):
-            current = [h for h in range(m.num_heads + len(m.pruned_heads))
-                       if h not in m.pruned_heads]
-            m.prune_heads([current[h] for h in hs])
+            n, groups = m.num_heads, m.num_heads // m.num_kv_heads
         elif all(hasattr(m, a) for a in ("query", "key", "value", "attention_head_size")):
+            n, groups = m.num_attention_heads, 1
+        else:
+            raise NotImplementedError(f"{name}: pruning {type(m).__name__} is not supported "
+                                      f"(fmha.nn.MultiheadAttention and BERT-family layers "
+                                      f"are)")
+        if any(not 0 <= h < n for h in hs):
+            raise ValueError(f"heads: {name} has {n} heads; expected indices in [0, {n}), "
+                             f"got {hs}")
+        keep = [h for h in range(n) if h not in hs]
+        if not keep:
+            raise ValueError(f"heads: pruning every head of {name} is not supported")
+        per_kv = {}
+        for h in keep:
+            per_kv[h // groups] = per_kv.get(h // groups, 0) + 1
+        if len(set(per_kv.values())) != 1:
+            raise ValueError(f"heads: {name} shares each kv head among {groups} query heads, "
+                             f"and every kv head that remains must keep as many; pruning {hs} "
+                             f"does not")
+        dense = None
+        if not _gates_itself(m):
             parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             dense = getattr(getattr(parent, "output", None), "dense", None)
             if dense is None:
                 raise NotImplementedError(f"{name}: no output projection found at "
                                           f"<parent>.output.dense")
-            _prune_bert_layer(m, dense, hs)
+        plan.append((m, dense, hs))
+    for m, dense, hs in plan:
+        if dense is None:
+            current = [h for h in range(m.num_heads + len(m.pruned_heads))
+                       if h not in m.pruned_heads]
+            m.prune_heads([current[h] for h in hs])
         else:
-            raise NotImplementedError(f"{name}: pruning {type(m).__name__} is not supported "
-                                      f"(fmha.nn.MultiheadAttention and BERT-family layers "
-                                      f"are)")
+            _prune_bert_layer(m, dense, hs)
 
 
 def _prune_bert_layer(m, dense: torch.nn.Linear, heads: List[int]) -> None:
@@ -203,9 +242,9 @@ def _prune_bert_layer(m, dense: torch.nn.Linear, heads: List[int]) -> None:
             b = b[rows].clone()
         new = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None,
                               device=w.device, dtype=w.dtype)
-        new.weight = torch.nn.Parameter(w)
+        new.weight = torch.nn.Parameter(w, requires_grad=linear.weight.requires_grad)
         if b is not None:
-            new.bias = torch.nn.Parameter(b.clone())
+            new.bias = torch.nn.Parameter(b.clone(), requires_grad=linear.bias.requires_grad)
         return new
     m.query, m.key, m.value = cut(m.query, 0), cut(m.key, 0), cut(m.value, 0)
     new_dense = cut(dense, 1)

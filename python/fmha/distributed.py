@@ -54,7 +54,10 @@ def _world(group) -> Tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fmha.distributed: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the process group")
+    return rank, dist.get_world_size(group)
 
 
 def _global_rank(group, rank: int) -> int:
@@ -149,18 +152,37 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}")
 
 
-def _check_same_everywhere(group, what: str, values: Sequence[int], device) -> None:
-    """Raises on every rank, naming the ranks that differ, unless every rank passed the same
-    values (one small all-gather)."""
+def _check_same_everywhere(group, fields: Sequence[str], values: Sequence[float],
+                           device) -> None:
+    """Raises on every rank, naming the ranks and fields that differ, unless every rank
+    passed the same values (one small all-gather)."""
     rank, world = _world(group)
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    mine = torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     every = [tuple(t.tolist()) for t in every]
-    if any(e != every[0] for e in every):
-        listing = ", ".join(f"rank {r}: {e}" for r, e in enumerate(every))
-        raise ValueError(f"{what} differ between ranks ({listing}); every rank must pass the "
-                         f"same")
+    differ = [i for i, f in enumerate(fields) if len({e[i] for e in every}) > 1]
+    if differ:
+        listing = "; ".join(f"{fields[i]}: " + ", ".join(f"rank {r} {e[i]:g}"
+                                                         for r, e in enumerate(every))
+                            for i in differ)
+        raise ValueError(f"shards or settings differ between ranks ({listing}); every rank "
+                         f"must pass the same")
+
+
+_CHECKED = ("batch", "seqlen", "heads_q", "head_dim", "heads_kv", "k head_dim",
+            "v head_dim", "causal", "window left", "window right", "zigzag", "dropout_p",
+            "scale", "softcap", "alibi_slopes given", "deterministic")
+
+
+def _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
+                         softcap, alibi_slopes, deterministic) -> None:
+    _check_same_everywhere(
+        group, _CHECKED,
+        list(q.shape) + [k.shape[2], k.shape[3], v.shape[3], causal, left, right,
+                         layout == "zigzag", dropout_p, -1.0 if scale is None else scale,
+                         softcap, alibi_slopes is not None, deterministic],
+        _comm_device(group, q))
 
 
 def _comm_device(group, x: Tensor):
@@ -301,8 +323,8 @@ class _RingAttention(torch.autograd.Function):
                 _wait(dkv_pending[0])
                 here = [a + b for a, b in zip(here, dkv_pending[1])]
             # Pass the sums on to the rank that holds these keys next; after the last step
-            # that is their owner.
-            dkv_pending = ring.exchange(here)
+            # that is their owner (with one rank: this one, nothing to send).
+            dkv_pending = ring.exchange(here) if ring.world > 1 else ([], here)
             if pending is not None:
                 _wait(pending[0])
                 cur = pending[1]
@@ -321,15 +343,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool 
     q: (batch, n, heads_q, head_dim), k and v: (batch, n, heads_kv, head_dim[_v]) — this
     rank's shard of the sequence in ``layout`` (see :func:`shard_sequence`); heads_kv may
     divide heads_q (GQA: only heads_kv heads travel). Returns this rank's rows of the output
-    (and lse, (batch, heads_q, n) float32, when ``return_lse``), exactly what
+    (and lse, (batch, heads_q, n), float32 or float64 for float64 inputs, when
+    ``return_lse``), exactly what
     :func:`fmha.attention` over the whole sequence gives for those rows. ``causal``,
     ``window``, ``scale``, ``softcap``, ``alibi_slopes`` and ``dropout_p`` are fmha.attention's,
     over the whole sequence's positions; dropout needs every rank seeded alike and, so that
     each block starts on a Philox group, a chunk length (n, or n/2 for zigzag) that is a
     multiple of 4. Differentiable in q, k, v (and through lse).
 
-    ``check``: first compare the shards' shapes and settings across the ranks (one small
-    all-gather), so that a mismatch is an error on every rank instead of a hang.
+    ``check``: first compare the shards' shapes and the settings (not the slopes' values)
+    across the ranks (one small all-gather), so that a mismatch is an error on every rank
+    instead of a hang or a wrong result.
     """
     _check_layout(layout)
     _check_qkv(q, k, v)
@@ -345,12 +369,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool 
                          f"a multiple of 4 (each block starts on a group of four keys of the "
                          f"dropout mask), got {chunk}")
     if check:
-        _check_same_everywhere(
-            group, "shard shapes (batch, seqlen, heads_q, heads_kv, head_dim, head_dim_v) and "
-            "settings (causal, window, zigzag, dropout)",
-            list(q.shape) + [k.shape[2], k.shape[3], v.shape[3], int(causal), left, right,
-                             int(layout == "zigzag"), int(dropout_p * 1e6)],
-            _comm_device(group, q))
+        _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
+                             softcap, alibi_slopes, deterministic)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     rng = None
@@ -418,12 +438,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bo
         raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the shard "
                          f"length must be even, got {n}")
     if check:
-        _check_same_everywhere(
-            group, "shard shapes (batch, seqlen, heads_q, heads_kv, head_dim, head_dim_v) and "
-            "settings (causal, window, zigzag, dropout)",
-            list(q.shape) + [hkv, k.shape[3], v.shape[3], int(causal), left, right,
-                             int(layout == "zigzag"), int(dropout_p * 1e6)],
-            _comm_device(group, q))
+        _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
+                             softcap, alibi_slopes, deterministic)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     order = _sequence_order(world, layout, q.device)
@@ -480,7 +496,7 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # the caller's x stays as it was
         dist.all_reduce(x, group=group)
         return x
 
@@ -500,7 +516,9 @@ class TensorParallelMultiheadAttention(torch.nn.Module):
     forward computes this rank's heads with fmha and all-reduces the projected output; the
     result, and every gradient, equals :class:`fmha.nn.MultiheadAttention`'s with the same
     weights. ``load_state_dict`` takes this rank's slice or a whole (unsplit)
-    fmha.nn.MultiheadAttention state dict, which it slices.
+    fmha.nn.MultiheadAttention state dict, which it slices. A new layer is initialised as
+    the unsplit layer would be, sliced (ranks seeded alike hold one layer's slices; the
+    unsplit layer is built once on each rank to do so).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: Optional[int] = None,
@@ -524,12 +542,19 @@ class TensorParallelMultiheadAttention(torch.nn.Module):
         self.local_heads, self.local_kv_heads = num_heads // world, num_kv_heads // world
         self.dropout = dropout
         kw = dict(device=device, dtype=dtype)
+        # The unsplit layer's initialisation, sliced below: with every rank seeded alike (as
+        # dropout needs too) the ranks hold the slices of one fmha.nn.MultiheadAttention, not
+        # copies of one slice. It is built whole once, first, so that it draws what the
+        # unsplit layer would.
+        from .nn import MultiheadAttention
+        whole = MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True,
+                                   num_kv_heads=num_kv_heads, **kw)
         q_dim, kv_dim = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
         self.in_proj_weight = torch.nn.Parameter(torch.empty(q_dim + 2 * kv_dim, embed_dim, **kw))
         self.in_proj_bias = (torch.nn.Parameter(torch.zeros(q_dim + 2 * kv_dim, **kw))
                              if bias else None)
         self.out_proj = torch.nn.Linear(q_dim, embed_dim, bias=bias, **kw)
-        torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        self.load_state_dict(whole.state_dict())
 
     def _rows(self) -> Tensor:
         """The rows of a whole packed projection (q; k; v) that this rank owns."""
@@ -564,6 +589,12 @@ class TensorParallelMultiheadAttention(torch.nn.Module):
         (batch, L, embed_dim), the same on every rank."""
         key = query if key is None else key
         value = key if value is None else value
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask: expected a bool mask (True = ignore the key), "
+                            f"got {key_padding_mask.dtype}")
+        if causal and key is not query:
+            raise ValueError("causal: only for self-attention (key is query); pass a mask "
+                             "for cross-attention")
         group = self.process_group
         d = self.head_dim
         lq, lkv = self.local_heads * d, self.local_kv_heads * d
