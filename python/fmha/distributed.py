@@ -185,6 +185,22 @@ def _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p,
         _comm_device(group, q))
 
 
+def _prepared(q, k, v, group, causal, window, layout, dropout_p, scale, softcap, alibi_slopes,
+              deterministic, check) -> Tuple[int, int, float]:
+    """The checks ring_attention and ulysses_attention share; returns the window's sides and
+    the scale."""
+    _world(group)
+    left, right = _window(causal, window)
+    n = q.shape[1]
+    if layout == "zigzag" and n % 2:
+        raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the shard "
+                         f"length must be even, got {n}")
+    if check:
+        _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
+                             softcap, alibi_slopes, deterministic)
+    return left, right, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
 def _comm_device(group, x: Tensor):
     """Where the small check tensors live: the GPU for NCCL, the CPU otherwise."""
     backend = dist.get_backend(group)
@@ -357,22 +373,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool 
     """
     _check_layout(layout)
     _check_qkv(q, k, v)
-    rank, world = _world(group)
-    left, right = _window(causal, window)
+    left, right, scale = _prepared(q, k, v, group, causal, window, layout, dropout_p, scale,
+                                   softcap, alibi_slopes, deterministic, check)
     n = q.shape[1]
-    if layout == "zigzag" and n % 2:
-        raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the shard "
-                         f"length must be even, got {n}")
     chunk = n // 2 if layout == "zigzag" else n
-    if dropout_p and chunk % 4:
+    if dropout_p and chunk % 4:  # the same on every rank (checked above)
         raise ValueError(f"dropout_p: ring attention with dropout needs a chunk length that is "
                          f"a multiple of 4 (each block starts on a group of four keys of the "
                          f"dropout mask), got {chunk}")
-    if check:
-        _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
-                             softcap, alibi_slopes, deterministic)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
     rng = None
     if dropout_p > 0:  # as fmha.attention draws it: the same on ranks seeded alike
         rng = torch.randint(0, 2**62, (2,), dtype=torch.int64)
@@ -427,21 +435,13 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bo
     _check_layout(layout)
     _check_qkv(q, k, v)
     rank, world = _world(group)
-    left, right = _window(causal, window)
     hq, hkv = q.shape[2], k.shape[2]
     if hq % world or hkv % world:
         raise ValueError(f"q, k: Ulysses gives each of the {world} ranks an equal share of the "
                          f"heads; heads_q ({hq}) and heads_kv ({hkv}) must both be multiples "
                          f"of {world}")
-    n = q.shape[1]
-    if layout == "zigzag" and n % 2:
-        raise ValueError(f"q: the zigzag layout holds two equal chunks per rank, so the shard "
-                         f"length must be even, got {n}")
-    if check:
-        _settings_everywhere(group, q, k, v, causal, left, right, layout, dropout_p, scale,
-                             softcap, alibi_slopes, deterministic)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    left, right, scale = _prepared(q, k, v, group, causal, window, layout, dropout_p, scale,
+                                   softcap, alibi_slopes, deterministic, check)
     order = _sequence_order(world, layout, q.device)
 
     def to_heads(x):  # (b, n, h, d) -> (b, P n, h / P, d), rows in sequence order
