@@ -132,7 +132,6 @@ def _inputs(batch=2, n=32, hq=4, hkv=2, d=16, seed=0):
 def _grads(fn, q, k, v, dout, dlse):
     """fn(q, k, v) -> (out, lse); returns out, lse and the gradients of
     sum(out * dout) + sum(lse * dlse)."""
-    import torch
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = fn(*leaves)
     ((out * dout).sum() + (lse * dlse).sum()).backward()

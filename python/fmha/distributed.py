@@ -323,7 +323,8 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         cur = [k.contiguous(), v.contiguous()]
-        dkv = None  # the dK, dV of the keys this rank holds, summed over the ranks they visited
+        # (requests, [dK, dV]) of the keys held at the last step, summed over the ranks they
+        # visited, on their way to the next rank
         dkv_pending = None
         for step in range(ring.world):
             pending = ring.exchange(cur) if step < ring.world - 1 else None
