@@ -46,6 +46,7 @@ import fmha
 import fmha.integrations.transformers  # noqa: F401  (registers attn_implementation="fmha")
 import fmha.nn
 from fmha import _heads
+from fmha._host import cpu_model
 
 FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
@@ -209,7 +210,8 @@ def main(argv=None) -> int:
         importance={loss: {n: s.tolist() for n, s in imp.items()}
                     for loss, imp in importance.items()},
         importance_seconds=t_importance, curves=curves, speed=speed,
-        host=dict(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+        host=dict(cpu=platform.processor() or platform.machine(), cpu_model=cpu_model(),
+                  threads=torch.get_num_threads(),
                   fmha=fmha.__version__, torch=torch.__version__,
                   cpu_isa=fmha.cpu_isa()),
         date=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -165,6 +165,12 @@ def main(argv=None) -> int:
         fmha.set_num_threads(a.threads)
     if a.seqlen % (2 * world):
         ap.error(f"--seqlen must split into {2 * world} equal chunks")
+    if rank == 0:
+        from fmha._host import cpu_model
+        where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                 f"{cpu_model()}, {a.threads} thread(s) a rank")
+        print(f"host: {where}; {a.backend}, {world} ranks; torch {torch.__version__}, "
+              f"fmha {fmha.__version__}")
     ok_long = long_run(a, rank, world, device, getattr(torch, a.dtype))
     ok_check = check(a, rank, world, device)
     dist.barrier()  # nobody tears the group down while another rank still uses it
