@@ -49,19 +49,22 @@ void run(const Call& c, Cpu&& cpu, Cuda&& cuda) {
 
 void forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
              py::object bias, py::object mask, py::object alibi, py::object cu_q,
-             py::object cu_k, py::kwargs kw) {
-  run(bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
-                         /*host_only=*/false),
-      cpu_forward, cuda_forward);
+             py::object cu_k, py::object block_index, py::object block_masks, py::kwargs kw) {
+  auto c = bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
+                              /*host_only=*/false);
+  bind::fill_block_mask(c, block_index, block_masks);
+  run(c, cpu_forward, cuda_forward);
 }
 
 void backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
               py::object lse, py::object dq, py::object dk, py::object dv, py::object dbias,
               py::object bias, py::object mask, py::object alibi, py::object cu_q,
-              py::object cu_k, py::object dlse, py::kwargs kw) {
-  run(bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask, alibi, cu_q,
-                          cu_k, dlse, kw, /*host_only=*/false),
-      cpu_backward, cuda_backward);
+              py::object cu_k, py::object dlse, py::object block_index, py::object block_masks,
+              py::kwargs kw) {
+  auto c = bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask, alibi,
+                               cu_q, cu_k, dlse, kw, /*host_only=*/false);
+  bind::fill_block_mask(c, block_index, block_masks);
+  run(c, cpu_backward, cuda_backward);
 }
 
 void forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::object out,

@@ -175,6 +175,7 @@ struct Call {
   intptr_t import_stream = -1;
   View q, k, v, o, lse;
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
+  std::optional<View> block_index, block_masks;  // a block-sparse mask
   std::optional<View> dout, dq, dk, dv, dbias, dlse;  // backward only
 };
 
@@ -435,6 +436,59 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   p.heads_total = s.get<int>("heads_total", 0);
 }
 
+// A block-sparse mask (params.h, BlockSparse; built by python/fmha/block_mask.py): index
+// (B, H, q_blocks, k_blocks) int32, B in {1, batch}, H in {1, heads_q}, and the partial
+// blocks' element masks (num_partial, block_q, block_k) bytes, whose shape gives the block
+// size. Host entries are checked here; device entries are clamped by the kernels.
+template <typename Params>
+void fill_block_mask(Call<Params>& c, const py::object& index, const py::object& masks) {
+  if (index.is_none() && masks.is_none()) return;
+  FMHA_CHECK_ARG(!index.is_none() && !masks.is_none(),
+                 "block_index, block_masks: give both or neither");
+  Params& p = c.p;
+  c.block_index = import("block_index", index, false, c.import_stream);
+  c.block_masks = import("block_masks", masks, false, c.import_stream);
+  const View& x = *c.block_index;
+  const View& m = *c.block_masks;
+  expect_device(x, c.dev);
+  expect_device(m, c.dev);
+  FMHA_CHECK_ARG(x.ndim == 4 && x.dtype.code == kDLInt && x.dtype.bits == 32 &&
+                     x.dtype.lanes == 1 && (x.size(0) == 1 || x.size(0) == p.batch) &&
+                     (x.size(1) == 1 || x.size(1) == p.heads_q),
+                 "block_index: expected int32 (1 or batch, 1 or heads_q, q_blocks, k_blocks)");
+  FMHA_CHECK_ARG(x.empty() || ((x.stride(3) == 1 || x.size(3) == 1) &&
+                               (x.stride(2) == x.size(3) || x.size(2) == 1)),
+                 "block_index: the last two dimensions must be contiguous");
+  FMHA_CHECK_ARG(m.ndim == 3 && (m.dtype.code == kDLBool || m.dtype.code == kDLUInt) &&
+                     m.dtype.bits == 8 && m.dtype.lanes == 1 && m.size(1) >= 1 && m.size(2) >= 1,
+                 "block_masks: expected bool (num_partial, block_q, block_k)");
+  FMHA_CHECK_ARG(m.empty() || (m.stride(2) == 1 && m.stride(1) == m.size(2) &&
+                               (m.stride(0) == m.size(1) * m.size(2) || m.size(0) == 1)),
+                 "block_masks: expected a contiguous array");
+  BlockSparse& b = p.block_mask;
+  b.block_q = int(m.size(1));
+  b.block_k = int(m.size(2));
+  b.num_partial = int(m.size(0));
+  b.q_blocks = int(x.size(2));
+  b.k_blocks = int(x.size(3));
+  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
+  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  b.partial = static_cast<const uint8_t*>(m.data);
+  // A call with no block at all still marks the mask present (check_params sizes it).
+  static const int32_t kNoBlocks = kBlockEmpty;
+  b.index = x.empty() ? &kNoBlocks : static_cast<const int32_t*>(x.data);
+  if (c.dev.mem == Memory::kHost && !x.empty()) {
+    for (int64_t i = 0; i < x.size(0); ++i)
+      for (int64_t h = 0; h < x.size(1); ++h)
+        for (int64_t e = 0; e < int64_t(b.q_blocks) * b.k_blocks; ++e) {
+          const int32_t v = b.index[i * x.stride(0) + h * x.stride(1) + e];
+          FMHA_CHECK_ARG(v == kBlockEmpty || v == kBlockFull || (v >= 0 && v < b.num_partial),
+                         "block_index: entry ", v, " is neither -1 (empty), -2 (full) nor a "
+                         "partial block below ", b.num_partial);
+        }
+  }
+}
+
 inline Call<FwdParams> forward_call(const py::object& q, const py::object& k,
                                     const py::object& v, const py::object& out,
                                     const py::object& lse, const py::object& bias,
@@ -666,13 +720,14 @@ void def_forward_backward(py::module_& m, Forward&& forward, Backward&& backward
         py::arg("out"), py::arg("lse"), py::arg("bias") = py::none(),
         py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
         py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
-        forward_doc);
+        py::arg("block_index") = py::none(), py::arg("block_masks") = py::none(), forward_doc);
   m.def("backward", std::forward<Backward>(backward), py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
         py::arg("dk"), py::arg("dv"), py::arg("dbias") = py::none(),
         py::arg("bias") = py::none(), py::arg("mask") = py::none(),
         py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(), py::arg("dlse") = py::none(), backward_doc);
+        py::arg("cu_seqlens_k") = py::none(), py::arg("dlse") = py::none(),
+        py::arg("block_index") = py::none(), py::arg("block_masks") = py::none(), backward_doc);
 }
 
 // forward_kvcache with fmha._C's signature (the arrays by position or name, the settings as

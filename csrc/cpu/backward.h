@@ -326,6 +326,7 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
     }
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
+      if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
       A* dQ = dQ_all ? dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq : nullptr;
       const auto x = head.query_rows(i0, nr, t);
       // The tile in one orientation: P∘Z and dS (row-major S, dP; or Sᵀ, dPᵀ), and the
@@ -478,6 +479,7 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int j_begin = key_lo(p, s, i0) & ~1, j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
+    if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
     const auto x = head.key_rows(j0, nc, t);
     head.rebuild_T(i0, nr, j0, nc, x, t, true);
     if (tile_may_zero(p, s, i0, nr, j0, nc) &&

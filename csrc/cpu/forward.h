@@ -103,6 +103,7 @@ void forward_task(const FwdParams& p, int64_t task) {
   if constexpr (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
+    if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
     int64_t ks, vs;  // row strides of kj, vj
     const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
     const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);

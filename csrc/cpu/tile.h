@@ -202,7 +202,16 @@ inline bool inside_window(const FwdParams& p, const Seq& s, int i0, int nr, int 
 // streamed operand holds a non-finite value, which `has_nonfinite` checks at the cost of one
 // read of that tile. Those rare tiles take `gemm_strong_zero` instead of the GEMM.
 inline bool tile_may_zero(const FwdParams& p, const Seq& s, int i0, int nr, int j0, int nc) {
-  return p.bias.ptr || p.mask.ptr || p.dropout_p > 0 || !inside_window(p, s, i0, nr, j0, nc);
+  return p.bias.ptr || p.mask.ptr || p.block_mask.index || p.dropout_p > 0 ||
+         !inside_window(p, s, i0, nr, j0, nc);
+}
+
+// Whether the block-sparse mask (params.h) leaves the tile of rows i0..i0+nr, keys
+// j0..j0+nc of head h with nothing to attend: such a tile is skipped, its scores being -inf
+// (which adds exact zeros to every sum: skipping it changes no bit).
+inline bool tile_skipped(const FwdParams& p, int b, int h, int i0, int nr, int j0, int nc) {
+  return p.block_mask.index && score::block_tile_kind(p.block_mask, b, h, i0, i0 + nr - 1, j0,
+                                                      j0 + nc - 1) == score::kTileEmpty;
 }
 
 // Whether rows [0, n) x [0, dim) of x hold a NaN or Inf. Vectorised: it runs on every tile
@@ -258,6 +267,7 @@ inline bool pair_excluded(const FwdParams& p, const Seq& s, int b, int h, int i,
                           bool or_dropped) {
   if (j < key_lo(p, s, i) || j > key_hi(p, s, i)) return true;
   if (p.mask.ptr && !score::mask_allows(p.mask, b, h, i, j)) return true;
+  if (p.block_mask.index && !score::block_mask_allows(p.block_mask, b, h, i, j)) return true;
   if (p.bias.ptr && bias_value(p.bias, b, h, i, j) == -std::numeric_limits<double>::infinity())
     return true;
   return or_dropped && p.dropout_p > 0 &&
@@ -277,6 +287,29 @@ inline void gemm_strong_zero(int M, int dim, int K, const A* W, int64_t rs, int6
       const A w = W[m * rs + k * cs];
       const T* row = B + k * b_stride;
       for (int t = 0; t < dim; ++t) out[t] += w * to_acc<A>(row[t]);
+    }
+  }
+}
+
+// The block-sparse mask on a tile (S(r, c) = S[r * rs + c * cs], rows i0.., keys j0..): block
+// by block, nothing where a block is full, -inf over an empty one, the element mask of a
+// partial one.
+template <typename A>
+inline void apply_block_mask(const BlockSparse& m, int b, int h, int i0, int nr, int j0, int nc,
+                             A* S, int64_t rs, int64_t cs) {
+  for (int qb = i0 / m.block_q; qb * m.block_q < i0 + nr; ++qb) {
+    const int r0 = std::max(qb * m.block_q, i0), r1 = std::min((qb + 1) * m.block_q, i0 + nr);
+    for (int kb = j0 / m.block_k; kb * m.block_k < j0 + nc; ++kb) {
+      const int c0 = std::max(kb * m.block_k, j0), c1 = std::min((kb + 1) * m.block_k, j0 + nc);
+      const int32_t e = score::block_entry(m, b, h, qb, kb);
+      if (e == kBlockFull) continue;
+      const uint8_t* bits =
+          e >= 0 && e < m.num_partial ? m.partial + int64_t(e) * m.block_q * m.block_k : nullptr;
+      for (int i = r0; i < r1; ++i) {
+        const uint8_t* row = bits ? bits + int64_t(i - qb * m.block_q) * m.block_k : nullptr;
+        for (int j = c0; j < c1; ++j)
+          if (!row || !row[j - kb * m.block_k]) S[(i - i0) * rs + (j - j0) * cs] = neg_inf<A>();
+      }
     }
   }
 }
@@ -323,6 +356,7 @@ inline void finish_scores(const FwdParams& p, const Seq& s, int b, int h, int i0
       }
     }
   }
+  if (p.block_mask.index) apply_block_mask(p.block_mask, b, h, i0, nr, j0, nc, S, rs, cs);
   if (!p.mask.ptr) return;
   // score::mask_allows, with the tile's base address formed once.
   const uint8_t* m0 =

@@ -325,7 +325,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
   };
 
-  if (steps > 0) load_step(0, 0);
+  // The block-sparse mask (params.h): steps whose tile (query block, this key block) it
+  // leaves empty are neither loaded nor computed. next_step(x): the first step from x on
+  // that is not (every step without the mask).
+  auto next_step = [&](int x) {
+    if (kExtras)
+      while (x < steps &&
+             score::tile_skipped(p, s, b, h_kv * group + x / blocks_per_head,
+                                 (m_begin + x % blocks_per_head) * Cfg::kBlockM, Cfg::kBlockM,
+                                 n0, Cfg::kBlockN))
+        ++x;
+    return x;
+  };
+  const int first = next_step(0);
+  if (first < steps) load_step(first, 0);
   cp_async_commit();
 
   const float scale_log2 = float(p.scale) * score::kLog2e;
@@ -333,15 +346,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   const float keep_scale = kExtras ? float(1.0 / (1.0 - p.dropout_p)) : 1.0f;
   // The strong zero: every step may hold a zero-weight pair when a mask, a bias or dropout
   // can make one; otherwise only window edges do.
-  const bool zeros_anywhere =
-      kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0);
+  const bool zeros_anywhere = kExtras && score::zeros_anywhere(p);
   bool k_nonfinite = false;  // this thread's chunks of Kj (dQ's B operand), checked once
 
-  for (int step = 0; step < steps; ++step) {
-    const int stage = step % Cfg::kStages;
-    // Prefetch the next step into the other stage; its last readers (step - 1) finished at
-    // the trailing __syncthreads of the previous iteration.
-    if (step + 1 < steps) load_step(step + 1, (stage + 1) % Cfg::kStages);
+  // it counts the steps taken: the stage alternates over those (without the mask, it = step).
+  for (int step = first, it = 0; step < steps; ++it) {
+    const int stage = (kExtras ? it : step) % Cfg::kStages;
+    const int next = next_step(step + 1);
+    // Prefetch the next step into the other stage; its last readers (the previous step)
+    // finished at the trailing __syncthreads of the previous iteration.
+    if (next < steps) load_step(next, (stage + 1) % Cfg::kStages);
     cp_async_commit();
     cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
 
@@ -349,7 +363,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + stage * Cfg::kTileQ;
-    if (kAtomicDq && step == 0)
+    if (kAtomicDq && step == first)
       k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
                                                Cfg::kThreads>(sK, vec, tid);
     const bool may_zero =
@@ -518,6 +532,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     // Every warp is done with this stage (and dS^T) before the next prefetch overwrites it.
     __syncthreads();
+    step = next;
   }
   cp_async_wait<0>();  // Kj, Vj when there was no step; the trailing empty group otherwise
 
@@ -613,13 +628,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
   {
     const int n_edge = score::first_edge_block<Cfg::kBlockN>(
         s, left, right, m0, n_end,
-        kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0));
+        kExtras && score::zeros_anywhere(p));
     if (tid == 0) *reinterpret_cast<int*>(sQ + Cfg::kHeadDim) = n_edge;  // read after a barrier
   }
   const int* const n_edge_slot = reinterpret_cast<const int*>(sQ + Cfg::kHeadDim);
 
   for (int n_block = n_begin; n_block < n_end; ++n_block) {
     const int n0 = n_block * Cfg::kBlockN;
+    // Empty under the block-sparse mask: nothing to load or add (uniform over the CTA).
+    if (kExtras && score::tile_skipped(p, s, b, h, m0, Cfg::kBlockM, n0, Cfg::kBlockN)) continue;
     tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
         sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
     tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(

@@ -230,6 +230,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     n_end = min(n_end, n_begin + per);
   }
 
+  // The block-sparse mask (params.h): key blocks it leaves empty for this CTA's rows are
+  // neither loaded nor computed. next_live(n): the first block from n on that is not (n
+  // itself without the mask).
+  auto next_live = [&](int n) {
+    if (kExtras)
+      while (n < n_end && score::tile_skipped(p, seq, b, h, m0, Cfg::kBlockM, n * Cfg::kBlockN,
+                                              Cfg::kBlockN))
+        ++n;
+    return n;
+  };
+  n_begin = next_live(n_begin);
+
   // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16;
   // its O columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
   // (Constants without the column split: no registers or arithmetic for it.)
@@ -268,7 +280,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // it cost kernels at ptxas's register cap a spill.
     const int n_edge = score::first_edge_block<Cfg::kBlockN>(
         seq, left, right, m0, n_end,
-        kExtras && (p.mask.ptr != nullptr || p.bias.ptr != nullptr || p.dropout_p > 0.0));
+        kExtras && score::zeros_anywhere(p));
     static_assert(Cfg::kPad * 2 >= sizeof(int), "n_edge fits a row's padding");
     int* const n_edge_slot = reinterpret_cast<int*>(sQ + Cfg::kHeadDim);  // read after a barrier
     if (tid == 0) *n_edge_slot = n_edge;
@@ -301,11 +313,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) ldmatrix<4>(q_frag[kk], sQ_warp + kk * 16);
     }
 
-    for (int n_block = n_begin; n_block < n_end; ++n_block) {
-      const int stage = (n_block - n_begin) % Cfg::kStages;
-      // Prefetch block n+1 into the other stage; its last readers (block n-1) finished at
-      // the trailing __syncthreads of the previous iteration.
-      if (n_block + 1 < n_end) load_kv(n_block + 1, (stage + 1) % Cfg::kStages);
+    // it counts the blocks taken: the stage alternates over those (without the mask,
+    // it = n_block - n_begin).
+    for (int n_block = n_begin, it = 0; n_block < n_end; ++it) {
+      const int stage = (kExtras ? it : n_block - n_begin) % Cfg::kStages;
+      const int n_next = next_live(n_block + 1);
+      // Prefetch the next block into the other stage; its last readers (the previous block)
+      // finished at the trailing __syncthreads of the previous iteration.
+      if (n_next < n_end) load_kv(n_next, (stage + 1) % Cfg::kStages);
       cp_async_commit();
       cp_async_wait<1>();  // all but the newest group (block n+1) retired: block n landed
       const T* tK = sK + stage * Cfg::kTileKV;
@@ -451,8 +466,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         }
       }
       // Every warp is done reading this stage before the next iteration's prefetch (of
-      // block n+2) overwrites it.
+      // the block after n_next) overwrites it.
       __syncthreads();
+      n_block = n_next;
     }
     cp_async_wait<0>();  // retire the trailing empty group
   }

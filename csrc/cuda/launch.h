@@ -17,7 +17,8 @@ namespace gpu {
 // dropout) are compiled in only when a call uses one, so plain attention pays nothing for
 // them in registers.
 inline bool needs_extras(const FwdParams& p) {
-  return p.softcap > 0.0 || p.bias.ptr || p.mask.ptr || p.alibi_slopes || p.dropout_p > 0.0;
+  return p.softcap > 0.0 || p.bias.ptr || p.mask.ptr || p.block_mask.index || p.alibi_slopes ||
+         p.dropout_p > 0.0;
 }
 
 // One tensor's rows can be moved in 16-byte vectors: a 16-byte aligned base and row, head

@@ -48,6 +48,7 @@ FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b,
   }
   x += alibi(slope, s, i, j);
   if (visible && p.mask.ptr) visible = mask_allows(p.mask, b, h, i, j);
+  if (visible && p.block_mask.index) visible = block_mask_allows(p.block_mask, b, h, i, j);
   return x * kLog2e;
 }
 
@@ -59,6 +60,7 @@ template <bool kExtras>
 FMHA_DEVICE bool included(const FwdParams& p, const Seq& s, int b, int h, int i, int j) {
   if (!visible(p, s, i, j)) return false;
   if (kExtras && p.mask.ptr && !mask_allows(p.mask, b, h, i, j)) return false;
+  if (kExtras && p.block_mask.index && !block_mask_allows(p.block_mask, b, h, i, j)) return false;
   return !(kExtras && p.bias.ptr && bias_at(p.bias, offset_of(p.bias, b, h, i, j)) == -INFINITY);
 }
 
@@ -82,6 +84,24 @@ FMHA_DEVICE int first_edge_block(const Seq& s, int left, int right, int row_firs
   if (right < 0) return n_end;
   const int hi = key_hi(s, right, row_first);  // the fewest keys any row of the block sees
   return hi >= s.sk - 1 ? n_end : (hi + 1 > 0 ? (hi + 1) / kBlockN : 0);
+}
+
+// Whether a mask, a bias or dropout can give a pair zero weight anywhere (the strong zero
+// then watches every block).
+FMHA_DEVICE bool zeros_anywhere(const FwdParams& p) {
+  return p.mask.ptr != nullptr || p.block_mask.index != nullptr || p.bias.ptr != nullptr ||
+         p.dropout_p > 0.0;
+}
+
+// Whether the block-sparse mask (params.h) leaves rows [i0, i0 + rows) x keys [j0, j0 + keys)
+// of (b, h) -- clipped to the sequence -- with nothing to attend: kernels skip such tiles,
+// neither loading nor computing them.
+FMHA_DEVICE bool tile_skipped(const FwdParams& p, const Seq& s, int b, int h, int i0, int rows,
+                              int j0, int keys) {
+  if (p.block_mask.index == nullptr) return false;
+  const int i1 = i0 + rows < s.sq ? i0 + rows - 1 : s.sq - 1;
+  const int j1 = j0 + keys < s.sk ? j0 + keys - 1 : s.sk - 1;
+  return block_tile_kind(p.block_mask, b, h, i0, i1, j0, j1) == kTileEmpty;
 }
 
 // The key blocks [n_begin, n_end) of kBlockN keys that some row of [row_first, row_last]

@@ -32,6 +32,24 @@ struct Broadcast4 {
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
 };
 
+// A block-sparse mask (fmha.BlockMask, python/fmha/block_mask.py): the (seqlen_q, seqlen_k)
+// plane of each (batch, query head) cut into blocks of block_q rows x block_k keys, each
+// empty (no pair may attend), full (every pair may) or partial (its own element mask). The
+// kernels skip the tiles that meet only empty blocks, read no element mask in tiles that
+// meet only full ones, and test pairs in the rest (score::block_tile_kind,
+// score::block_mask_allows). Work is proportional to the non-empty blocks.
+constexpr int32_t kBlockEmpty = -1, kBlockFull = -2;
+struct BlockSparse {
+  // (B, H, q_blocks, k_blocks), B in {1, batch}, H in {1, heads_q} (stride 0 when 1), the
+  // last two dimensions contiguous: kBlockEmpty, kBlockFull, or n >= 0, the block's element
+  // mask partial[n]. nullptr: absent.
+  const int32_t* index = nullptr;
+  // (num_partial, block_q, block_k) contiguous bytes, nonzero = may attend.
+  const uint8_t* partial = nullptr;
+  int64_t batch_stride = 0, head_stride = 0;
+  int q_blocks = 0, k_blocks = 0, block_q = 0, block_k = 0, num_partial = 0;
+};
+
 struct FwdParams {
   // --- tensors (layout (batch, seqlen, heads, head_dim), any element strides) ---
   const void* q = nullptr;  // (b, seqlen_q, heads_q, head_dim)
@@ -70,6 +88,7 @@ struct FwdParams {
   double softcap = 0.0;  // 0: off; else s = softcap * tanh(s / softcap)
   Broadcast4 bias;      // float additive bias
   Broadcast4 mask;      // bool, nonzero = may attend
+  BlockSparse block_mask;  // a block-sparse mask, ANDed with the bool mask
   const double* alibi_slopes = nullptr;  // adds -slope * |i + offset - j|
   int64_t alibi_batch_stride = 0, alibi_head_stride = 1;
   // Query i sees key j iff i + off - window_left <= j <= i + off + window_right, where

@@ -169,6 +169,34 @@ FMHA_HD bool mask_allows(const Broadcast4& mask, int b, int h, int i, int j) {
   return static_cast<const uint8_t*>(mask.ptr)[offset_of(mask, b, h, i, j)] != 0;
 }
 
+// ---- block-sparse masks (params.h, BlockSparse): the entry of block (qb, kb) of (b, h).
+FMHA_HD int32_t block_entry(const BlockSparse& m, int b, int h, int qb, int kb) {
+  return m.index[b * m.batch_stride + h * m.head_stride + int64_t(qb) * m.k_blocks + kb];
+}
+// Whether pair (i, j) of (b, h) may attend under the block mask (i, j inside the sequence).
+// An entry past the partial masks (the host checks host arrays; device ones are never read
+// there) reads as empty: no access leaves the buffers.
+FMHA_HD bool block_mask_allows(const BlockSparse& m, int b, int h, int i, int j) {
+  const int32_t e = block_entry(m, b, h, i / m.block_q, j / m.block_k);
+  if (e < 0 || e >= m.num_partial) return e == kBlockFull;
+  return m.partial[(int64_t(e) * m.block_q + i % m.block_q) * m.block_k + j % m.block_k] != 0;
+}
+// What a kernel tile of rows [i0, i1] x keys [j0, j1] (inclusive, inside the sequence) meets:
+// only empty blocks (skip it), only full ones (no element test), or some partial or mixed
+// ones (test each pair with block_mask_allows). Empty ranges are empty tiles.
+enum TileKind : int { kTileEmpty = 0, kTileFull = 1, kTilePartial = 2 };
+FMHA_HD int block_tile_kind(const BlockSparse& m, int b, int h, int i0, int i1, int j0, int j1) {
+  if (i1 < i0 || j1 < j0) return kTileEmpty;
+  bool live = false, full = true;
+  for (int qb = i0 / m.block_q; qb <= i1 / m.block_q; ++qb)
+    for (int kb = j0 / m.block_k; kb <= j1 / m.block_k; ++kb) {
+      const int32_t e = block_entry(m, b, h, qb, kb);
+      live = live || e != kBlockEmpty;
+      full = full && e == kBlockFull;
+    }
+  return !live ? kTileEmpty : full ? kTileFull : kTilePartial;
+}
+
 // ---- dropout: element (b, h, i, j) of query head h is kept iff word j % 4 of the
 // Philox4x32-10 draw at counter (j / 4, i, b * heads_q + h, lo32(offset)), key
 // (lo32(seed), hi32(seed) + hi32(offset)), is >= dropout_threshold(p). The mask is a pure

@@ -99,6 +99,18 @@ void check_params(const FwdParams& p, Backend backend) {
     FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0,
                    "block_table, seqlen_new: only with cache_seqlens");
   }
+  if (p.block_mask.index) {
+    const BlockSparse& m = p.block_mask;
+    FMHA_CHECK_ARG(!p.cache_seqlens && !p.cu_seqlens_q,
+                   "block_mask: not supported with KV caches or variable-length batches");
+    FMHA_CHECK_ARG(m.block_q >= 1 && m.block_k >= 1 && m.num_partial >= 0 &&
+                       m.q_blocks == (p.seqlen_q + m.block_q - 1) / m.block_q &&
+                       m.k_blocks == (p.seqlen_k + m.block_k - 1) / m.block_k,
+                   "block_mask: ", m.q_blocks, " x ", m.k_blocks, " blocks of ", m.block_q,
+                   " x ", m.block_k, " do not tile seqlen_q x seqlen_k = ", p.seqlen_q, " x ",
+                   p.seqlen_k);
+    FMHA_CHECK_ARG(m.num_partial == 0 || m.partial, "block_mask: partial masks are null");
+  }
   // Read by the CUDA forward only; a negative count is wrong on any backend.
   FMHA_CHECK_ARG(p.num_splits >= 0, "num_splits: expected >= 0 (0 = heuristic), got ",
                  p.num_splits);

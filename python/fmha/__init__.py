@@ -15,12 +15,15 @@ import sys as _sys
 from . import _C
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._core import get_num_threads, set_num_threads
+from .block_mask import (BlockMask, bigbird_mask, create_block_mask, document_mask,
+                         longformer_mask)
 from .merge import merge_states, merge_states_n
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
-           "merge_states", "merge_states_n", "set_num_threads",
+           "merge_states", "merge_states_n", "set_num_threads", "BlockMask",
+           "create_block_mask", "document_mask", "longformer_mask", "bigbird_mask",
            "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status"]
 
 

@@ -30,9 +30,9 @@ def _array_seed(seed) -> int:
     return int(seed)
 
 
-def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None):
+def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None, block=None):
     """NumPy or CuPy arrays (outputs allocated by the same module, on q's device); extra:
-    core_args' (bias, mask, alibi_slopes)."""
+    core_args' (bias, mask, alibi_slopes); block: a block mask's (index, partial)."""
     xp = _xp(q)
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     lse_dtype = xp.float64 if spec.dtype == "float64" else xp.float32
@@ -51,6 +51,8 @@ def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None):
         kw["seed"] = seed
     if stream:
         kw["stream"] = stream
+    if block is not None:
+        kw["block_index"], kw["block_masks"] = block
     if cu is None:
         _core._kernels.forward(q, k, v, out, lse, *extra, **kw)
     else:
@@ -72,6 +74,18 @@ def _torch_module():
     return _torch
 
 
+def _block_arrays(block_mask, q, spec: Spec):
+    """A block_mask argument as the kernels take it: (index, partial) on q's device, or
+    None."""
+    if block_mask is None:
+        return None
+    from .block_mask import BlockMask
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("block_mask: expected an fmha.BlockMask (fmha.create_block_mask, "
+                        f"fmha.document_mask, ...), got {type(block_mask).__name__}")
+    return block_mask._arrays(q, spec.full)
+
+
 def _device_of_array(x):
     """A context that makes x's CUDA device current (CuPy allocates on the current one)."""
     return x.device if kind_of(x) == "cupy" else contextlib.nullcontext()
@@ -80,7 +94,7 @@ def _device_of_array(x):
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
               scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
               softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False, seed=None,
-              deterministic: bool = False, num_splits: int = 0, sinks=None):
+              deterministic: bool = False, num_splits: int = 0, sinks=None, block_mask=None):
     """Exact multi-head attention, softmax(scale·QKᵀ [softcap] + bias + ALiBi, masked) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
@@ -92,6 +106,9 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     off = seqlen_k - seqlen_q for alignment="bottom_right" (flash-attn) or 0 for "top_left"
     (torch SDPA). bias: float, broadcastable to (batch, heads_q, seqlen_q, seqlen_k);
     mask: bool, same broadcasting, True = may attend. A row that sees no key gives 0.
+    block_mask: an :class:`fmha.BlockMask` (fmha.create_block_mask, document_mask,
+    longformer_mask, bigbird_mask), ANDed with the rest: the kernels skip the tiles it
+    leaves empty, so the work is proportional to its non-empty blocks (fmha/block_mask.py).
     Any size but head_dim may be 0 (as in torch): an empty batch, sequence or head count
     gives outputs of that shape, seqlen_k = 0 out = 0 and lse = -inf, and zero gradients.
 
@@ -124,13 +141,14 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
     if sinks is not None:
         _sinks.check(sinks, q, spec.heads_q)
+    block = _block_arrays(block_mask, q, spec)
     if spec.kind == "torch":
         res = _torch_module().attention(spec, q, k, v, bias, mask, alibi_slopes,
                                         return_lse or sinks is not None,
-                                        deterministic=deterministic)
+                                        deterministic=deterministic, block=block)
         return res if sinks is None else _result(*res, sinks, return_lse)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
-                              _array_seed(seed) if spec.dropout_p > 0 else 0)
+                              _array_seed(seed) if spec.dropout_p > 0 else 0, block=block)
     return _result(out, lse, sinks, return_lse)
 
 
@@ -193,7 +211,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
                        alignment: str = "bottom_right", scale: Optional[float] = None,
                        bias=None, mask=None, dropout_p: float = 0.0, softcap: float = 0.0,
                        alibi_slopes=None, seed=None, bias_grad: bool = False,
-                       deterministic: bool = False, dlse=None, sinks=None):
+                       deterministic: bool = False, dlse=None, sinks=None, block_mask=None):
     """The backward of :func:`attention` for NumPy / CuPy arrays (torch users: autograd).
 
     Takes the forward's out and lse (``return_lse=True``) and the same keyword arguments
@@ -213,7 +231,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, window=
     # With sinks, the kernels' P = exp(S - lse) from the lse that includes them is the sinks'
     # softmax: every gradient but dsinks (and a row-constant bias's) is exact as it comes.
     grads = _array_backward(spec, "attention_backward", dout, q, k, v, out, lse, bias, mask,
-                            alibi_slopes, seed, bias_grad, deterministic, dlse=dlse)
+                            alibi_slopes, seed, bias_grad, deterministic, dlse=dlse,
+                            block=_block_arrays(block_mask, q, spec))
     if sinks is None:
         return grads
     if bias_grad and spec.bias_shape[-1] == 1:
@@ -259,7 +278,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, alibi_slopes,
-                    seed, bias_grad, deterministic, cu=None, dlse=None):
+                    seed, bias_grad, deterministic, cu=None, dlse=None, block=None):
     """attention_backward / attention_varlen_backward once prepare() has checked q, k, v and
     the keywords: checks the forward's outputs and dout, then runs the core's backward."""
     if spec.kind == "torch":
@@ -291,7 +310,9 @@ def _array_backward(spec: Spec, fn: str, dout, q, k, v, out, lse, bias, mask, al
                             **kernel_settings(spec.settings(),
                                               _array_seed(seed) if spec.dropout_p > 0 else 0,
                                               stream=stream_of(q)),
-                            dlse=dlse, deterministic=bool(deterministic))
+                            dlse=dlse, deterministic=bool(deterministic),
+                            **({} if block is None else
+                               dict(block_index=block[0], block_masks=block[1])))
     if bias_grad:
         return dq, dk, dv, dbias.reshape(spec.bias_shape).astype(bias.dtype, copy=False)
     return dq, dk, dv

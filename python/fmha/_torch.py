@@ -60,10 +60,12 @@ def _rng_pair(rng: Optional[Tensor]):
 
 
 def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
-              max_q=None, max_k=None, num_splits=0, block=(0, 0, 0, 0)) -> dict:
+              max_q=None, max_k=None, num_splits=0, block=(0, 0, 0, 0),
+              block_mask=(None, None)) -> dict:
     """fmha._C's keyword settings (see _core.kernel_settings: zeros are left out). block:
     (q_position, k_position, head_position, heads_total) of a block of a larger attention
-    (csrc/fmha/params.h; fmha.distributed), all zero for an ordinary call."""
+    (csrc/fmha/params.h; fmha.distributed), all zero for an ordinary call; block_mask: a
+    block-sparse mask's (index, partial) tensors, or Nones."""
     kw = dict(scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
               bottom_right=bottom_right, dropout_p=dropout_p, num_threads=get_num_threads())
     if rng is not None:
@@ -72,6 +74,8 @@ def _settings(q, scale, softcap, window_left, window_right, bottom_right, dropou
         kw["num_splits"] = num_splits
     if any(block):
         kw.update(zip(_BLOCK_FIELDS, block))
+    if block_mask[0] is not None:
+        kw["block_index"], kw["block_masks"] = _exported(*block_mask)
     if q.is_cuda:
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
     if max_q is not None:
@@ -97,12 +101,14 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional
          rng: Optional[Tensor], scale: float, softcap: float, window_left: int,
          window_right: int, bottom_right: bool, dropout_p: float,
          deterministic: bool = False, num_splits: int = 0, q_position: int = 0,
-         k_position: int = 0, head_position: int = 0,
-         heads_total: int = 0) -> Tuple[Tensor, Tensor]:
+         k_position: int = 0, head_position: int = 0, heads_total: int = 0,
+         block_index: Optional[Tensor] = None,
+         block_masks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention forward: returns (out, lse). rng = [seed, offset] (int64) for dropout.
     deterministic only travels to the backward (see _setup_context); num_splits: key splits
     of the CUDA forward (0 = by occupancy), ignored by the CPU kernels; the positions: a
-    block of a larger attention (_settings). The body of the fmha::fwd op, and what eager
+    block of a larger attention (_settings); block_index, block_masks: a block-sparse mask
+    (fmha/block_mask.py: index and partial). The body of the fmha::fwd op, and what eager
     calls that need no op (see _direct) run."""
     varlen = cu_seqlens_q is not None
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -111,7 +117,8 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional
                         _settings(q, scale, softcap, window_left, window_right, bottom_right,
                                   dropout_p, rng, max_seqlen_q if varlen else None,
                                   max_seqlen_k, num_splits,
-                                  (q_position, k_position, head_position, heads_total)))
+                                  (q_position, k_position, head_position, heads_total),
+                                  (block_index, block_masks)))
 
 
 def _run_forward(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, full, lse_shape, kw):
@@ -129,10 +136,12 @@ def _run_forward(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, full, lse_shape,
     return out, lse
 
 
-def _forward_eager(spec: Spec, q, k, v, bias, mask, alibi_slopes):
+def _forward_eager(spec: Spec, q, k, v, bias, mask, alibi_slopes, block=None):
     """A dense eager call without dropout that needs no op (see _direct): the op body with the
     shapes and settings the (cached) Spec already holds, and no layer in between."""
     kw = dict(spec.kernel_settings, num_threads=get_num_threads())
+    if block is not None:
+        kw["block_index"], kw["block_masks"] = _exported(*block)
     if q.is_cuda:
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
     return _run_forward(q, k, v, bias, mask, alibi_slopes, None, None, spec.full,
@@ -147,7 +156,7 @@ fwd = torch.library.custom_op("fmha::fwd", _fwd, mutates_args=(), device_types=(
 def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right, dropout_p,
       deterministic=False, num_splits=0, q_position=0, k_position=0, head_position=0,
-      heads_total=0):
+      heads_total=0, block_index=None, block_masks=None):
     full = _full(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, full, cu_seqlens_q is not None),
@@ -163,7 +172,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
         bias_grad: bool, deterministic: bool = False, dlse: Optional[Tensor] = None,
         q_position: int = 0, k_position: int = 0, head_position: int = 0,
-        heads_total: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        heads_total: int = 0, block_index: Optional[Tensor] = None,
+        block_masks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
     deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
     bitwise-reproducible CUDA gradients. dlse: the gradient reaching lse, or None."""
@@ -182,7 +192,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    *_offsets(cu_seqlens_q, cu_seqlens_k)),
         **_settings(q, scale, softcap, window_left, window_right, bottom_right, dropout_p, rng,
                     max_seqlen_q if varlen else None, max_seqlen_k, 0,
-                    (q_position, k_position, head_position, heads_total)),
+                    (q_position, k_position, head_position, heads_total),
+                    (block_index, block_masks)),
         dlse=None if dlse is None else _exported(dlse)[0],
         deterministic=bool(deterministic or torch.are_deterministic_algorithms_enabled()))
     if dbias is None:
@@ -196,7 +207,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, rng, scale, softcap, window_left, window_right, bottom_right,
       dropout_p, bias_grad, deterministic=False, dlse=None, q_position=0, k_position=0,
-      head_position=0, heads_total=0):
+      head_position=0, heads_total=0, block_index=None, block_masks=None):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -208,13 +219,13 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
 _FwdInputs = namedtuple(
     "_FwdInputs", "q k v bias mask alibi_slopes cu_seqlens_q cu_seqlens_k max_seqlen_q "
     "max_seqlen_k rng scale softcap window_left window_right bottom_right dropout_p "
-    "deterministic num_splits q_position k_position head_position heads_total",
-    defaults=(False, 0, 0, 0, 0, 0))
+    "deterministic num_splits q_position k_position head_position heads_total block_index "
+    "block_masks", defaults=(False, 0, 0, 0, 0, 0, None, None))
 
 
 #: The tensor inputs the backward needs; they travel through ctx.save_for_backward.
 _SAVED_INPUTS = ("q", "k", "v", "bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-                 "rng")
+                 "rng", "block_index", "block_masks")
 
 
 def _setup_context(ctx, inputs, output):
@@ -240,7 +251,7 @@ def _backward(ctx, dout, dlse):
                             args.softcap, args.window_left, args.window_right,
                             args.bottom_right, args.dropout_p, bias_grad, args.deterministic,
                             dlse, args.q_position, args.k_position, args.head_position,
-                            args.heads_total)
+                            args.heads_total, args.block_index, args.block_masks)
     return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
@@ -267,10 +278,11 @@ def _direct(*tensors) -> bool:
 
 
 def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None,
-              deterministic=False):
-    """fmha.attention / attention_varlen for torch tensors (arguments already validated)."""
+              deterministic=False, block=None):
+    """fmha.attention / attention_varlen for torch tensors (arguments already validated);
+    block: a block-sparse mask's (index, partial) tensors on q's device, or None."""
     if spec.dropout_p == 0 and cu_q is None and _direct(q, k, v, bias, mask, alibi_slopes):
-        out, lse = _forward_eager(spec, q, k, v, bias, mask, alibi_slopes)
+        out, lse = _forward_eager(spec, q, k, v, bias, mask, alibi_slopes, block)
         return (out, lse) if return_lse else out
     rng = None
     if spec.dropout_p > 0:
@@ -284,5 +296,6 @@ def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=No
     op = _fwd if _direct(q, k, v, bias, mask, alibi_slopes) else fwd
     out, lse = op(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
                   rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
-                  spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits)
+                  spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits,
+                  *((0, 0, 0, 0) + tuple(block) if block is not None else ()))
     return (out, lse) if return_lse else out

@@ -360,9 +360,11 @@ void launch_emulated(const Params& p, Launch&& launch) {
 
 void emu_forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
                  py::object bias, py::object mask, py::object alibi, py::object cu_q,
-                 py::object cu_k, py::kwargs kw) {
-  const auto c = fmha::bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
-                                          /*host_only=*/true);
+                 py::object cu_k, py::object block_index, py::object block_masks,
+                 py::kwargs kw) {
+  auto c = fmha::bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
+                                    /*host_only=*/true);
+  fmha::bind::fill_block_mask(c, block_index, block_masks);
   launch_emulated(c.p, [](const fmha::FwdParams& p, void* s) { fmha::gpu::launch_flash_fwd(p, s); });
 }
 
@@ -384,10 +386,11 @@ int emu_forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py
 void emu_backward(py::object dout, py::object q, py::object k, py::object v, py::object out,
                   py::object lse, py::object dq, py::object dk, py::object dv,
                   py::object dbias, py::object bias, py::object mask, py::object alibi,
-                  py::object cu_q, py::object cu_k, py::object dlse, py::kwargs kw) {
-  const auto c = fmha::bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias,
-                                           mask, alibi, cu_q, cu_k, dlse, kw,
-                                           /*host_only=*/true);
+                  py::object cu_q, py::object cu_k, py::object dlse, py::object block_index,
+                  py::object block_masks, py::kwargs kw) {
+  auto c = fmha::bind::backward_call(dout, q, k, v, out, lse, dq, dk, dv, dbias, bias, mask,
+                                     alibi, cu_q, cu_k, dlse, kw, /*host_only=*/true);
+  fmha::bind::fill_block_mask(c, block_index, block_masks);
   launch_emulated(c.p, [](const fmha::BwdParams& p, void* s) { fmha::gpu::launch_flash_bwd(p, s); });
 }
 
