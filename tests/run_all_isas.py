@@ -23,7 +23,9 @@ KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py",
                  "test_fuzz.py::test_fuzz_cpu", "test_fuzz.py::test_fuzz_cpu_varlen",
                  "test_fuzz.py::test_fuzz_cpu_nonfinite", "test_nonfinite.py::test_nonfinite_cpu",
                  # the decode kernel (KV caches): each level has its own products; ~4 s
-                 "test_kvcache.py"]
+                 "test_kvcache.py",
+                 # 8-bit caches: each level has its own conversion of the codes; ~2 s
+                 "test_kvquant.py"]
 
 
 def main() -> int:

@@ -69,9 +69,10 @@ void backward(py::object dout, py::object q, py::object k, py::object v, py::obj
 
 void forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::object out,
                      py::object lse, py::object k, py::object v, py::object cache_seqlens,
-                     py::object block_table, py::object alibi, py::kwargs kw) {
+                     py::object block_table, py::object alibi, py::object k_scale,
+                     py::object v_scale, py::kwargs kw) {
   run(bind::kvcache_call(q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table,
-                         alibi, kw),
+                         alibi, k_scale, v_scale, kw),
       cpu_forward, cuda_forward);
 }
 
@@ -126,6 +127,19 @@ PYBIND11_MODULE(_C, m) {
                    "x, y: expected contiguous 1-D float32 host arrays of one length");
     cpu_exp(static_cast<const float*>(vx.data), static_cast<float*>(vy.data), vx.size(0));
   }, py::arg("x"), py::arg("y"), "y = exp(x) as the CPU kernels' softmax computes it");
+  m.def("cpu_decode_kv_codes", [](int code, py::object x, py::object y) {
+    View vx = import("x", x, false), vy = import("y", y, true);
+    FMHA_CHECK_ARG(code >= 1 && code <= 3, "code: expected 1 (int8), 2 (float8_e4m3fn) or 3 "
+                   "(float8_e5m2), got ", code);
+    FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
+                       vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.bits == 8 &&
+                       vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
+                       vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
+                   "x, y: expected contiguous 1-D host arrays of one length, bytes and float32");
+    cpu_decode_kv_codes(code, static_cast<const uint8_t*>(vx.data), static_cast<float*>(vy.data),
+                        vx.size(0));
+  }, py::arg("code"), py::arg("x"), py::arg("y"),
+        "y = the values of the 8-bit cache codes x, as the CPU kernels decode them");
   m.def("cpu_fma_peak_gflops", &cpu_fma_peak_gflops, py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_read_bandwidth_gbs", &cpu_read_bandwidth_gbs, py::arg("threads"),

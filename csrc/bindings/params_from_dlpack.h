@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <cstdint>
@@ -465,6 +466,9 @@ void fill_block_mask(Call<Params>& c, const py::object& index, const py::object&
   FMHA_CHECK_ARG(m.empty() || (m.stride(2) == 1 && m.stride(1) == m.size(2) &&
                                (m.stride(0) == m.size(1) * m.size(2) || m.size(0) == 1)),
                  "block_masks: expected a contiguous array");
+  FMHA_CHECK_ARG(x.size(0) * x.stride(0) + x.size(1) * x.stride(1) < (int64_t(1) << 31) &&
+                     m.size(0) * m.size(1) * m.size(2) < (int64_t(1) << 31),
+                 "block_index, block_masks: more than 2**31 - 1 elements");
   BlockSparse& b = p.block_mask;
   b.block_q = int(m.size(1));
   b.block_k = int(m.size(2));
@@ -586,13 +590,14 @@ inline Call<BwdParams> backward_call(const py::object& dout, const py::object& q
 
 // ------------------------------------------------------------------------------ KV caches
 
-#define FMHA_KVCACHE_KEYWORDS \
-  "scale", "softcap", "window_left", "window_right", "num_threads", "stream", "num_splits"
+#define FMHA_KVCACHE_KEYWORDS                                                                \
+  "scale", "softcap", "window_left", "window_right", "num_threads", "stream", "num_splits", \
+      "kv_code"
 
 // One call of attention over KV caches (fmha.attention_with_kvcache): the caches, the new
 // rows appended to them, and the lengths / block table that say where each sequence lives.
 struct KvCacheCall : Call<FwdParams> {
-  std::optional<View> k_new, v_new, cache_seqlens, block_table;
+  std::optional<View> k_new, v_new, cache_seqlens, block_table, k_scale, v_scale;
 };
 
 inline void expect_int32(const View& v, int ndim) {
@@ -600,6 +605,58 @@ inline void expect_int32(const View& v, int ndim) {
                      v.dtype.lanes == 1 && (v.empty() || v.stride(ndim - 1) == 1),
                  v.name, ": expected an int32 array of ", ndim,
                  " dimension(s), contiguous in the last");
+}
+
+// The scales of 8-bit caches (fmha/kvquant.h): float32, both (heads_kv,) -- static, per kv
+// head -- or both (slots, rows, heads_kv) like the caches' rows -- dynamic, per row and kv
+// head, written by the append. Host static scales must be finite and positive.
+inline void import_kv_scales(KvCacheCall& c, const py::object& k_scale, const py::object& v_scale,
+                             int64_t slots, int64_t rows) {
+  FwdParams& p = c.p;
+  c.k_scale = import_opt("k_scale", k_scale, true, c.import_stream);
+  c.v_scale = import_opt("v_scale", v_scale, true, c.import_stream);
+  if (p.kv_code == KvCode::kNone) {
+    FMHA_CHECK_ARG(!c.k_scale && !c.v_scale, "k_scale, v_scale: only with 8-bit caches (kv_code)");
+    return;
+  }
+  FMHA_CHECK_ARG(c.k_scale && c.v_scale, "k_scale, v_scale: required with 8-bit caches");
+  const View &ks = *c.k_scale, &vs = *c.v_scale;
+  for (const View* t : {&ks, &vs}) {
+    expect_device(*t, c.dev);
+    FMHA_CHECK_ARG(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1,
+                   t->name, ": expected float32");
+  }
+  const bool dynamic = ks.ndim == 3;
+  for (const View* t : {&ks, &vs}) {
+    if (dynamic) {
+      FMHA_CHECK_ARG(t->ndim == 3 && t->size(0) == slots && t->size(1) == rows &&
+                         t->size(2) == p.heads_kv,
+                     t->name, ": expected (", slots, ", ", rows, ", ", p.heads_kv,
+                     ") per row and kv head, like k_scale");
+      FMHA_CHECK_ARG(t->stride(0) == ks.stride(0) && t->stride(1) == ks.stride(1) &&
+                         t->stride(2) == ks.stride(2),
+                     t->name, ": expected k_scale's strides");
+    } else {
+      FMHA_CHECK_ARG(t->ndim == 1 && t->size(0) == p.heads_kv, t->name, ": expected (",
+                     p.heads_kv, ") per kv head, like k_scale");
+      if (c.dev.mem == Memory::kHost)
+        for (int h = 0; h < p.heads_kv; ++h) {
+          const float x = static_cast<const float*>(t->data)[h * t->stride(0)];
+          FMHA_CHECK_ARG(std::isfinite(x) && x > 0.0f, t->name, ": entry ", h, " is ", x,
+                         ", expected a finite scale > 0");
+        }
+    }
+  }
+  p.k_scale = static_cast<float*>(ks.data);
+  p.v_scale = static_cast<float*>(vs.data);
+  if (dynamic) {
+    p.scale_batch_stride = ks.stride(0);
+    p.scale_row_stride = ks.stride(1);
+    p.scale_head_stride = ks.stride(2);
+  } else {
+    p.scale_batch_stride = p.scale_row_stride = 0;
+    p.scale_head_stride = ks.stride(0);
+  }
 }
 
 // q (b, sq, hq, d); caches (b, capacity, hkv, d|dv) or, with block_table (b, max_blocks),
@@ -611,11 +668,16 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
                                 const py::object& lse, const py::object& k_new,
                                 const py::object& v_new, const py::object& cache_seqlens,
                                 const py::object& block_table, const py::object& alibi,
+                                const py::object& k_scale, const py::object& v_scale,
                                 const py::kwargs& kw) {
   const Settings s("forward_kvcache", kw, {FMHA_KVCACHE_KEYWORDS});
   KvCacheCall c;
   FwdParams& p = c.p;
   import_q(c, s, q);
+  const int code = s.get<int>("kv_code", 0);
+  FMHA_CHECK_ARG(code >= 0 && code <= 3, "kv_code: expected 0 (caches in q's dtype), 1 (int8), "
+                 "2 (float8_e4m3fn) or 3 (float8_e5m2), got ", code);
+  p.kv_code = KvCode(code);
   c.k = import("k_cache", k_cache, true, c.import_stream);
   c.v = import("v_cache", v_cache, true, c.import_stream);
   c.o = import("out", out, true, c.import_stream);
@@ -646,7 +708,16 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
   expect_shape(c.v, {slots, rows, p.heads_kv, p.head_dim_v});
   expect_shape(c.o, {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v});
   expect_shape(c.lse, {p.batch, p.heads_q, p.seqlen_q});
-  for (View* t : {&c.k, &c.v, &c.o}) expect_dtype(*t, p.dtype);
+  expect_dtype(c.o, p.dtype);
+  if (p.kv_code == KvCode::kNone) {
+    for (View* t : {&c.k, &c.v}) expect_dtype(*t, p.dtype);
+  } else {
+    // One-byte codes (fmha/kvquant.h): element strides count bytes.
+    for (View* t : {&c.k, &c.v})
+      FMHA_CHECK_ARG((t->dtype.code == kDLInt || t->dtype.code == kDLUInt) && t->dtype.bits == 8 &&
+                         t->dtype.lanes == 1,
+                     t->name, ": expected one-byte codes with kv_code ", code);
+  }
   const bool f64 = p.dtype == DType::kFloat64;
   FMHA_CHECK_ARG(c.lse.dtype.code == kDLFloat && c.lse.dtype.bits == (f64 ? 64 : 32) &&
                      c.lse.dtype.lanes == 1,
@@ -701,6 +772,7 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
   p.lse_row_stride = c.lse.stride(2);
 
   import_alibi(c, alibi);
+  import_kv_scales(c, k_scale, v_scale, slots, rows);
   p.scale = s.get<double>("scale");
   p.softcap = s.get<double>("softcap");
   p.window_left = s.get<int>("window_left");
@@ -737,7 +809,8 @@ void def_forward_kvcache(py::module_& m, ForwardKvcache&& fn, const char* doc) {
   m.def("forward_kvcache", std::forward<ForwardKvcache>(fn), py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
         py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(), doc);
+        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), doc);
 }
 
 // The exception translation both modules install: the core's error types become the Python

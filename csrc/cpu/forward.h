@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu/bf16_pairs.h"
+#include "cpu/dequant.h"
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
 #include "fmha/api.h"
@@ -104,9 +105,16 @@ void forward_task(const FwdParams& p, int64_t task) {
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
     if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
-    int64_t ks, vs;  // row strides of kj, vj
-    const T* kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
-    const T* vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
+    int64_t ks = d, vs = dv;  // row strides of kj, vj
+    const T* kj = Kstage;
+    const T* vj = Vstage;
+    if (p.kv_code != KvCode::kNone) {  // 8-bit caches: the tile's rows dequantised
+      dequant_rows(p, s, b, hk, false, j0, nc, d, Kstage);
+      dequant_rows(p, s, b, hk, true, j0, nc, dv, Vstage);
+    } else {
+      kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
+      vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
+    }
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
     if constexpr (pairs) {
@@ -435,7 +443,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
            Workspace::bytes<A>(int64_t(R) * ldv) + 2 * Workspace::bytes<A>(R) +
            Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv) +
-           Workspace::bytes<T>(int64_t(R) * d));
+           Workspace::bytes<T>(int64_t(R) * d) + Workspace::bytes<T>(int64_t(kBc) * d));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -448,6 +456,9 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   // bfloat16 with AVX512-BF16: S from Q and K as they are, by pair dot products.
   constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
   T* Qt = ws.take<T>(int64_t(R) * d);  // the rows of Q in T, dense (pairs only)
+  // 8-bit caches: one kv head's rows of the tile, dequantised (K here, V in Vstage).
+  const bool quant = p.kv_code != KvCode::kNone;
+  T* Kq = ws.take<T>(int64_t(kBc) * d);
 
   for (int x = 0; x < hb; ++x)
     for (int g = 0; g < group; ++g) {
@@ -464,11 +475,13 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   fill(O, int64_t(R) * ldv, A(0));
 
   // The bytes of one key row of the head block, from head hk0's first element (heads are
-  // adjacent in the usual layouts; otherwise at most hb rows' worth).
-  const T* k0 = static_cast<const T*>(p.k) + hk0 * p.k_head_stride;
-  const T* v0 = static_cast<const T*>(p.v) + hk0 * p.v_head_stride;
-  const int row_bytes_k = int(std::min<int64_t>((hb - 1) * p.k_head_stride + d, int64_t(hb) * d) * int64_t(sizeof(T)));
-  const int row_bytes_v = int(std::min<int64_t>((hb - 1) * p.v_head_stride + dv, int64_t(hb) * dv) * int64_t(sizeof(T)));
+  // adjacent in the usual layouts; otherwise at most hb rows' worth). Elements of 8-bit
+  // caches are one byte.
+  const int64_t esize = quant ? 1 : int64_t(sizeof(T));
+  const char* k0 = static_cast<const char*>(p.k) + hk0 * p.k_head_stride * esize;
+  const char* v0 = static_cast<const char*>(p.v) + hk0 * p.v_head_stride * esize;
+  const int row_bytes_k = int(std::min<int64_t>((hb - 1) * p.k_head_stride + d, int64_t(hb) * d) * esize);
+  const int row_bytes_v = int(std::min<int64_t>((hb - 1) * p.v_head_stride + dv, int64_t(hb) * dv) * esize);
 
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
@@ -487,17 +500,35 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
     // hardware's stream prefetcher follows sequential reads, not the per-head slices the
     // products below walk (one page per key).
     for (int r = 0; r < nc; ++r) {
-      touch_lines(k0 + koff[r], row_bytes_k);
-      touch_lines(v0 + voff[r], row_bytes_v);
+      touch_lines(k0 + koff[r] * esize, row_bytes_k);
+      touch_lines(v0 + voff[r] * esize, row_bytes_v);
     }
     for (int x = 0; x < hb; ++x) {
       const int hk = hk0 + x;
       A *Ox = O + int64_t(x) * M * ldv, *mx = m + x * M, *lx = l + x * M;
-      const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
-      const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
+      // Where this head's rows lie: in the cache (koff, voff), or, for 8-bit caches,
+      // dequantised into Kq and Vstage, rows equally spaced.
+      const T* k = quant ? Kq : static_cast<const T*>(p.k) + hk * p.k_head_stride;
+      const T* v = quant ? Vstage : static_cast<const T*>(p.v) + hk * p.v_head_stride;
+      int64_t staged_k[kBc], staged_v[kBc];
+      const int64_t *ko = koff, *vo = voff;
+      bool vsp = v_spaced;
+      int64_t vst = vs;
+      if (quant) {
+        dequant_rows(p, s, b, hk, false, j0, nc, d, Kq);
+        dequant_rows(p, s, b, hk, true, j0, nc, dv, Vstage);
+        for (int r = 0; r < nc; ++r) {
+          staged_k[r] = int64_t(r) * d;
+          staged_v[r] = int64_t(r) * dv;
+        }
+        ko = staged_k;
+        vo = staged_v;
+        vsp = true;
+        vst = dv;
+      }
       const T* krow[kBc];
       const A* Krow[kBc];
-      for (int r = 0; r < nc; ++r) krow[r] = k + koff[r];
+      for (int r = 0; r < nc; ++r) krow[r] = k + ko[r];
       if constexpr (std::is_same_v<T, A> || pairs) {
         if constexpr (std::is_same_v<T, A>)
           for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
@@ -506,15 +537,15 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         for (int r = 0; r < nc; ++r) Krow[r] = Kbuf + int64_t(r) * d;
       }
       const T* vrow[kBc];
-      for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
+      for (int r = 0; r < nc; ++r) vrow[r] = v + vo[r];
       // AVX-512 multiplies P by V's rows where they lie (pv_tile); elsewhere V is read in
       // place when it is float and equally spaced, else converted into Vbuf for the GEMM.
       const A* Vj = Vbuf;
       int64_t ldvj = ldv;
       if constexpr (!kPvInPlace<T>) {
-        if (std::is_same_v<T, A> && v_spaced && dv == ldv) {
-          Vj = reinterpret_cast<const A*>(v + voff[0]);
-          ldvj = vs;
+        if (std::is_same_v<T, A> && vsp && dv == ldv) {
+          Vj = reinterpret_cast<const A*>(v + vo[0]);
+          ldvj = vst;
         } else {
           load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
         }
@@ -542,11 +573,11 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       // The strong zero (rare: a tile with excluded pairs and a NaN or Inf in V) reads V's
       // rows equally spaced: gathered first when they are not.
       const bool may_zero = tile_may_zero(p, s, 0, sq, j0, nc);
-      const T* vj = v + voff[0];
-      int64_t vstride = vs;
-      if (may_zero && !v_spaced) {
+      const T* vj = v + vo[0];
+      int64_t vstride = vst;
+      if (may_zero && !vsp) {
         for (int r = 0; r < nc; ++r)
-          std::memcpy(Vstage + int64_t(r) * dv, v + voff[r], size_t(dv) * sizeof(T));
+          std::memcpy(Vstage + int64_t(r) * dv, v + vo[r], size_t(dv) * sizeof(T));
         vj = Vstage;
         vstride = dv;
       }

@@ -14,6 +14,7 @@ namespace fmha::cpu {
   double fma_peak_gflops(int threads);      \
   double read_bandwidth_gbs(int threads, int64_t bytes); \
   void exp_array(const float* x, float* y, int64_t n); \
+  void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n); \
   }
 FMHA_DECLARE_ISA(scalar)
 FMHA_DECLARE_ISA(avx2)

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/dequant.h"
 #include "cpu/simd.h"
 #include "fmha/threads.h"
 
@@ -79,6 +80,11 @@ void exp_array(const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kW <= n; i += kW) vexp(VecF::load(x + i)).store(y + i);
   for (; i < n; ++i) y[i] = exp_approx(x[i]);
+}
+
+void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 1024)
+    decode_codes(KvCode(code), x + i, int(std::min<int64_t>(1024, n - i)), y + i);
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

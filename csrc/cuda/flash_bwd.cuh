@@ -327,18 +327,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 
   // The block-sparse mask (params.h): steps whose tile (query block, this key block) it
   // leaves empty are neither loaded nor computed. next_step(x): the first step from x on
-  // that is not (every step without the mask).
-  auto next_step = [&](int x) {
-    if (kExtras)
+  // that is not (x itself without the mask) -- or the empty step just before it, so that
+  // steps taken alternate in parity and step % kStages stays the stage: a counter of steps
+  // taken, kept through the loop, cost the kernels at ptxas's register cap a spill. (An
+  // empty step taken adds exact zeros.)
+  // (Batch, heads and keys are re-read from blockIdx and the params, for the same reason.)
+  static_assert(Cfg::kStages == 2, "steps taken alternate between two stages");
+  auto next_step = [&](int x, int after) {
+    if (kExtras && p.block_mask.index) {
+      const int bz = int(blockIdx.z), q_head0 = int(blockIdx.y) * (p.heads_q / p.heads_kv);
+      const score::Seq sb = score::seq_of(p, bz);
       while (x < steps &&
-             score::tile_skipped(p, s, b, h_kv * group + x / blocks_per_head,
+             score::tile_skipped(p, sb, bz, q_head0 + x / blocks_per_head,
                                  (m_begin + x % blocks_per_head) * Cfg::kBlockM, Cfg::kBlockM,
-                                 n0, Cfg::kBlockN))
+                                 int(blockIdx.x / Cfg::kSplits) * Cfg::kBlockN, Cfg::kBlockN))
         ++x;
+      if (after >= 0 && x < steps && (x - after) % 2 == 0) --x;
+    }
     return x;
   };
-  const int first = next_step(0);
-  if (first < steps) load_step(first, 0);
+  const int first = next_step(0, -1);
+  if (first < steps) load_step(first, first % Cfg::kStages);
   cp_async_commit();
 
   const float scale_log2 = float(p.scale) * score::kLog2e;
@@ -347,15 +356,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // The strong zero: every step may hold a zero-weight pair when a mask, a bias or dropout
   // can make one; otherwise only window edges do.
   const bool zeros_anywhere = kExtras && score::zeros_anywhere(p);
-  bool k_nonfinite = false;  // this thread's chunks of Kj (dQ's B operand), checked once
+  // This thread's chunks of Kj (dQ's B operand), checked once, as soon as they landed.
+  bool k_nonfinite = false;
+  if (kAtomicDq) {
+    cp_async_wait<1>();  // all but the newest group (the first step): Kj, Vj
+    k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+                                             Cfg::kThreads>(sK, vec, tid);
+  }
 
-  // it counts the steps taken: the stage alternates over those (without the mask, it = step).
-  for (int step = first, it = 0; step < steps; ++it) {
-    const int stage = (kExtras ? it : step) % Cfg::kStages;
-    const int next = next_step(step + 1);
+  for (int step = first; step < steps;) {
+    const int stage = step % Cfg::kStages;
     // Prefetch the next step into the other stage; its last readers (the previous step)
-    // finished at the trailing __syncthreads of the previous iteration.
-    if (next < steps) load_step(next, (stage + 1) % Cfg::kStages);
+    // finished at the trailing __syncthreads of the previous iteration. (The next step is
+    // found again at the end: held through the body, it cost registers.)
+    if (const int next = next_step(step + 1, step); next < steps)
+      load_step(next, (stage + 1) % Cfg::kStages);
     cp_async_commit();
     cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
 
@@ -363,9 +378,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + stage * Cfg::kTileQ;
-    if (kAtomicDq && step == first)
-      k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
-                                               Cfg::kThreads>(sK, vec, tid);
     const bool may_zero =
         zeros_anywhere || !score::block_inside_window(s, p.window_left, p.window_right, m0,
                                                       m0 + Cfg::kBlockM - 1, n0,
@@ -532,7 +544,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     // Every warp is done with this stage (and dS^T) before the next prefetch overwrites it.
     __syncthreads();
-    step = next;
+    step = next_step(step + 1, step);
   }
   cp_async_wait<0>();  // Kj, Vj when there was no step; the trailing empty group otherwise
 

@@ -230,18 +230,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     n_end = min(n_end, n_begin + per);
   }
 
-  // The block-sparse mask (params.h): key blocks it leaves empty for this CTA's rows are
-  // neither loaded nor computed. next_live(n): the first block from n on that is not (n
-  // itself without the mask).
-  auto next_live = [&](int n) {
-    if (kExtras)
-      while (n < n_end && score::tile_skipped(p, seq, b, h, m0, Cfg::kBlockM, n * Cfg::kBlockN,
-                                              Cfg::kBlockN))
-        ++n;
-    return n;
-  };
-  n_begin = next_live(n_begin);
-
   // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16;
   // its O columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
   // (Constants without the column split: no registers or arithmetic for it.)
@@ -281,9 +269,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int n_edge = score::first_edge_block<Cfg::kBlockN>(
         seq, left, right, m0, n_end,
         kExtras && score::zeros_anywhere(p));
-    static_assert(Cfg::kPad * 2 >= sizeof(int), "n_edge fits a row's padding");
+    static_assert(Cfg::kPad * 2 >= 2 * sizeof(int), "n_edge and a count fit a row's padding");
     int* const n_edge_slot = reinterpret_cast<int*>(sQ + Cfg::kHeadDim);  // read after a barrier
     if (tid == 0) *n_edge_slot = n_edge;
+
+    // The block-sparse mask (params.h): the loop takes only the key blocks it leaves
+    // non-empty for this CTA's rows, listed here once -- offsets from n_begin, in the padding
+    // of Qi's rows 1.. -- and counted in row 0's. (Asked inside the loop, the mask cost the
+    // kernels at ptxas's register cap a spill.) More than the padding holds: every block.
+    constexpr int kListPerRow = Cfg::kPad * int(sizeof(T)) / int(sizeof(uint16_t));
+    constexpr int kListMax = (Cfg::kBlockM - 1) * kListPerRow;
+    auto list_entry = [&](int k) {
+      return reinterpret_cast<uint16_t*>(sQ + (1 + k / kListPerRow) * Cfg::kStride +
+                                         Cfg::kHeadDim) + k % kListPerRow;
+    };
+    int n_count = n_end - n_begin;  // blocks the loop takes
+    bool listed = false;            // they are list_entry's, not n_begin, n_begin + 1, ...
+    if (kExtras && p.block_mask.index) {
+      if (tid == 0) {
+        int count = 0;
+        for (int n = n_begin; n < n_end && count <= kListMax; ++n)
+          if (!score::tile_skipped(p, seq, b, h, m0, Cfg::kBlockM, n * Cfg::kBlockN,
+                                   Cfg::kBlockN)) {
+            if (count < kListMax) *list_entry(count) = uint16_t(n - n_begin);
+            ++count;
+          }
+        n_edge_slot[1] = count <= kListMax ? count : -1;
+      }
+      __syncthreads();
+      if (n_edge_slot[1] >= 0) {
+        listed = true;
+        n_count = n_edge_slot[1];
+      }
+    }
+    auto block_at = [&](int k) { return n_begin + (listed ? int(*list_entry(k)) : k); };
 
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
@@ -297,7 +316,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, launch.vec,
                                                   tid);
     cp_async_commit();
-    load_kv(n_begin, 0);
+    if (n_count > 0) load_kv(block_at(0), 0);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's part of Qi landed (Kj may still be in flight)
     // Every thread's part of Qi is in shared memory before any warp reads its rows.
@@ -313,16 +332,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) ldmatrix<4>(q_frag[kk], sQ_warp + kk * 16);
     }
 
-    // it counts the blocks taken: the stage alternates over those (without the mask,
-    // it = n_block - n_begin).
-    for (int n_block = n_begin, it = 0; n_block < n_end; ++it) {
-      const int stage = (kExtras ? it : n_block - n_begin) % Cfg::kStages;
-      const int n_next = next_live(n_block + 1);
+    for (int k = 0; k < n_count; ++k) {
+      const int stage = k % Cfg::kStages;
       // Prefetch the next block into the other stage; its last readers (the previous block)
       // finished at the trailing __syncthreads of the previous iteration.
-      if (n_next < n_end) load_kv(n_next, (stage + 1) % Cfg::kStages);
+      if (k + 1 < n_count) load_kv(block_at(k + 1), (stage + 1) % Cfg::kStages);
       cp_async_commit();
-      cp_async_wait<1>();  // all but the newest group (block n+1) retired: block n landed
+      cp_async_wait<1>();  // all but the newest group (the next block) retired: this one landed
+      const int n_block = block_at(k);
       const T* tK = sK + stage * Cfg::kTileKV;
       T* tV = sV + stage * Cfg::kTileKV;
       const int n0 = n_block * Cfg::kBlockN;
@@ -465,10 +482,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           mma_pair<T>(acc_o[j], acc_o[j + 1], p_frag, v4);
         }
       }
-      // Every warp is done reading this stage before the next iteration's prefetch (of
-      // the block after n_next) overwrites it.
+      // Every warp is done reading this stage before the next iteration's prefetch (of the
+      // block after next) overwrites it.
       __syncthreads();
-      n_block = n_next;
     }
     cp_async_wait<0>();  // retire the trailing empty group
   }

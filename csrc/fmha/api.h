@@ -35,6 +35,9 @@ double cpu_fma_peak_gflops(int threads);
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes);
 // y = exp(x) as the active ISA's softmax computes it (for accuracy tests).
 void cpu_exp(const float* x, float* y, int64_t n);
+// y = the values of the one-byte codes x of an 8-bit cache (code: fmha::KvCode 1..3), as the
+// CPU kernels' dequantisation computes them (for the exhaustive test of the conversions).
+void cpu_decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n);
 void cpu_backward(const BwdParams& p);
 // What a CPU call would take on one thread, in nanoseconds (`passes` times the forward's
 // work; the backward is about 2): an estimate for the thread pool, which uses it to decide

@@ -38,10 +38,11 @@ struct IsaKernels {
   double (*fma_peak_gflops)(int);
   double (*read_bandwidth_gbs)(int, int64_t);
   void (*exp_array)(const float*, float*, int64_t);
+  void (*decode_kv_codes)(int, const uint8_t*, float*, int64_t);
 };
 #define FMHA_ISA_KERNELS(ns) \
   IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, \
-               cpu::ns::read_bandwidth_gbs, cpu::ns::exp_array }
+               cpu::ns::read_bandwidth_gbs, cpu::ns::exp_array, cpu::ns::decode_kv_codes }
 
 // The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
 // the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
@@ -308,6 +309,9 @@ double cpu_read_bandwidth_gbs(int threads, int64_t bytes) {
 }
 
 void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x, y, n); }
+void cpu_decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n) {
+  active_kernels().decode_kv_codes(code, x, y, n);
+}
 
 void cpu_backward(const BwdParams& p) {
   check_params(p, Backend::kCpu);

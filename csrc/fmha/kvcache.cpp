@@ -4,6 +4,8 @@
 #include <vector>
 
 #include "fmha/error.h"
+#include "fmha/kvquant.h"
+#include "fmha/numeric.h"
 #include "fmha/score.h"
 
 namespace fmha {
@@ -75,8 +77,60 @@ void check_kvcache_host(const FwdParams& p) {
   }
 }
 
+namespace {
+
+float element_as_float(const void* base, int64_t i, DType t) {
+  switch (t) {
+    case DType::kFloat64: return float(static_cast<const double*>(base)[i]);
+    case DType::kFloat32: return static_cast<const float*>(base)[i];
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat16: return f16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0.0f;
+}
+
+// One new row (dim elements of the inputs' dtype at src) into cache row j of sequence b, kv
+// head h of an 8-bit cache: codes at dst, and with dynamic scales the row's scale first
+// (max |x| over its finite entries / qmax; fmha/kvquant.h).
+void append_quantized_row(const FwdParams& p, const void* src, uint8_t* dst, float* scales,
+                          int b, int j, int h, int dim) {
+  float x[1024];  // head_dim <= 1024 with 8-bit caches (the Python layer's limit)
+  float top = 0.0f;
+  for (int t = 0; t < dim; ++t) {
+    x[t] = element_as_float(src, t, p.dtype);
+    if (std::isfinite(x[t]) && std::fabs(x[t]) > top) top = std::fabs(x[t]);
+  }
+  float& scale = scales[kvq::scale_offset(p, b, j, h)];
+  if (p.scale_row_stride != 0) scale = kvq::dynamic_scale(p.kv_code, top);
+  for (int t = 0; t < dim; ++t) dst[t] = kvq::encode(p.kv_code, x[t] / scale);
+}
+
+}  // namespace
+
 void append_kv(const FwdParams& p) {
   if (p.seqlen_new == 0 || p.heads_kv == 0) return;
+  if (p.kv_code != KvCode::kNone) {
+    uint8_t* k = static_cast<uint8_t*>(const_cast<void*>(p.k));
+    uint8_t* v = static_cast<uint8_t*>(const_cast<void*>(p.v));
+    const int64_t eb = element_bytes(p.dtype);
+    for (int b = 0; b < p.batch; ++b)
+      for (int t = 0; t < p.seqlen_new; ++t) {
+        const int j = p.cache_seqlens[b] + t;
+        const int64_t ko = score::cache_row_offset(p, b, p.k_batch_stride, p.k_row_stride, j);
+        const int64_t vo = score::cache_row_offset(p, b, p.v_batch_stride, p.v_row_stride, j);
+        for (int h = 0; h < p.heads_kv; ++h) {
+          append_quantized_row(p, static_cast<const char*>(p.k_new) +
+                                      (b * p.k_new_batch_stride + t * p.k_new_row_stride +
+                                       h * p.k_new_head_stride) * eb,
+                               k + ko + h * p.k_head_stride, p.k_scale, b, j, h, p.head_dim);
+          append_quantized_row(p, static_cast<const char*>(p.v_new) +
+                                      (b * p.v_new_batch_stride + t * p.v_new_row_stride +
+                                       h * p.v_new_head_stride) * eb,
+                               v + vo + h * p.v_head_stride, p.v_scale, b, j, h, p.head_dim_v);
+        }
+      }
+    return;
+  }
   const int64_t eb = element_bytes(p.dtype);
   char* k = static_cast<char*>(const_cast<void*>(p.k));
   char* v = static_cast<char*>(const_cast<void*>(p.v));

@@ -32,6 +32,9 @@ struct Broadcast4 {
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
 };
 
+// The one-byte encodings of 8-bit KV caches (fmha/kvquant.h, python/fmha/kvquant.py).
+enum class KvCode : int { kNone = 0, kInt8 = 1, kE4M3 = 2, kE5M2 = 3 };
+
 // A block-sparse mask (fmha.BlockMask, python/fmha/block_mask.py): the (seqlen_q, seqlen_k)
 // plane of each (batch, query head) cut into blocks of block_q rows x block_k keys, each
 // empty (no pair may attend), full (every pair may) or partial (its own element mask). The
@@ -129,6 +132,16 @@ struct FwdParams {
   const int32_t* block_table = nullptr;  // (batch, max_blocks), row stride block_table_stride
   int64_t block_table_stride = 0;
   int block_size = 0, num_blocks = 0;
+  // 8-bit caches (fmha/kvquant.h): with kv_code set, k and v hold one-byte codes (their
+  // strides count bytes) and element t of cache row j, kv head h is decode(code) * scale,
+  // scale = k_scale / v_scale[h * scale_head_stride + slot * scale_batch_stride + row *
+  // scale_row_stride] -- slot, row: the cache row's sequence (block) and row in it; both row
+  // strides 0 for static per-head scales. The append quantises k_new / v_new (and, with
+  // per-row scales, writes each row's scale first).
+  KvCode kv_code = KvCode::kNone;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+  int64_t scale_batch_stride = 0, scale_row_stride = 0, scale_head_stride = 0;
 
   int num_threads = 0;  // CPU: 0 = library default
   // CUDA forward: split the keys of each (query block, head) over this many CTAs and merge

@@ -170,16 +170,20 @@ FMHA_HD bool mask_allows(const Broadcast4& mask, int b, int h, int i, int j) {
 }
 
 // ---- block-sparse masks (params.h, BlockSparse): the entry of block (qb, kb) of (b, h).
+// (32-bit offsets: the bindings keep the index and the partial masks under 2^31 elements,
+// and the kernels call these per element, at their register limit.)
 FMHA_HD int32_t block_entry(const BlockSparse& m, int b, int h, int qb, int kb) {
-  return m.index[b * m.batch_stride + h * m.head_stride + int64_t(qb) * m.k_blocks + kb];
+  return m.index[int(b * m.batch_stride + h * m.head_stride) + qb * m.k_blocks + kb];
 }
 // Whether pair (i, j) of (b, h) may attend under the block mask (i, j inside the sequence).
 // An entry past the partial masks (the host checks host arrays; device ones are never read
 // there) reads as empty: no access leaves the buffers.
 FMHA_HD bool block_mask_allows(const BlockSparse& m, int b, int h, int i, int j) {
-  const int32_t e = block_entry(m, b, h, i / m.block_q, j / m.block_k);
+  const unsigned bq = unsigned(m.block_q), bk = unsigned(m.block_k);
+  const unsigned qb = unsigned(i) / bq, kb = unsigned(j) / bk;
+  const int32_t e = block_entry(m, b, h, int(qb), int(kb));
   if (e < 0 || e >= m.num_partial) return e == kBlockFull;
-  return m.partial[(int64_t(e) * m.block_q + i % m.block_q) * m.block_k + j % m.block_k] != 0;
+  return m.partial[(unsigned(e) * bq + (unsigned(i) - qb * bq)) * bk + (unsigned(j) - kb * bk)] != 0;
 }
 // What a kernel tile of rows [i0, i1] x keys [j0, j1] (inclusive, inside the sequence) meets:
 // only empty blocks (skip it), only full ones (no element test), or some partial or mixed

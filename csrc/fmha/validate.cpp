@@ -95,9 +95,16 @@ void check_params(const FwdParams& p, Backend backend) {
     if (p.block_table)
       FMHA_CHECK_ARG(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
                      "block_size: expected >= 1 dividing seqlen_k, got ", p.block_size);
+    if (p.kv_code != KvCode::kNone) {
+      FMHA_CHECK_ARG(p.k_scale && p.v_scale && p.head_dim <= 1024 && p.head_dim_v <= 1024,
+                     "8-bit caches: k_scale and v_scale are required, and head_dim <= 1024");
+      if (backend == Backend::kCuda)
+        throw Unsupported("k_cache: 8-bit caches run on the CPU kernels only in this version "
+                          "(the CUDA decode kernel reads 16-bit caches)");
+    }
   } else {
-    FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0,
-                   "block_table, seqlen_new: only with cache_seqlens");
+    FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0 && p.kv_code == KvCode::kNone,
+                   "block_table, seqlen_new, kv_code: only with cache_seqlens");
   }
   if (p.block_mask.index) {
     const BlockSparse& m = p.block_mask;

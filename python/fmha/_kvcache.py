@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core, _sinks
+from . import _core, _sinks, kvquant
 from ._core import get_num_threads
 from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
                         device_of, dtype_name, kind_of)
@@ -40,11 +40,82 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.detach().contiguous()
 
 
+#: Cache dtypes that hold 8-bit codes (fmha/kvquant.py), by dtype name.
+_QUANT_DTYPES = {"int8": "int8", "float8_e4m3fn": "float8_e4m3fn",
+                 "float8_e5m2": "float8_e5m2"}
+
+
+def _cache_format(k_cache, v_cache, cache_dtype):
+    """The 8-bit encoding of the caches (None for caches in q's dtype). NumPy float8 caches
+    are uint8 bytes with cache_dtype naming the encoding (or ml_dtypes' float8 arrays)."""
+    formats = []
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        dt = dtype_name(x)
+        fmt = _QUANT_DTYPES.get(dt)
+        if dt == "uint8":
+            if cache_dtype not in ("float8_e4m3fn", "float8_e5m2"):
+                raise TypeError(f"{name}: uint8 bytes need cache_dtype='float8_e4m3fn' or "
+                                f"'float8_e5m2' to say their encoding, got {cache_dtype!r}")
+            fmt = cache_dtype
+        elif cache_dtype is not None and fmt != cache_dtype:
+            raise TypeError(f"{name}: dtype {dt} does not hold cache_dtype={cache_dtype!r}")
+        formats.append(fmt)
+    if formats[0] != formats[1]:
+        raise TypeError(f"v_cache: encoding {formats[1] or dtype_name(v_cache)} differs from "
+                        f"k_cache's {formats[0] or dtype_name(k_cache)}")
+    return formats[0]
+
+
+def _check_scales(fmt, k_scale, v_scale, k_cache, kind, device, appending):
+    """k_scale / v_scale of a quantized cache: float32 of q's kind and device, (heads_kv,)
+    (static, positive and finite) or k_cache.shape[:-1] (dynamic, written at append time);
+    both of one granularity. Returns (k_scale, v_scale, dynamic)."""
+    if fmt is None:
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is not None:
+                raise ValueError(f"{name}: given for a {dtype_name(k_cache)} cache; scales "
+                                 "belong to 8-bit caches (int8, float8_e4m3fn, float8_e5m2)")
+        return None, None, False
+    heads = k_cache.shape[-2]
+    static, dynamic = (heads,), tuple(k_cache.shape[:-1])
+    shapes = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            raise ValueError(f"{name}: required with a {fmt} cache (float32 ({heads},) per "
+                             f"kv head, or {dynamic} per row and kv head)")
+        _check_array(name, x, kind, (1, 3))
+        if dtype_name(x) != "float32":
+            raise TypeError(f"{name}: expected float32, got {dtype_name(x)}")
+        if device_of(x) != device:
+            raise ValueError(f"{name}: on device {device_of(x)}, expected q's device {device}")
+        if tuple(x.shape) not in (static, dynamic):
+            raise ValueError(f"{name}: expected shape {static} (per kv head) or {dynamic} (per "
+                             f"row and kv head), got {tuple(x.shape)}")
+        shapes.append(tuple(x.shape))
+        if tuple(x.shape) == static and device == "cpu":
+            values = x.numpy() if kind == "torch" else np.asarray(x)
+            if not (np.isfinite(values).all() and (values > 0).all()):
+                raise ValueError(f"{name}: static scales must be finite and > 0, got "
+                                 f"{values.tolist()}")
+        if tuple(x.shape) == dynamic:
+            contiguous = (x.is_contiguous() if kind == "torch" else x.flags.c_contiguous)
+            if not contiguous:
+                raise ValueError(f"{name}: dynamic scales must be contiguous (they are written "
+                                 "in place)")
+            if appending and (x.requires_grad if kind == "torch" else not x.flags.writeable):
+                raise ValueError(f"{name}: dynamic scales are written at append time; pass a "
+                                 "writable array without grad")
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"v_scale: shape {shapes[1]} differs from k_scale's {shapes[0]} (give "
+                         "both per kv head or both per row)")
+    return k_scale, v_scale, shapes[0] == dynamic
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                            block_table=None, causal: bool = False, window=_NO_WINDOW,
                            scale: Optional[float] = None, softcap: float = 0.0,
                            alibi_slopes=None, return_lse: bool = False, num_splits: int = 0,
-                           sinks=None):
+                           sinks=None, k_scale=None, v_scale=None, cache_dtype=None):
     """Attention of new queries over a KV cache, appending new keys and values in place.
 
     q: (batch, seqlen_q, heads_q, head_dim), seqlen_q >= 1 (decode, speculative
@@ -78,6 +149,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     :func:`fmha.attention` (lse then includes them). Torch tensors and NumPy arrays on the CPU
     (float64/float32/bfloat16/float16), torch tensors on CUDA (float16/bfloat16, head_dim
     <= 256).
+
+    8-bit caches (fmha/kvquant.py; docs/semantics.md, "8-bit KV caches"): k_cache and
+    v_cache of one encoding -- torch.int8 / torch.float8_e4m3fn / torch.float8_e5m2; NumPy
+    int8, or uint8 bytes with ``cache_dtype="float8_e4m3fn"`` / ``"float8_e5m2"`` -- with
+    float32 scales ``k_scale``, ``v_scale``: (heads_kv,) per kv head (static, e.g. from
+    :func:`fmha.kvquant.calibrate_scales`) or k_cache.shape[:-1] per row and kv head
+    (dynamic: the append writes each new row's scale). New rows k, v come in q's dtype and
+    are quantised as they are appended; the kernels dequantise as they read (float32
+    softmax and accumulation).
     """
     kind = kind_of(q)
     if not kind:
@@ -90,11 +170,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     # The common call (every array of q's type, rank and dtype) costs a few attribute reads;
     # anything else takes the checks that word the error.
     qt, qd = type(q), q.dtype
+    fmt = None
     if not all(type(x) is qt and x.ndim == 4 and x.dtype == qd for _, x in arrays):
         dt = dtype_name(q)
         for name, x in arrays:
             _check_array(name, x, kind, (4,))
-            _check_float(name, x, None if name == "q" else dt)
+        fmt = _cache_format(k_cache, v_cache, cache_dtype)
+        for name, x in arrays:
+            if fmt is None or name not in ("k_cache", "v_cache"):
+                _check_float(name, x, None if name == "q" else dt)
+    elif cache_dtype is not None:
+        raise TypeError(f"k_cache: dtype {dtype_name(k_cache)} does not hold "
+                        f"cache_dtype={cache_dtype!r}")
     dt = dtype_name(q)
     if dt not in ("float64", "float32", "bfloat16", "float16"):
         _check_float("q", q)
@@ -115,6 +202,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if kind == "torch" and x.requires_grad:
             raise ValueError(f"{name}: requires grad; attention_with_kvcache writes the cache "
                              "in place and is forward-only (pass a tensor without grad)")
+    k_scale, v_scale, dynamic = _check_scales(fmt, k_scale, v_scale, k_cache, kind, device,
+                                              k is not None)
+    if fmt is not None and max(head_dim, head_dim_v) > 1024:
+        raise ValueError(f"k_cache: 8-bit caches take head_dim up to 1024, got "
+                         f"{max(head_dim, head_dim_v)}")
     cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch,
                                  q.device if kind == "torch" else "cpu")
     if block_table is not None:
@@ -155,8 +247,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             alibi_slopes = (a if a.ndim == 2 else a.unsqueeze(0)).expand(batch, heads_q)
         # DLPack capsules: torch.utils.dlpack.to_dlpack costs a tenth of Tensor.__dlpack__
         # (the checks it skips are made above; the caches are written through theirs).
+        if fmt is not None:  # the codes as bytes (DLPack need not know float8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         args = [None if x is None else to_dlpack(x) for x in
                 (q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table)]
+        scales = [None if x is None else to_dlpack(x) for x in (k_scale, v_scale)]
     else:
         q, k, v = (None if x is None else np.ascontiguousarray(x) for x in (q, k, v))
         out = np.empty(out_shape, dtype=q.dtype)
@@ -164,15 +259,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if alibi_slopes is not None:
             a = np.asarray(alibi_slopes, dtype=np.float64)
             alibi_slopes = np.broadcast_to(a if a.ndim == 2 else a[None], (batch, heads_q))
+        if fmt is not None:
+            k_cache, v_cache = kvquant.as_codes(k_cache), kvquant.as_codes(v_cache)
         args = [q, k_cache, v_cache, out, lse, k, v, cache_seqlens, block_table]
+        scales = [k_scale, v_scale]
     kw = dict(scale=scale, softcap=softcap, window_left=left, window_right=right,
               num_threads=get_num_threads())
     if num_splits:
         kw["num_splits"] = num_splits
+    if fmt is not None:
+        kw["kv_code"] = kvquant.CODES[fmt]
     if device != "cpu":
         import torch
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
-    _core._kernels.forward_kvcache(*args, alibi_slopes, **kw)
+    _core._kernels.forward_kvcache(*args, alibi_slopes, *scales, **kw)
     if sinks is not None:  # applied to the kernels' out and lse (fmha/_sinks.py)
         out, lse = (_sinks.apply_torch if kind == "torch" else _sinks.apply_numpy)(
             out, lse, sinks)

@@ -7,6 +7,7 @@
     python -m fmha.bench --e2e --out e2e.json           # ViT and a decode loop, fmha vs sdpa
     python -m fmha.bench --decode --out decode.json     # KV-cache decode vs read bandwidth
     python -m fmha.bench --distributed --out dist.json  # ring attention / Ulysses, P = 1, 2
+    python -m fmha.bench --sparse --out sparse.json     # BlockMask vs dense mask, SDPA, Flex
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
@@ -224,6 +225,9 @@ def main(argv=None):
                     help="KV-cache decode against the measured read bandwidth (see above)")
     ap.add_argument("--distributed", action="store_true",
                     help="ring attention and Ulysses on 1 and 2 processes (see above)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="block-sparse masks: fmha BlockMask vs the dense mask, torch SDPA and "
+                         "FlexAttention (fmha/bench_sparse.py)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
@@ -246,6 +250,13 @@ def main(argv=None):
         from . import bench_distributed
         bench_distributed.run((a.dtypes or "float32,bfloat16").split(","), a.out,
                               quick=a.quick)
+        return
+    if a.sparse:
+        from . import bench_sparse
+        bench_sparse.run((a.dtypes or "float32,bfloat16").split(","), a.passes.split(","),
+                         a.out, a.threads, quick=a.quick,
+                         cases=a.cases.split(",") if a.cases else None,
+                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else None)
         return
     if a.decode:
         from . import bench_decode

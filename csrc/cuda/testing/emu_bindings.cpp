@@ -373,9 +373,10 @@ void emu_forward(py::object q, py::object k, py::object v, py::object out, py::o
 // number of key splits over the capacity.
 int emu_forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::object out,
                         py::object lse, py::object k, py::object v, py::object cache_seqlens,
-                        py::object block_table, py::object alibi, py::kwargs kw) {
+                        py::object block_table, py::object alibi, py::object k_scale,
+                     py::object v_scale, py::kwargs kw) {
   const auto c = fmha::bind::kvcache_call(q, k_cache, v_cache, out, lse, k, v, cache_seqlens,
-                                          block_table, alibi, kw);
+                                          block_table, alibi, k_scale, v_scale, kw);
   int splits = 0;
   launch_emulated(c.p, [&](const fmha::FwdParams& p, void* s) {
     splits = fmha::gpu::launch_flash_decode(p, s);
