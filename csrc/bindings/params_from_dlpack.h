@@ -613,13 +613,16 @@ inline void expect_int32(const View& v, int ndim) {
 inline void import_kv_scales(KvCacheCall& c, const py::object& k_scale, const py::object& v_scale,
                              int64_t slots, int64_t rows) {
   FwdParams& p = c.p;
-  c.k_scale = import_opt("k_scale", k_scale, true, c.import_stream);
-  c.v_scale = import_opt("v_scale", v_scale, true, c.import_stream);
+  // Imported read-only: they are written only as per-row scales of appended rows (checked
+  // below), and read-only arrays serve every other call.
+  c.k_scale = import_opt("k_scale", k_scale, false, c.import_stream);
+  c.v_scale = import_opt("v_scale", v_scale, false, c.import_stream);
   if (p.kv_code == KvCode::kNone) {
     FMHA_CHECK_ARG(!c.k_scale && !c.v_scale, "k_scale, v_scale: only with 8-bit caches (kv_code)");
     return;
   }
-  FMHA_CHECK_ARG(c.k_scale && c.v_scale, "k_scale, v_scale: required with 8-bit caches");
+  FMHA_CHECK_ARG(c.k_scale, "k_scale: required with 8-bit caches");
+  FMHA_CHECK_ARG(c.v_scale, "v_scale: required with 8-bit caches");
   const View &ks = *c.k_scale, &vs = *c.v_scale;
   for (const View* t : {&ks, &vs}) {
     expect_device(*t, c.dev);
@@ -636,6 +639,11 @@ inline void import_kv_scales(KvCacheCall& c, const py::object& k_scale, const py
       FMHA_CHECK_ARG(t->stride(0) == ks.stride(0) && t->stride(1) == ks.stride(1) &&
                          t->stride(2) == ks.stride(2),
                      t->name, ": expected k_scale's strides");
+      for (int d = 0; d < 3; ++d)
+        FMHA_CHECK_ARG(t->stride(d) != 0 || t->size(d) == 1, t->name,
+                       ": per-row scales are written in place; a broadcast view cannot hold them");
+      FMHA_CHECK_ARG(!(p.seqlen_new > 0 && t->read_only), t->name,
+                     ": the array is read-only; the append writes the new rows' scales");
     } else {
       FMHA_CHECK_ARG(t->ndim == 1 && t->size(0) == p.heads_kv, t->name, ": expected (",
                      p.heads_kv, ") per kv head, like k_scale");
@@ -649,9 +657,13 @@ inline void import_kv_scales(KvCacheCall& c, const py::object& k_scale, const py
   }
   p.k_scale = static_cast<float*>(ks.data);
   p.v_scale = static_cast<float*>(vs.data);
+  FMHA_CHECK_ARG(!dynamic || ks.data != vs.data,
+                 "v_scale: the same array as k_scale; per-row scales need one array each");
   if (dynamic) {
+    // A zero row stride marks static scales (kvq::scale_offset): a one-row cache's, which
+    // only ever indexes row 0, gets 1.
     p.scale_batch_stride = ks.stride(0);
-    p.scale_row_stride = ks.stride(1);
+    p.scale_row_stride = ks.stride(1) != 0 ? ks.stride(1) : 1;
     p.scale_head_stride = ks.stride(2);
   } else {
     p.scale_batch_stride = p.scale_row_stride = 0;

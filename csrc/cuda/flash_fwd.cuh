@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     bool listed = false;            // they are list_entry's, not n_begin, n_begin + 1, ...
     if (kExtras && p.block_mask.index) {
       if (tid == 0) {
-        int count = 0;
+        // Offsets past 16 bits cannot be listed either: every block then.
+        int count = n_end - n_begin > 0xFFFF + 1 ? kListMax + 1 : 0;
         for (int n = n_begin; n < n_end && count <= kListMax; ++n)
           if (!score::tile_skipped(p, seq, b, h, m0, Cfg::kBlockM, n * Cfg::kBlockN,
                                    Cfg::kBlockN)) {
@@ -302,7 +303,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         n_count = n_edge_slot[1];
       }
     }
-    auto block_at = [&](int k) { return n_begin + (listed ? int(*list_entry(k)) : k); };
+    // The loop's k runs over [k_begin, k_end) and takes block block_at(k): without extras
+    // k is the block itself (the loop as it was before the mask, register for register).
+    const int k_begin = kExtras ? 0 : n_begin, k_end = kExtras ? n_count : n_end;
+    auto block_at = [&](int k) {
+      if constexpr (kExtras) return n_begin + (listed ? int(*list_entry(k)) : k);
+      return k;
+    };
 
     auto load_kv = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
@@ -316,7 +323,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, launch.vec,
                                                   tid);
     cp_async_commit();
-    if (n_count > 0) load_kv(block_at(0), 0);
+    if (k_begin < k_end) load_kv(block_at(k_begin), 0);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's part of Qi landed (Kj may still be in flight)
     // Every thread's part of Qi is in shared memory before any warp reads its rows.
@@ -332,11 +339,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) ldmatrix<4>(q_frag[kk], sQ_warp + kk * 16);
     }
 
-    for (int k = 0; k < n_count; ++k) {
-      const int stage = k % Cfg::kStages;
+    for (int k = k_begin; k < k_end; ++k) {
+      const int stage = (k - k_begin) % Cfg::kStages;
       // Prefetch the next block into the other stage; its last readers (the previous block)
       // finished at the trailing __syncthreads of the previous iteration.
-      if (k + 1 < n_count) load_kv(block_at(k + 1), (stage + 1) % Cfg::kStages);
+      if (k + 1 < k_end) load_kv(block_at(k + 1), (stage + 1) % Cfg::kStages);
       cp_async_commit();
       cp_async_wait<1>();  // all but the newest group (the next block) retired: this one landed
       const int n_block = block_at(k);

@@ -96,8 +96,10 @@ void check_params(const FwdParams& p, Backend backend) {
       FMHA_CHECK_ARG(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
                      "block_size: expected >= 1 dividing seqlen_k, got ", p.block_size);
     if (p.kv_code != KvCode::kNone) {
-      FMHA_CHECK_ARG(p.k_scale && p.v_scale && p.head_dim <= 1024 && p.head_dim_v <= 1024,
-                     "8-bit caches: k_scale and v_scale are required, and head_dim <= 1024");
+      FMHA_CHECK_ARG(p.k_scale && p.v_scale, "k_scale, v_scale: required with 8-bit caches");
+      FMHA_CHECK_ARG(p.head_dim <= 1024 && p.head_dim_v <= 1024,
+                     "head_dim, head_dim_v: 8-bit caches take up to 1024, got ", p.head_dim,
+                     " and ", p.head_dim_v);
       if (backend == Backend::kCuda)
         throw Unsupported("k_cache: 8-bit caches run on the CPU kernels only in this version "
                           "(the CUDA decode kernel reads 16-bit caches)");

@@ -93,7 +93,7 @@ def _check_scales(fmt, k_scale, v_scale, k_cache, kind, device, appending):
                              f"row and kv head), got {tuple(x.shape)}")
         shapes.append(tuple(x.shape))
         if tuple(x.shape) == static and device == "cpu":
-            values = x.numpy() if kind == "torch" else np.asarray(x)
+            values = x.detach().numpy() if kind == "torch" else np.asarray(x)
             if not (np.isfinite(values).all() and (values > 0).all()):
                 raise ValueError(f"{name}: static scales must be finite and > 0, got "
                                  f"{values.tolist()}")
@@ -108,6 +108,9 @@ def _check_scales(fmt, k_scale, v_scale, k_cache, kind, device, appending):
     if shapes[0] != shapes[1]:
         raise ValueError(f"v_scale: shape {shapes[1]} differs from k_scale's {shapes[0]} (give "
                          "both per kv head or both per row)")
+    if shapes[0] == dynamic and v_scale is k_scale:
+        raise ValueError("v_scale: the same array as k_scale; per-row scales need one array "
+                         "each")
     return k_scale, v_scale, shapes[0] == dynamic
 
 

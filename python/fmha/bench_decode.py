@@ -23,6 +23,16 @@ On a GPU (``python -m fmha.bench_cuda --decode``, float16/bfloat16) the same ent
 CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth measured in the
 same run: ``torch.sum`` over a float32 buffer of the same size as K+V, median of 20 (so a
 cache that fits the L2 cache is judged against the L2-fed read, as it should be).
+
+8-bit caches (``--kv-dtypes int8,float8_e4m3fn,float8_e5m2``; CPU only; default: none): for
+each listed encoding, one more entry per case and seqlen_q, ``kvcache-int8`` /
+``kvcache-fp8e4m3`` / ``kvcache-fp8e5m2``: attention_with_kvcache over a contiguous 8-bit
+cache with dynamic scales (per row and kv head, written by the kernel when the same K/V as
+the 16-bit rows were appended), queries in the row's dtype. Its bytes read are the codes plus
+the float32 scales (batch · seqlen_k · heads_kv · (head_dim + head_dim_v + 2 · 4)), judged
+against the read probe at that size; ``speedup_vs_16bit_cache`` is the time of the
+``kvcache`` entry (cache in the query's dtype) over the 8-bit entry's (= the ratio of
+tokens/s), ``tokens_per_s`` = batch · seqlen_q / time. The other entries' rows are unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +51,26 @@ DECODE_CASES = [
 QUICK_CASES = [("b2-hq8-hkv2-sk2048", 2, 8, 2, 2048, 64)]
 SEQLEN_Q = (1, 4)
 ENTRIES = ("kvcache", "kvcache-paged16", "kvcache-paged256", "attention", "torch_sdpa")
+#: The entry name of each 8-bit cache encoding's rows.
+KV8_ENTRIES = {"int8": "kvcache-int8", "float8_e4m3fn": "kvcache-fp8e4m3",
+               "float8_e5m2": "kvcache-fp8e5m2"}
+
+
+def _quantized_cache(kc, vc, fmt):
+    """An 8-bit contiguous cache (dynamic scales) holding kc, vc (batch, sk, heads_kv, d),
+    written by the kernel's append; returns (kc8, vc8, k_scale, v_scale)."""
+    import torch
+
+    from fmha.kvcache import attention_with_kvcache
+    b, sk, hkv, d = kc.shape
+    dt = getattr(torch, fmt)
+    kc8 = torch.zeros(b, sk, hkv, d, dtype=dt)
+    vc8 = torch.zeros(b, sk, hkv, vc.shape[-1], dtype=dt)
+    ks, vs = torch.zeros(b, sk, hkv), torch.zeros(b, sk, hkv)
+    q = torch.zeros(b, 1, hkv, d, dtype=kc.dtype)
+    with torch.no_grad():
+        attention_with_kvcache(q, kc8, vc8, kc, vc, cache_seqlens=0, k_scale=ks, v_scale=vs)
+    return kc8, vc8, ks, vs
 
 
 def _paged(cache, block_size, generator):
@@ -79,7 +109,7 @@ def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> floa
 
 
 def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
-        min_seconds: float = 0.5, device: str = "cpu") -> list:
+        min_seconds: float = 0.5, device: str = "cpu", kv_dtypes=()) -> list:
     import torch
 
     import fmha
@@ -92,6 +122,14 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
         torch.set_num_threads(threads)
     nthreads = torch.get_num_threads()
     cases = cases or DECODE_CASES
+    kv8 = [x for x in (kv_dtypes or ()) if x in KV8_ENTRIES]
+    unknown = [x for x in (kv_dtypes or ()) if x not in KV8_ENTRIES]
+    if unknown:
+        raise ValueError(f"kv_dtypes: expected 8-bit encodings among {', '.join(KV8_ENTRIES)}"
+                         f" (16-bit cache rows come from dtypes), got {', '.join(unknown)}")
+    if kv8 and on_gpu:
+        print("kv_dtypes: 8-bit caches run on the CPU only; their rows are skipped")
+        kv8 = []
     rows = []
     where = (f"GPU {torch.cuda.get_device_name(device)}" if on_gpu else
              f"CPU ISA {fmha.cpu_isa()} | threads {nthreads}")
@@ -121,6 +159,11 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
             kc, vc = kc.to(device), vc.to(device)
             bandwidth = (cuda_read_bandwidth_gbs(nbytes, device) if on_gpu else
                          fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes))
+            quantized = {fmt: _quantized_cache(kc, vc, fmt) for fmt in kv8}
+            if kv8:
+                kc8, _, ks8, _ = quantized[kv8[0]]
+                nbytes8 = 2 * kc8.numel() + 2 * ks8.numel() * 4
+                bandwidth8 = fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes8)
             for sq in SEQLEN_Q:
                 q = torch.randn(b, sq, hq, d, generator=g).to(dtype).to(device)
                 calls = {
@@ -152,8 +195,32 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     print(f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
                           f"{gbs:7.1f} {100 * gbs / bandwidth:5.0f}% "
                           f"{times['torch_sdpa'] / secs:7.2f}", flush=True)
+                for fmt in kv8:
+                    kc8, vc8, ks8, vs8 = quantized[fmt]
+                    with torch.no_grad():
+                        secs = timer(lambda: attention_with_kvcache(
+                            q, kc8, vc8, cache_seqlens=lens, causal=True, k_scale=ks8,
+                            v_scale=vs8))
+                    gbs = nbytes8 / secs / 1e9
+                    entry = KV8_ENTRIES[fmt]
+                    rows.append(dict(case=name, dtype=dtype_name, batch=b, heads_q=hq,
+                                     heads_kv=hkv, seqlen_k=sk, head_dim=d, seqlen_q=sq,
+                                     entry=entry, cache_dtype=fmt, scales="dynamic",
+                                     ms=secs * 1e3, gb_per_s=gbs, kv_bytes=nbytes8,
+                                     read_bandwidth_gb_per_s=bandwidth8,
+                                     fraction_of_bandwidth=gbs / bandwidth8,
+                                     ratio_vs_sdpa=times["torch_sdpa"] / secs,
+                                     speedup_vs_16bit_cache=times["kvcache"] / secs,
+                                     tokens_per_s=b * sq / secs))
+                    print(f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
+                          f"{gbs:7.1f} {100 * gbs / bandwidth8:5.0f}% "
+                          f"{times['torch_sdpa'] / secs:7.2f}  {times['kvcache'] / secs:.2f}x "
+                          f"the {dtype_name} cache", flush=True)
             print(f"{'':24s} {dtype_name:9s}    read bandwidth {bandwidth:.1f} GB/s "
                   f"({nbytes / 1e6:.0f} MB)")
+            if kv8:
+                print(f"{'':24s} {'8-bit':9s}    read bandwidth {bandwidth8:.1f} GB/s "
+                      f"({nbytes8 / 1e6:.0f} MB)")
     if out_path:
         meta = host_meta(torch, fmha, "fmha.bench_cuda" if on_gpu else "fmha.bench")
         if on_gpu:
