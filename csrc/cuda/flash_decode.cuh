@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       bool vis = key_in && r < rows && score::key_visible(seq, left, right, ri[r], j);
       if (key_in && r < rows && !vis) clean = false;
       float dcap;
-      float x = score::logit_log2(p, seq, s[r], b, rh[r], ri[r], j, slope[r], vis, dcap);
+      float x = score::logit_log2<false>(p, seq, s[r], b, rh[r], ri[r], j, slope[r], vis, dcap);
       x = vis ? x : -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(x));
       // Nothing seen yet (m_new = -inf): P = 0 and the state stays; exp2(-inf - -inf) is NaN.

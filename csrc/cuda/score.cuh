@@ -32,6 +32,9 @@ FMHA_DEVICE float bias_at(const Broadcast4& bias, int64_t index) {
 // (the window test) is narrowed by the boolean mask and a -inf bias; bias and mask are read only where it
 // holds, so rows and keys past the sequence never touch memory. dcap receives d softcap /
 // ds (1 without softcap) for the backward's chain rule.
+// kBlockSparse = false: a kernel that never sees a block-sparse mask (the decode kernel:
+// KV-cache calls refuse it) leaves its test out.
+template <bool kBlockSparse = true>
 FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b, int h, int i,
                              int j, float slope, bool& visible, float& dcap) {
   float x = acc * float(p.scale);
@@ -48,7 +51,8 @@ FMHA_DEVICE float logit_log2(const FwdParams& p, const Seq& s, float acc, int b,
   }
   x += alibi(slope, s, i, j);
   if (visible && p.mask.ptr) visible = mask_allows(p.mask, b, h, i, j);
-  if (visible && p.block_mask.index) visible = block_mask_allows(p.block_mask, b, h, i, j);
+  if (kBlockSparse && visible && p.block_mask.index)
+    visible = block_mask_allows(p.block_mask, b, h, i, j);
   return x * kLog2e;
 }
 
