@@ -145,6 +145,64 @@ def test_attention_over_8bit_caches(fmt, scales, paged, dtype):
         lens = lens + 3
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("scales", ["static", "dynamic"])
+@pytest.mark.parametrize("fmt", kvquant.FORMATS)
+def test_codes_are_read_exactly(fmt, scales, paged):
+    """With unit scales an 8-bit cache gives bitwise the out and lse of a cache in q's dtype
+    holding decode(code) (every code is exact in float32, bfloat16 and float16): the kernels
+    widen the codes in registers as they widen 16-bit rows, in the decode path (up to 4 query
+    rows per kv head; 8 widen them into a tile first) and the tiled one (20 rows x 2 heads). head_dim 44 leaves a tail after
+    every vector width. (bfloat16 on AVX512-BF16 CPUs: the decode path's products of a
+    bfloat16 cache are pair dot products, those of codes float FMAs; there the two agree to
+    float32 rounding.)"""
+    rng = np.random.default_rng(2)
+    kc, vc, ks, vs, table = make_cache(rng, fmt, scales, paged=paged, d=44)
+    ks, vs = torch.ones_like(ks), torch.ones_like(vs)
+    values = lambda c: torch.from_numpy(
+        kvquant.decode_table(fmt)[c.view(torch.uint8).numpy()].astype(np.float32))
+    lens = torch.tensor([30, 40], dtype=torch.int32)
+    pairs = fmha._C.cpu_isa() == "avx512bf16"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kt, vt = values(kc).to(dtype), values(vc).to(dtype)
+        assert torch.equal(kt.float(), values(kc)), "a code not exact in this dtype"
+        for sq in (1, 2, 4, 20):  # 2, 4, 8 rows per kv head read the codes in the products
+            q = torch.from_numpy(rng.standard_normal((2, sq, 4, 44)) * 0.5).to(dtype)
+            got = attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                         k_scale=ks, v_scale=vs, causal=True, return_lse=True)
+            want = attention_with_kvcache(q, kt, vt, cache_seqlens=lens, block_table=table,
+                                          causal=True, return_lse=True)
+            for g, w in zip(got, want):
+                if pairs and dtype == torch.bfloat16 and sq < 20:
+                    torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5)
+                else:
+                    assert torch.equal(g, w), (dtype, sq, (g.float() - w.float()).abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_nan_code_next_to_excluded_pairs(fmt):
+    """A NaN code in V (float8) reaches only the rows that see its key: the rows that the
+    causal mask keeps from it stay finite (the strong zero, docs/semantics.md), bitwise as
+    with a cache in q's dtype holding the same values, NaN included -- in the decode path
+    (4 query rows) and the tiled one (20 rows)."""
+    rng = np.random.default_rng(3)
+    kc, vc, ks, vs, table = make_cache(rng, fmt, "static", d=32)
+    ks, vs = torch.ones_like(ks), torch.ones_like(vs)
+    vc.view(torch.uint8)[1, 38, 0, 5] = 0x7F  # NaN in both encodings
+    values = lambda c: torch.from_numpy(
+        kvquant.decode_table(fmt)[c.view(torch.uint8).numpy()].astype(np.float32))
+    kt, vt = values(kc), values(vc)
+    lens = torch.tensor([30, 40], dtype=torch.int32)
+    for sq in (4, 20):
+        q = torch.from_numpy(rng.standard_normal((2, sq, 4, 32)) * 0.5).float()
+        got = attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=ks, v_scale=vs,
+                                     causal=True)
+        want = attention_with_kvcache(q, kt, vt, cache_seqlens=lens, causal=True)
+        # query i of sequence 1 sees keys <= 40 - sq + i: key 38 from i = sq - 2 on
+        assert torch.isfinite(got[1, :sq - 2]).all() and torch.isnan(got[1, sq - 2:, :2]).any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_numpy_caches_and_ml_dtypes_names():
     """NumPy: int8 caches, and float8 caches as uint8 bytes named by cache_dtype."""
     rng = np.random.default_rng(2)

@@ -102,15 +102,17 @@ void forward_task(const FwdParams& p, int64_t task) {
   // bfloat16 for P V (as on a GPU); everything accumulates in float.
   constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
   if constexpr (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
+  const bool quant = p.kv_code != KvCode::kNone;
+  A kscale[kBc], vscale[kBc];  // 8-bit caches: each key's factors (dequant.h)
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
     if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
     int64_t ks = d, vs = dv;  // row strides of kj, vj
     const T* kj = Kstage;
     const T* vj = Vstage;
-    if (p.kv_code != KvCode::kNone) {  // 8-bit caches: the tile's rows dequantised
-      dequant_rows(p, s, b, hk, false, j0, nc, d, Kstage);
-      dequant_rows(p, s, b, hk, true, j0, nc, dv, Vstage);
+    if (quant) {  // 8-bit caches: the codes' values staged in T, scaled per key below
+      decode_rows(p, s, b, hk, false, j0, nc, d, Kstage, d);
+      decode_rows(p, s, b, hk, true, j0, nc, dv, Vstage, dv);
     } else {
       kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
       vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
@@ -128,17 +130,29 @@ void forward_task(const FwdParams& p, int64_t task) {
       Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
       gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ
     }
-    scale_rows(ST, nc, nrp, kBr, A(p.scale));
+    if (quant) {  // Sᵀ's row c times scale * k_scale of key c
+      key_scales(p, b, hk, false, j0, nc, kscale);
+      scale_each_row(ST, nc, nrp, kBr, kscale);
+    } else {
+      scale_rows(ST, nc, nrp, kBr, A(p.scale));
+    }
     finish_scores(p, s, b, h, i0, nr, j0, nc, ST, 1, kBr, static_cast<A*>(nullptr));
     online_softmax_T(ST, kBr, nc, nrp, m, l, alpha);  // Sᵀ becomes Pᵀ (unnormalised)
     if (p.dropout_p > 0)  // after the normaliser l, which counts dropped entries too
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)
       if (alpha[r] != A(1)) scale_rows(O + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
-    if (tile_may_zero(p, s, i0, nr, j0, nc) && has_nonfinite(vj, vs, nc, dv)) {
-      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, [&](int r, int c) {
-        return pair_excluded(p, s, b, h, i0 + r, j0 + c, true);
-      });  // O += P V
+    const bool may_zero = tile_may_zero(p, s, i0, nr, j0, nc);
+    if (quant) key_scales(p, b, hk, true, j0, nc, vscale);
+    auto excluded = [&](int r, int c) { return pair_excluded(p, s, b, h, i0 + r, j0 + c, true); };
+    if (may_zero && quant && values_nonfinite(p, s, b, hk, j0, nc, vscale)) {
+      dequant_rows(p, s, b, hk, j0, nc, dv, vscale, Vbuf, ldv);
+      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, Vbuf, ldv, O, ldv, excluded);  // O += P V
+      continue;
+    }
+    if (quant) scale_each_row(ST, nc, nr, kBr, vscale);  // Pᵀ's row c times v_scale of key c
+    if (may_zero && !quant && has_nonfinite(vj, vs, nc, dv)) {
+      gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, excluded);  // O += P V
     } else if constexpr (pairs) {
       pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
       gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
@@ -199,18 +213,21 @@ inline void touch_lines(const T* src, int bytes) {
 }
 
 // One score of dot_tile: Σ_t q[t] k[t], vectors along head_dim, then the scalar tail.
-inline float dot_row(const float* q, const float* k, int d, VecF acc) {
+template <typename KT>
+inline float dot_row(const float* q, const KT* k, int d, VecF acc) {
   float x = hsum(acc);
-  for (int t = d / kW * kW; t < d; ++t) x += q[t] * k[t];
+  // An explicit FMA: the same operation whatever K's type, not the compiler's choice.
+  for (int t = d / kW * kW; t < d; ++t) x = std::fma(q[t], load_one(k + t), x);
   return x;
 }
 
 // Scores of RB query rows against four keys: RB x 4 independent FMA chains, each row's and
 // each key's vectors loaded once per step (an FMA per half a load), reduced four at a time.
 // Every score is the same chain (t ascending) then the same reduction, whatever RB is.
+// K's elements are floats or 8-bit codes (dequant.h), widened as they are loaded.
 constexpr int kDotRows = kW == 16 ? 4 : 2;  // AVX-512's 32 registers hold 4 x 4 chains
-template <int RB>
-inline void dot_block(const float* Q, int64_t ldq, const float* const* k, int d, float* S,
+template <int RB, typename KT>
+inline void dot_block(const float* Q, int64_t ldq, const KT* const* k, int d, float* S,
                       int64_t ld) {
   const int dv = d / kW * kW;
   VecF acc[RB][4];
@@ -218,7 +235,7 @@ inline void dot_block(const float* Q, int64_t ldq, const float* const* k, int d,
     for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
   for (int t = 0; t < dv; t += kW) {
     VecF kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = VecF::load(k[j] + t);
+    for (int j = 0; j < 4; ++j) kv[j] = load_vec(k[j] + t);
     for (int r = 0; r < RB; ++r) {
       const VecF x = VecF::load(Q + r * ldq + t);
       for (int j = 0; j < 4; ++j) acc[r][j] = fma(x, kv[j], acc[r][j]);
@@ -229,7 +246,7 @@ inline void dot_block(const float* Q, int64_t ldq, const float* const* k, int d,
     hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
     const float* q = Q + r * ldq;
     for (int t = dv; t < d; ++t)
-      for (int j = 0; j < 4; ++j) out[j] += q[t] * k[j][t];
+      for (int j = 0; j < 4; ++j) out[j] = std::fma(q[t], load_one(k[j] + t), out[j]);
   }
 }
 
@@ -237,22 +254,23 @@ inline void dot_block(const float* Q, int64_t ldq, const float* const* k, int d,
 // by pointers (a paged cache's rows are read where they lie). Four keys at a time: four
 // independent FMA chains per query row hide the FMA latency that a single chain per score
 // would wait on (every score is still the same chain, summed in the same order).
-inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const float* const* K,
+template <typename KT>
+inline void dot_tile(int M, int nc, int d, const float* Q, int64_t ldq, const KT* const* K,
                      float* S, int64_t ld) {
   const int dv = d / kW * kW;
   int c = 0;
   for (; c + 4 <= nc; c += 4) {
-    const float* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
+    const KT* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
     int m = 0;
     for (; m + kDotRows <= M; m += kDotRows) dot_block<kDotRows>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
     for (; m < M; ++m) dot_block<1>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
   }
   for (; c < nc; ++c) {
-    const float* k = K[c];
+    const KT* k = K[c];
     for (int m = 0; m < M; ++m) {
       const float* q = Q + m * ldq;
       VecF acc = VecF::zero();
-      for (int t = 0; t < dv; t += kW) acc = fma(VecF::load(q + t), VecF::load(k + t), acc);
+      for (int t = 0; t < dv; t += kW) acc = fma(VecF::load(q + t), load_vec(k + t), acc);
       S[m * ld + c] = dot_row(q, k, d, acc);
     }
   }
@@ -443,7 +461,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kSmallRows * kBc) +
            Workspace::bytes<A>(int64_t(R) * ldv) + 2 * Workspace::bytes<A>(R) +
            Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv) +
-           Workspace::bytes<T>(int64_t(R) * d) + Workspace::bytes<T>(int64_t(kBc) * d));
+           Workspace::bytes<T>(int64_t(R) * d) + 2 * Workspace::bytes<A>(kBc));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -456,9 +474,10 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   // bfloat16 with AVX512-BF16: S from Q and K as they are, by pair dot products.
   constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
   T* Qt = ws.take<T>(int64_t(R) * d);  // the rows of Q in T, dense (pairs only)
-  // 8-bit caches: one kv head's rows of the tile, dequantised (K here, V in Vstage).
+  // 8-bit caches: the products read the codes; each key's factors (dequant.h).
   const bool quant = p.kv_code != KvCode::kNone;
-  T* Kq = ws.take<T>(int64_t(kBc) * d);
+  A* kscale = ws.take<A>(kBc);
+  A* vscale = ws.take<A>(kBc);
 
   for (int x = 0; x < hb; ++x)
     for (int g = 0; g < group; ++g) {
@@ -506,57 +525,49 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
     for (int x = 0; x < hb; ++x) {
       const int hk = hk0 + x;
       A *Ox = O + int64_t(x) * M * ldv, *mx = m + x * M, *lx = l + x * M;
-      // Where this head's rows lie: in the cache (koff, voff), or, for 8-bit caches,
-      // dequantised into Kq and Vstage, rows equally spaced.
-      const T* k = quant ? Kq : static_cast<const T*>(p.k) + hk * p.k_head_stride;
-      const T* v = quant ? Vstage : static_cast<const T*>(p.v) + hk * p.v_head_stride;
-      int64_t staged_k[kBc], staged_v[kBc];
-      const int64_t *ko = koff, *vo = voff;
-      bool vsp = v_spaced;
-      int64_t vst = vs;
-      if (quant) {
-        dequant_rows(p, s, b, hk, false, j0, nc, d, Kq);
-        dequant_rows(p, s, b, hk, true, j0, nc, dv, Vstage);
-        for (int r = 0; r < nc; ++r) {
-          staged_k[r] = int64_t(r) * d;
-          staged_v[r] = int64_t(r) * dv;
+      const A* Qx = Qr + int64_t(x) * M * ldq;
+      if (quant) {  // 8-bit caches: S from the codes, scaled per key (dequant.h)
+        key_scales(p, b, hk, false, j0, nc, kscale);
+        bool fused = false;
+        if constexpr (std::is_same_v<A, float>) {
+          fused = M <= kDotRows;  // each code is read once anyway: widened in the products
+          if (fused)
+            with_code(p.kv_code, [&](auto c) {
+              using C = decltype(c);
+              const C* kc[kBc];
+              const C* kh = static_cast<const C*>(p.k) + hk * p.k_head_stride;
+              for (int r = 0; r < nc; ++r) kc[r] = kh + koff[r];
+              dot_tile(M, nc, d, Qx, ldq, kc, S, kBc);
+            });
         }
-        ko = staged_k;
-        vo = staged_v;
-        vsp = true;
-        vst = dv;
-      }
-      const T* krow[kBc];
-      const A* Krow[kBc];
-      for (int r = 0; r < nc; ++r) krow[r] = k + ko[r];
-      if constexpr (std::is_same_v<T, A> || pairs) {
-        if constexpr (std::is_same_v<T, A>)
-          for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
+        if (!fused) {  // more rows: the codes widened once, into Kbuf
+          decode_rows(p, s, b, hk, false, j0, nc, d, Kbuf, d);
+          const A* kr[kBc];
+          for (int r = 0; r < nc; ++r) kr[r] = Kbuf + int64_t(r) * d;
+          dot_tile(M, nc, d, Qx, ldq, kr, S, kBc);
+        }
+        scale_columns(S, M, nc, kBc, kscale);
       } else {
-        load_row_ptrs(krow, nc, d, Kbuf, d);
-        for (int r = 0; r < nc; ++r) Krow[r] = Kbuf + int64_t(r) * d;
-      }
-      const T* vrow[kBc];
-      for (int r = 0; r < nc; ++r) vrow[r] = v + vo[r];
-      // AVX-512 multiplies P by V's rows where they lie (pv_tile); elsewhere V is read in
-      // place when it is float and equally spaced, else converted into Vbuf for the GEMM.
-      const A* Vj = Vbuf;
-      int64_t ldvj = ldv;
-      if constexpr (!kPvInPlace<T>) {
-        if (std::is_same_v<T, A> && vsp && dv == ldv) {
-          Vj = reinterpret_cast<const A*>(v + vo[0]);
-          ldvj = vst;
-        } else {
-          load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
-        }
-      }
+        const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
+        const T* krow[kBc];
+        for (int r = 0; r < nc; ++r) krow[r] = k + koff[r];
 #if defined(__AVX512BF16__)
-      if constexpr (pairs)
-        dot_tile_bf16(M, nc, d, Qt + int64_t(x) * M * d, d, krow, S, kBc);
-      else
+        if constexpr (pairs) {
+          dot_tile_bf16(M, nc, d, Qt + int64_t(x) * M * d, d, krow, S, kBc);
+        } else
 #endif
-        dot_tile(M, nc, d, Qr + int64_t(x) * M * ldq, ldq, Krow, S, kBc);
-      scale_rows(S, M, nc, kBc, A(p.scale));
+        {
+          const A* Krow[kBc];
+          if constexpr (std::is_same_v<T, A>) {
+            for (int r = 0; r < nc; ++r) Krow[r] = krow[r];
+          } else {
+            load_row_ptrs(krow, nc, d, Kbuf, d);
+            for (int r = 0; r < nc; ++r) Krow[r] = Kbuf + int64_t(r) * d;
+          }
+          dot_tile(M, nc, d, Qx, ldq, Krow, S, kBc);
+        }
+        scale_rows(S, M, nc, kBc, A(p.scale));
+      }
       for (int g = 0; g < group; ++g)
         finish_scores(p, s, b, hk * group + g, 0, sq, j0, nc, S + int64_t(g) * sq * kBc, kBc, 1,
                       static_cast<A*>(nullptr));
@@ -570,25 +581,64 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         if (p.dropout_p > 0) dropout_row(p, b, hk * group + r / sq, r % sq, j0, nc, Sr);
         if (alpha[r] != A(1)) scale_rows(Ox + int64_t(r) * ldv, 1, dv, ldv, alpha[r]);
       }
-      // The strong zero (rare: a tile with excluded pairs and a NaN or Inf in V) reads V's
-      // rows equally spaced: gathered first when they are not.
+      // O += P V. The strong zero (rare: a tile with excluded pairs and a NaN or Inf in V)
+      // reads V's rows equally spaced: gathered first when they are not.
       const bool may_zero = tile_may_zero(p, s, 0, sq, j0, nc);
-      const T* vj = v + vo[0];
-      int64_t vstride = vst;
-      if (may_zero && !vsp) {
+      auto excluded = [&](int r, int c) {
+        return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
+      };
+      if (quant) {
+        key_scales(p, b, hk, true, j0, nc, vscale);
+        if (may_zero && values_nonfinite(p, s, b, hk, j0, nc, vscale)) {
+          dequant_rows(p, s, b, hk, j0, nc, dv, vscale, Vbuf, ldv);
+          gemm_strong_zero(M, dv, nc, S, kBc, 1, Vbuf, ldv, Ox, ldv, excluded);
+          continue;
+        }
+        scale_columns(S, M, nc, kBc, vscale);  // P's columns times v_scale: P V from codes
+        if constexpr (kPvInPlace<T>) {
+          if (M <= 4) {  // pv_block's rows: each code is read once, widened in the product
+            with_code(p.kv_code, [&](auto c) {
+              using C = decltype(c);
+              const C* vc[kBc];
+              const C* vh = static_cast<const C*>(p.v) + hk * p.v_head_stride;
+              for (int r = 0; r < nc; ++r) vc[r] = vh + voff[r];
+              pv_tile(M, nc, dv, S, kBc, vc, Ox, ldv);
+            });
+          } else {  // more rows: the codes widened once, into Vbuf
+            decode_rows(p, s, b, hk, true, j0, nc, dv, Vbuf, ldv);
+            const A* vr[kBc];
+            for (int r = 0; r < nc; ++r) vr[r] = Vbuf + int64_t(r) * ldv;
+            pv_tile(M, nc, dv, S, kBc, vr, Ox, ldv);
+          }
+        } else {
+          decode_rows(p, s, b, hk, true, j0, nc, dv, Vbuf, ldv);
+          gemm<true>(M, ldv, nc, S, kBc, 1, Vbuf, ldv, Ox, ldv);
+        }
+        continue;
+      }
+      const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
+      const T* vj = v + voff[0];
+      int64_t vstride = vs;
+      if (may_zero && !v_spaced) {
         for (int r = 0; r < nc; ++r)
-          std::memcpy(Vstage + int64_t(r) * dv, v + vo[r], size_t(dv) * sizeof(T));
+          std::memcpy(Vstage + int64_t(r) * dv, v + voff[r], size_t(dv) * sizeof(T));
         vj = Vstage;
         vstride = dv;
       }
-      if (may_zero && has_nonfinite(vj, vstride, nc, dv))
-        gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vstride, Ox, ldv, [&](int r, int c) {
-          return pair_excluded(p, s, b, hk * group + r / sq, r % sq, j0 + c, true);
-        });  // O += P V
-      else if constexpr (kPvInPlace<T>)
-        pv_tile(M, nc, dv, S, kBc, vrow, Ox, ldv);  // O += P V
-      else
-        gemm<true>(M, ldv, nc, S, kBc, 1, Vj, ldvj, Ox, ldv);  // O += P V
+      if (may_zero && has_nonfinite(vj, vstride, nc, dv)) {
+        gemm_strong_zero(M, dv, nc, S, kBc, 1, vj, vstride, Ox, ldv, excluded);
+      } else if constexpr (kPvInPlace<T>) {  // AVX-512: V's rows multiplied where they lie
+        const T* vrow[kBc];
+        for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
+        pv_tile(M, nc, dv, S, kBc, vrow, Ox, ldv);
+      } else if (std::is_same_v<T, A> && v_spaced && dv == ldv) {  // float, read in place
+        gemm<true>(M, ldv, nc, S, kBc, 1, reinterpret_cast<const A*>(vj), vs, Ox, ldv);
+      } else {  // converted into Vbuf for the GEMM
+        const T* vrow[kBc];
+        for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
+        load_row_ptrs(vrow, nc, dv, Vbuf, ldv);
+        gemm<true>(M, ldv, nc, S, kBc, 1, Vbuf, ldv, Ox, ldv);
+      }
     }
   }
 

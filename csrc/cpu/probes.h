@@ -83,8 +83,7 @@ void exp_array(const float* x, float* y, int64_t n) {
 }
 
 void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 1024)
-    decode_codes(KvCode(code), x + i, int(std::min<int64_t>(1024, n - i)), y + i);
+  with_code(KvCode(code), [&](auto c) { decode_codes<decltype(c)::kCode>(x, n, y); });
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

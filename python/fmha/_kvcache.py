@@ -159,8 +159,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     float32 scales ``k_scale``, ``v_scale``: (heads_kv,) per kv head (static, e.g. from
     :func:`fmha.kvquant.calibrate_scales`) or k_cache.shape[:-1] per row and kv head
     (dynamic: the append writes each new row's scale). New rows k, v come in q's dtype and
-    are quantised as they are appended; the kernels dequantise as they read (float32
-    softmax and accumulation).
+    are quantised as they are appended; the kernels read the codes as they read 16-bit rows
+    and apply the scales per key (float32 softmax and accumulation).
     """
     kind = kind_of(q)
     if not kind:
