@@ -353,18 +353,27 @@ inline __m512 load16(const f16_t* x, __mmask16 mask) {
 template <int MR, typename T>
 inline void pv_block(int nc, const float* P, int64_t ldp, const T* const* V, int n0,
                      const __mmask16* masks, float* O, int64_t ldo) {
+  // The loops over r and j are unrolled before GCC scalarises acc: left to later passes,
+  // acc stayed an array in memory and every FMA's result was also stored to the stack.
   __m512 acc[MR][4];
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_maskz_loadu_ps(masks[j], O + r * ldo + n0 + 16 * j);
   for (int c = 0; c < nc; ++c) {
     __m512 v[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) v[j] = load16(V[c] + n0 + 16 * j, masks[j]);
+#pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const __m512 pr = _mm512_set1_ps(P[r * ldp + c]);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(pr, v[j], acc[r][j]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(O + r * ldo + n0 + 16 * j, masks[j], acc[r][j]);
 }
 
