@@ -95,13 +95,13 @@ def dense(codes, scale, fmt, table, scales):
 @pytest.mark.parametrize("fmt", kvquant.FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_over_8bit_caches(fmt, scales, paged, dtype):
-    """Decode (2 queries, GQA) and a longer chunk (the tiled path) with new rows appended:
-    the appended codes and scales are fmha.kvquant's, and the output is the float64
-    reference's on the dequantised cache."""
+    """Decode (2 and 7 queries, GQA: the decode path) and 20 (the tiled path) with new rows
+    appended: the appended codes and scales are fmha.kvquant's, and the output is the
+    float64 reference's on the dequantised cache."""
     rng = np.random.default_rng(1)
     kc, vc, ks, vs, table = make_cache(rng, fmt, scales, paged=paged)
     lens = torch.tensor([17, 30], dtype=torch.int32)
-    for sq in (2, 7):
+    for sq in (2, 7, 20):  # 20 query rows x 2 per kv head: the tiled path
         q = torch.from_numpy(rng.standard_normal((2, sq, 4, 16)) * 0.3).to(dtype)
         kn, vn = (torch.from_numpy(rng.standard_normal((2, 3, 2, 16)) * 2).to(dtype)
                   for _ in range(2))
@@ -150,7 +150,7 @@ def test_attention_over_8bit_caches(fmt, scales, paged, dtype):
 @pytest.mark.parametrize("fmt", kvquant.FORMATS)
 def test_codes_are_read_exactly(fmt, scales, paged):
     """With unit scales an 8-bit cache gives bitwise the out and lse of a cache in q's dtype
-    holding decode(code) (every code is exact in float32, bfloat16 and float16): the kernels
+    holding decode(code) (every code is exact in every float dtype): the kernels
     widen the codes in registers as they widen 16-bit rows, in the decode path (up to 4 query
     rows per kv head; 8 widen them into a tile first) and the tiled one (20 rows x 2 heads). head_dim 44 leaves a tail after
     every vector width. (bfloat16 on AVX512-BF16 CPUs: the decode path's products of a
@@ -163,7 +163,7 @@ def test_codes_are_read_exactly(fmt, scales, paged):
         kvquant.decode_table(fmt)[c.view(torch.uint8).numpy()].astype(np.float32))
     lens = torch.tensor([30, 40], dtype=torch.int32)
     pairs = fmha._C.cpu_isa() == "avx512bf16"
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         kt, vt = values(kc).to(dtype), values(vc).to(dtype)
         assert torch.equal(kt.float(), values(kc)), "a code not exact in this dtype"
         for sq in (1, 2, 4, 20):  # 2, 4, 8 rows per kv head read the codes in the products
@@ -179,19 +179,31 @@ def test_codes_are_read_exactly(fmt, scales, paged):
                     assert torch.equal(g, w), (dtype, sq, (g.float() - w.float()).abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
-def test_nan_code_next_to_excluded_pairs(fmt):
-    """A NaN code in V (float8) reaches only the rows that see its key: the rows that the
-    causal mask keeps from it stay finite (the strong zero, docs/semantics.md), bitwise as
-    with a cache in q's dtype holding the same values, NaN included -- in the decode path
-    (4 query rows) and the tiled one (20 rows)."""
+@pytest.mark.parametrize("fmt,scales", [
+    ("float8_e4m3fn", "unit"), ("float8_e4m3fn", "static"), ("float8_e4m3fn", "dynamic"),
+    ("float8_e5m2", "unit"), ("float8_e5m2", "dynamic"), ("int8", "dynamic")])
+def test_nonfinite_value_next_to_excluded_pairs(fmt, scales):
+    """A value of V that is not finite -- a float8 NaN code, or (int8) a row whose v_scale,
+    1e37, overflows its values -- reaches only the rows that see its key: the rows that the
+    causal mask keeps from it stay finite (the strong zero, docs/semantics.md), as with a
+    float32 cache holding the values decode(code) * scale, NaN and Inf included: bitwise with
+    unit scales, to float32 rounding otherwise -- in the decode path (4 query rows) and the
+    tiled one (20 rows)."""
     rng = np.random.default_rng(3)
-    kc, vc, ks, vs, table = make_cache(rng, fmt, "static", d=32)
-    ks, vs = torch.ones_like(ks), torch.ones_like(vs)
-    vc.view(torch.uint8)[1, 38, 0, 5] = 0x7F  # NaN in both encodings
-    values = lambda c: torch.from_numpy(
-        kvquant.decode_table(fmt)[c.view(torch.uint8).numpy()].astype(np.float32))
-    kt, vt = values(kc), values(vc)
+    kc, vc, ks, vs, table = make_cache(rng, fmt, "dynamic" if scales == "dynamic" else "static",
+                                       d=32)
+    if scales == "unit":
+        ks, vs = torch.ones_like(ks), torch.ones_like(vs)
+    if fmt == "int8":
+        vs[1, 38, 0] = 1e37
+    else:
+        vc.view(torch.uint8)[1, 38, 0, 5] = 0x7F  # NaN in both float8 encodings
+    def values(c, s):
+        with np.errstate(over="ignore"):  # the int8 row scaled by 1e37
+            return torch.from_numpy(kvquant.decode_table(fmt)[c.view(torch.uint8).numpy()]
+                                    .astype(np.float32) * s.numpy()[..., None])
+    kt, vt = values(kc, ks), values(vc, vs)
+    assert not torch.isfinite(vt[1, 38, 0]).all()
     lens = torch.tensor([30, 40], dtype=torch.int32)
     for sq in (4, 20):
         q = torch.from_numpy(rng.standard_normal((2, sq, 4, 32)) * 0.5).float()
@@ -199,8 +211,10 @@ def test_nan_code_next_to_excluded_pairs(fmt):
                                      causal=True)
         want = attention_with_kvcache(q, kt, vt, cache_seqlens=lens, causal=True)
         # query i of sequence 1 sees keys <= 40 - sq + i: key 38 from i = sq - 2 on
-        assert torch.isfinite(got[1, :sq - 2]).all() and torch.isnan(got[1, sq - 2:, :2]).any()
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(got[1, :sq - 2]).all()
+        assert not torch.isfinite(got[1, sq - 2:, :2]).all()
+        tol = 0 if scales == "unit" else 1e-5
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
 
 
 def test_numpy_caches_and_ml_dtypes_names():

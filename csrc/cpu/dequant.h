@@ -123,8 +123,8 @@ inline const uint8_t* code_row(const FwdParams& p, const Seq& s, int b, int hk, 
 template <typename A>
 inline void key_scales(const FwdParams& p, int b, int hk, bool value, int j0, int n, A* out) {
   const float* scales = value ? p.v_scale : p.k_scale;
-  const float factor = value ? 1.0f : p.scale;
-  for (int r = 0; r < n; ++r) out[r] = A(factor * scales[kvq::scale_offset(p, b, j0 + r, hk)]);
+  const A factor = value ? A(1) : A(p.scale);  // as scale_rows applies it to a float cache's S
+  for (int r = 0; r < n; ++r) out[r] = factor * A(scales[kvq::scale_offset(p, b, j0 + r, hk)]);
 }
 
 // The probe behind _C.cpu_decode_kv_codes, and decode_rows: n codes widened by the
