@@ -105,7 +105,7 @@ def test_attention_over_8bit_caches(fmt, scales, paged, dtype):
         q = torch.from_numpy(rng.standard_normal((2, sq, 4, 16)) * 0.3).to(dtype)
         kn, vn = (torch.from_numpy(rng.standard_normal((2, 3, 2, 16)) * 2).to(dtype)
                   for _ in range(2))
-        kc0, ks0 = kc.clone(), ks.clone()
+        kc0 = kc.clone()
         out, lse = attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
                                           block_table=table, k_scale=ks, v_scale=vs,
                                           causal=True, return_lse=True)
