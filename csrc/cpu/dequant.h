@@ -117,6 +117,14 @@ inline const uint8_t* code_row(const FwdParams& p, const Seq& s, int b, int hk, 
                         value ? p.v_row_stride : p.k_row_stride, j);
 }
 
+// Pointers to n rows of kv head hk of an 8-bit cache, from their element offsets.
+template <typename C>
+inline void code_rows(const void* cache, int64_t head_stride, int hk, const int64_t* offsets,
+                      int n, const C** rows) {
+  const C* head = static_cast<const C*>(cache) + hk * head_stride;
+  for (int r = 0; r < n; ++r) rows[r] = head + offsets[r];
+}
+
 // The per-key factors of keys [j0, j0 + n) of kv head hk: for K, scale * k_scale (what the
 // key's dot product is multiplied by); for V, v_scale (what its probability is multiplied
 // by before P V).

@@ -542,10 +542,8 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
           fused = M <= kDotRows;  // each code is read once anyway: widened in the products
           if (fused)
             with_code(p.kv_code, [&](auto c) {
-              using C = decltype(c);
-              const C* kc[kBc];
-              const C* kh = static_cast<const C*>(p.k) + hk * p.k_head_stride;
-              for (int r = 0; r < nc; ++r) kc[r] = kh + koff[r];
+              const decltype(c)* kc[kBc];
+              code_rows(p.k, p.k_head_stride, hk, koff, nc, kc);
               dot_tile(M, nc, d, Qx, ldq, kc, S, kBc);
             });
         }
@@ -607,10 +605,8 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         if constexpr (kPvInPlace<T>) {
           if (M <= 4) {  // pv_block's rows: each code is read once, widened in the product
             with_code(p.kv_code, [&](auto c) {
-              using C = decltype(c);
-              const C* vc[kBc];
-              const C* vh = static_cast<const C*>(p.v) + hk * p.v_head_stride;
-              for (int r = 0; r < nc; ++r) vc[r] = vh + voff[r];
+              const decltype(c)* vc[kBc];
+              code_rows(p.v, p.v_head_stride, hk, voff, nc, vc);
               pv_tile(M, nc, dv, S, kBc, vc, Ox, ldv);
             });
           } else {  // more rows: the codes widened once, into Vbuf
