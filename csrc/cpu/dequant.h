@@ -1,12 +1,14 @@
 // 8-bit KV caches on the CPU (fmha/kvquant.h; docs/semantics.md, "8-bit KV caches").
 //
-// Every code's value decode(code) is exact in float32, bfloat16 and float16 alike, so the
-// kernels read codes as one more element type (Code<C>): widened to floats in registers by
-// the same products that read float or bfloat16 rows, never copied into a dequantised tile.
-// The scales are applied per key instead of per element: a key's score is multiplied by
-// scale * k_scale, its probability by v_scale before P V (`key_scales`). Only rare paths
-// stage rows: the strong zero (a NaN/Inf value next to an excluded pair) and the GEMM-shaped
-// tiles of long query chunks, which stage the codes' exact values in T.
+// Every code's value decode(code) is exact in every float type, so the kernels read codes
+// as one more element type (Code<C>), widened to floats in registers by the same products
+// that read float or bfloat16 rows; no dequantised copy of the cache exists. The scales are
+// applied per key instead of per element: a key's score is multiplied by scale * k_scale, its
+// probability by v_scale before P V (`key_scales`). A tile's codes are widened into a float
+// tile first only where that is cheaper or needed: more than 4 query rows per kv head (each
+// code would otherwise be widened once per 4 rows), V on levels without AVX-512 (the GEMM
+// reads float rows), the strong zero (a NaN/Inf value next to an excluded pair), and the
+// GEMM-shaped tiles of long query chunks, which stage the codes' exact values in T.
 #pragma once
 
 #include <cstdint>
