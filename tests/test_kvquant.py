@@ -17,8 +17,7 @@ from fmha.kvcache import attention_with_kvcache
 
 torch = pytest.importorskip("torch")
 
-TORCH_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn,
-                "float8_e5m2": torch.float8_e5m2}
+from kvquant_cases import TORCH_DTYPES, assert_appended, dense, make_cache  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
@@ -52,44 +51,6 @@ def test_kernels_decode_every_code(fmt):
     np.testing.assert_array_equal(y, kvquant.decode_table(fmt)[codes].astype(np.float32))
 
 
-def make_cache(rng, fmt, scales, *, b=2, cap=40, hkv=2, d=16, paged=False, block=8):
-    """An 8-bit cache (torch) filled by quantising random rows, with its scales: (k_codes,
-    v_codes, k_scale, v_scale, block_table or None)."""
-    shape = (b, cap, hkv, d)
-    k, v = (rng.standard_normal(shape).astype(np.float32) * 3 for _ in range(2))
-    if scales == "static":
-        ks = kvquant.calibrate_scales(k, fmt)
-        vs = kvquant.calibrate_scales(v, fmt)
-    else:
-        ks, vs = kvquant.dynamic_scales(k, fmt), kvquant.dynamic_scales(v, fmt)
-    kc, vc = kvquant.quantize(k, fmt, ks), kvquant.quantize(v, fmt, vs)
-    table = None
-    if paged:
-        nblk = b * cap // block
-        perm = rng.permutation(nblk)
-        table = perm.reshape(b, cap // block).astype(np.int32)
-        pool = lambda x: x.reshape((nblk, block) + x.shape[2:])[np.argsort(perm)]
-        kc, vc = pool(kc), pool(vc)
-        if scales == "dynamic":
-            ks, vs = pool(ks), pool(vs)
-    td = TORCH_DTYPES[fmt]
-    as_t = lambda c: torch.from_numpy(np.ascontiguousarray(c)).view(td)
-    return (as_t(kc), as_t(vc), torch.from_numpy(np.ascontiguousarray(ks)),
-            torch.from_numpy(np.ascontiguousarray(vs)),
-            None if table is None else torch.from_numpy(table))
-
-
-def dense(codes, scale, fmt, table, scales):
-    """The dequantised float64 cache (b, cap, hkv, d) of a (paged) 8-bit cache."""
-    c = codes.view(torch.uint8).numpy()
-    s = scale.numpy()
-    x = kvquant.dequantize(c, fmt, s)
-    if table is not None:
-        t = table.numpy()
-        x = x[t].reshape((t.shape[0], -1) + x.shape[2:])
-    return x
-
-
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("scales", ["static", "dynamic"])
 @pytest.mark.parametrize("fmt", kvquant.FORMATS)
@@ -109,28 +70,7 @@ def test_attention_over_8bit_caches(fmt, scales, paged, dtype):
         out, lse = attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
                                           block_table=table, k_scale=ks, v_scale=vs,
                                           causal=True, return_lse=True)
-        # The append: codes (and dynamic scales) of the new rows, nothing else changed.
-        x = kn.float().numpy()
-        if scales == "dynamic":
-            want_s = kvquant.dynamic_scales(x, fmt)
-            want_c = kvquant.quantize(x, fmt, want_s)
-        else:
-            want_c = kvquant.quantize(x, fmt, ks.numpy())
-        kd, kd0 = (c.view(torch.uint8).numpy() for c in (kc, kc0))
-        for bi in range(2):
-            rows = np.arange(int(lens[bi]), int(lens[bi]) + 3)
-            if table is None:
-                got_c, base = kd[bi, rows], kd0[bi].copy()
-                base[rows] = got_c
-                np.testing.assert_array_equal(base, kd[bi])
-            else:
-                t = table.numpy()[bi]
-                got_c = kd[t[rows // 8], rows % 8]
-            np.testing.assert_array_equal(got_c, kvquant.as_codes(want_c[bi]))
-            if scales == "dynamic":
-                s = ks.numpy()
-                got_s = s[bi, rows] if table is None else s[table.numpy()[bi][rows // 8], rows % 8]
-                np.testing.assert_array_equal(got_s, want_s[bi])
+        assert_appended(kc, kc0, ks, kn, fmt, scales, lens, table)
         n = lens.numpy() + 3
         kf, vf = dense(kc, ks, fmt, table, scales), dense(vc, vs, fmt, table, scales)
         for bi in range(2):

@@ -165,7 +165,8 @@ fi
 
 # ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
 run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench_cuda --out "$OUT/bench.json"
-run_phase decode 60 "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode --out "$OUT/decode.json"
+run_phase decode 90 "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode \
+  --kv-dtypes int8,float8_e4m3fn,float8_e5m2 --out "$OUT/decode.json"
 scripts="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
 if [[ -x "$scripts/fmha-bench" ]]; then
   run_phase fmha-bench 60 "$OUT/fmha-bench-cuda.txt" "$scripts/fmha-bench" --cuda --reps 10

@@ -60,9 +60,9 @@ int split_keys_for(const FwdParams& p) {
   return int(std::min<int64_t>(keys, INT32_MAX / 2));
 }
 
-template <typename T, int kHeadDim, int kRows>
+template <typename T, typename C, int kHeadDim, int kRows>
 void run_decode(const FwdParams& p, DecodeLaunch& launch, Stream stream) {
-  auto kernel = &flash_decode_kernel<T, kHeadDim, kRows>;
+  auto kernel = &flash_decode_kernel<T, C, kHeadDim, kRows>;
   constexpr int kSmem = decode_smem_floats<kHeadDim, kRows>() * int(sizeof(float));
   static_assert(kSmem <= 48 * 1024, "flash_decode_kernel: shared memory over 48 KiB");
   launch.row_blocks = (launch.rows + kRows - 1) / kRows;
@@ -70,7 +70,17 @@ void run_decode(const FwdParams& p, DecodeLaunch& launch, Stream stream) {
   FMHA_LAUNCH(kernel, grid, dim3(kDecodeThreads), kSmem, stream, p, launch);
 }
 
-template <typename T>
+// The head-dim tile of the decode kernels for caches of C: the call's tile for 16-bit
+// caches; for 8-bit ones the next of 64, 128, 256 (three tiles instead of five keep the
+// build small; a wider tile only pads the head dim).
+template <typename C>
+constexpr int decode_tile(int tile) {
+  if constexpr (!is_code8<C>) return tile;
+  return tile <= 64 ? 64 : tile <= 128 ? 128 : 256;
+}
+
+// One call on caches of element type C (T, or Code8 for 8-bit caches).
+template <typename T, typename C>
 int run(const FwdParams& p, int tile, Stream stream) {
   DecodeLaunch launch;
   launch.vec = flash_fwd_rows_aligned(p);
@@ -87,7 +97,7 @@ int run(const FwdParams& p, int tile, Stream stream) {
   FMHA_LAUNCH(kvcache_check_kernel, dim3(1), dim3(kDecodeThreads), 0, stream, p,
               refused.as<int>(), refusal_flag(), shared_check ? writer.as<int64_t>() : nullptr);
   if (p.seqlen_new > 0) {
-    auto append = &kvcache_append_kernel<T>;
+    auto append = &kvcache_append_kernel<T, C>;
     FMHA_LAUNCH(append, dim3(p.seqlen_new, p.heads_kv, p.batch), dim3(kDecodeThreads), 0,
                 stream, p, launch.refused);
   }
@@ -96,12 +106,12 @@ int run(const FwdParams& p, int tile, Stream stream) {
   launch.place_partials(p, scratch.as<float>());
   if (launch.rows == 0) return launch.num_splits;  // no query row: the append was all
   with_head_dim_tile(tile, [&](auto tile_c) {
-    constexpr int kTile = decltype(tile_c)::value;
+    constexpr int kTile = decode_tile<C>(decltype(tile_c)::value);
     // Eight rows per CTA hold 8 x kTile / 32 O accumulators per lane: at kTile = 256 that
     // spills on sm_80, so the widest tile takes four.
-    if constexpr (kTile > 128) run_decode<T, kTile, 4>(p, launch, stream);
-    else if (launch.rows <= 4) run_decode<T, kTile, 4>(p, launch, stream);
-    else run_decode<T, kTile, 8>(p, launch, stream);
+    if constexpr (kTile > 128) run_decode<T, C, kTile, 4>(p, launch, stream);
+    else if (launch.rows <= 4) run_decode<T, C, kTile, 4>(p, launch, stream);
+    else run_decode<T, C, kTile, 8>(p, launch, stream);
     if (launch.num_splits > 1) {
       auto combine = &flash_fwd_combine_kernel<T, kTile>;
       const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
@@ -112,6 +122,18 @@ int run(const FwdParams& p, int tile, Stream stream) {
   return launch.num_splits;
 }
 
+// The cache element type of the call: T, or the 8-bit format of kv_code.
+template <typename T>
+int run_caches(const FwdParams& p, int tile, Stream stream) {
+  switch (p.kv_code) {
+    case KvCode::kInt8: return run<T, Code8<KvCode::kInt8>>(p, tile, stream);
+    case KvCode::kE4M3: return run<T, Code8<KvCode::kE4M3>>(p, tile, stream);
+    case KvCode::kE5M2: return run<T, Code8<KvCode::kE5M2>>(p, tile, stream);
+    case KvCode::kNone: break;
+  }
+  return run<T, T>(p, tile, stream);
+}
+
 }  // namespace
 
 int launch_flash_decode(const FwdParams& p, void* stream_ptr) {
@@ -120,8 +142,8 @@ int launch_flash_decode(const FwdParams& p, void* stream_ptr) {
   const int tile = launch_tile(p, "launch_flash_decode");
   if (p.batch == 0 || p.heads_kv == 0) return 0;  // no sequence or no head: nothing to write
   const Stream stream = static_cast<Stream>(stream_ptr);
-  if (p.dtype == DType::kFloat16) return run<half_t>(p, tile, stream);
-  return run<bf16_t>(p, tile, stream);
+  if (p.dtype == DType::kFloat16) return run_caches<half_t>(p, tile, stream);
+  return run_caches<bf16_t>(p, tile, stream);
 }
 
 int kvcache_refusals(bool clear) {

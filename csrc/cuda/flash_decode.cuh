@@ -33,6 +33,13 @@
 //   - Splits write float32 partial O (normalised) and lse; the combine merges them by lse.
 //     Without splits the CTA writes out and lse itself.
 //
+// 8-bit caches (fmha/kvquant.h; docs/semantics.md, "8-bit KV caches") are the same kernels
+// with the cache element type C = Code8<format> instead of T: each lane widens the codes it
+// loads in registers (8 codes per 8-byte load of a K row), the key's k_scale multiplies its
+// S entries and its v_scale its P entries (after l took them), and the append quantises.
+// With unit scales an 8-bit cache gives bitwise the result of a 16-bit cache holding the
+// codes' values, as on the CPU.
+//
 // Prediction, unconfirmed (no GPU has run this kernel; cuda/NOTES.md): the loads are
 // independent across lanes and chunks and the CUDA-core FMAs per key row are 2 x rows x
 // head_dim, so for GQA groups up to 8 the kernel should stream the cache at a large fraction
@@ -46,6 +53,7 @@
 #include "cuda/flash_fwd.cuh"  // FwdLaunch and flash_fwd_combine_kernel
 #include "cuda/primitives.cuh"
 #include "cuda/score.cuh"
+#include "fmha/kvquant.h"
 
 namespace fmha {
 namespace gpu {
@@ -61,6 +69,46 @@ struct DecodeLaunch : FwdLaunch {
   int row_blocks = 1;   // blockIdx.x = split * row_blocks + row block
   const int* refused = nullptr;  // the call's refusal code (kvcache_check_kernel)
 };
+
+// One byte of an 8-bit cache in `format`: the kernels' element type for such caches.
+template <KvCode F>
+struct Code8 {
+  static constexpr KvCode kFormat = F;
+  uint8_t bits;
+};
+template <typename C>
+constexpr bool is_code8 = false;
+template <KvCode kFormat>
+constexpr bool is_code8<Code8<kFormat>> = true;
+
+// CTAs per SM that the register budget of the append and decode kernels assumes: none for
+// 16-bit caches (ptxas's own choice); three for 8-bit ones, i.e. up to 168 registers. Left
+// to itself ptxas gives some 8-bit kernels 32-96 registers and spills: it aims at an
+// occupancy that widening the codes does not fit in.
+template <typename C>
+constexpr int decode_min_ctas() {
+  return is_code8<C> ? 3 : 0;
+}
+
+// The value of a code, exact in float (fmha/kvquant.h's decode, without its branches):
+//   int8  the integer;  e5m2  the top byte of a half;
+//   e4m3  its sign and 7 magnitude bits placed in a float's sign, exponent and mantissa
+//         (bias 127, not 7), times 2^120 -- subnormal codes become float subnormals, which
+//         the multiply (no flush to zero in these builds) scales exactly; 0x7F is NaN.
+template <KvCode kFormat>
+FMHA_DEVICE float to_float(Code8<kFormat> x) {
+  const uint32_t c = x.bits;
+  if constexpr (kFormat == KvCode::kInt8) {
+    return float(int(int8_t(c)));
+  } else if constexpr (kFormat == KvCode::kE5M2) {
+    return to_float(from_bits<half_t>(uint16_t(c << 8)));
+  } else {
+    const uint32_t mag = c & 0x7Fu, bits = ((c & 0x80u) << 24) | (mag << 20);
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return mag == 0x7Fu ? NAN : v * 0x1p120f;
+  }
+}
 
 namespace decode_detail {
 
@@ -89,6 +137,23 @@ FMHA_DEVICE void load8(const T* row, int c, int n, bool vec, float (&x)[8]) {
   }
 }
 
+// The same for 8-bit codes: one 8-byte load when vec.
+struct __align__(8) Codes8 {
+  uint32_t w[2];
+};
+template <KvCode kFormat>
+FMHA_DEVICE void load8(const Code8<kFormat>* row, int c, int n, bool vec, float (&x)[8]) {
+  if (vec && c + 8 <= n) {
+    const Codes8 v = *reinterpret_cast<const Codes8*>(row + c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      x[e] = to_float(Code8<kFormat>{uint8_t(v.w[e / 4] >> (8 * (e % 4)))});
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = c + e < n ? to_float(row[c + e]) : 0.0f;
+  }
+}
+
 // x[0..kCols) = row[c0 .. c0 + kCols) as float, zero past n.
 template <typename T, int kCols>
 FMHA_DEVICE void load_cols(const T* row, int c0, int n, bool vec, float (&x)[kCols]) {
@@ -99,6 +164,65 @@ FMHA_DEVICE void load_cols(const T* row, int c0, int n, bool vec, float (&x)[kCo
     for (int e = 0; e < kCols; ++e) x[e] = c0 + e < n ? to_float(row[c0 + e]) : 0.0f;
   }
 }
+
+// kCols elements of a V row as loaded, widened to float when used: floats for 16-bit
+// caches (converted at the load), the codes themselves for 8-bit ones -- a quarter of the
+// registers for the rows the P V loop keeps in flight.
+template <typename C, int kCols>
+struct RawCols {
+  float x[kCols];
+  FMHA_DEVICE void load(const C* row, int c0, int n, bool vec) {
+    load_cols<C, kCols>(row, c0, n, vec, x);
+  }
+  FMHA_DEVICE void zero() {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) x[c] = 0.0f;
+  }
+  FMHA_DEVICE void widen(float (&y)[kCols]) const {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) y[c] = x[c];
+  }
+};
+template <KvCode kFormat, int kCols>
+struct RawCols<Code8<kFormat>, kCols> {
+  static constexpr int kWords = (kCols + 3) / 4;
+  uint32_t w[kWords];  // code c in byte c % 4 of word c / 4; 0 (the value 0) past the row
+  FMHA_DEVICE void load(const Code8<kFormat>* row, int c0, int n, bool vec) {
+    const uint8_t* b = &row[c0].bits;
+    if (vec && c0 + kCols <= n && kCols >= 2) {
+      if constexpr (kCols == 2) w[0] = *reinterpret_cast<const uint16_t*>(b);
+      if constexpr (kCols == 4) w[0] = *reinterpret_cast<const uint32_t*>(b);
+      if constexpr (kCols % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < kCols / 8; ++i) {
+          const Codes8 v = *reinterpret_cast<const Codes8*>(b + 8 * i);
+          w[2 * i] = v.w[0];
+          w[2 * i + 1] = v.w[1];
+        }
+      }
+    } else {
+      zero();
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (c0 + c < n) w[c / 4] |= uint32_t(b[c]) << (8 * (c % 4));
+    }
+  }
+  FMHA_DEVICE void zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
+  }
+  FMHA_DEVICE void widen(float (&y)[kCols]) const {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+      y[c] = to_float(Code8<kFormat>{uint8_t(w[c / 4] >> (8 * (c % 4)))});
+  }
+  // Elements [c0, c0 + 8) only (c0 a multiple of 8).
+  FMHA_DEVICE void widen8(int c0, float (&y)[8]) const {
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      y[c] = to_float(Code8<kFormat>{uint8_t(w[(c0 + c) / 4] >> (8 * (c % 4)))});
+  }
+};
 
 FMHA_DEVICE float warp_max(float x) {
 #pragma unroll
@@ -168,23 +292,58 @@ __global__ void __launch_bounds__(kDecodeThreads)
 }
 
 // 2. k_new / v_new row t of sequence b, kv head blockIdx.y, into cache row
-// cache_seqlens[b] + t: grid (seqlen_new, heads_kv, batch).
-template <typename T>
-__global__ void __launch_bounds__(kDecodeThreads)
+// cache_seqlens[b] + t: grid (seqlen_new, heads_kv, batch). 8-bit caches (C = Code8):
+// quantised as the CPU does (fmha/kvquant.h): with dynamic scales the row's scale is
+// max |x| over its finite entries / qmax, written next to the row first.
+namespace decode_detail {
+template <typename T, KvCode kFormat>
+FMHA_DEVICE void append_codes_row(const T* src, uint8_t* dst, float* scale, bool dynamic,
+                                  int dim, float* red) {
+  float top = 0.0f;
+  for (int c = threadIdx.x; c < dim; c += kDecodeThreads) {
+    const float x = fabsf(to_float(src[c]));
+    if (x <= 3.402823466e38f) top = fmaxf(top, x);  // finite (NaN fails the test)
+  }
+  top = warp_max(top);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = top;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kDecodeWarps; ++w) top = fmaxf(top, red[w]);
+  const float s = dynamic ? kvq::dynamic_scale(kFormat, top) : *scale;
+  __syncthreads();  // red is reused by the next row
+  if (dynamic && threadIdx.x == 0) *scale = s;
+  for (int c = threadIdx.x; c < dim; c += kDecodeThreads)
+    dst[c] = kvq::encode(kFormat, to_float(src[c]) / s);
+}
+}  // namespace decode_detail
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
     kvcache_append_kernel(FwdParams p, const int* refused) {
   if (*refused) return;  // the whole call is refused: nothing is written
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int j = p.cache_seqlens[b] + t;
-  T* k = static_cast<T*>(const_cast<void*>(p.k)) + h * p.k_head_stride +
+  C* k = static_cast<C*>(const_cast<void*>(p.k)) + h * p.k_head_stride +
          score::cache_row_offset(p, b, p.k_batch_stride, p.k_row_stride, j);
-  T* v = static_cast<T*>(const_cast<void*>(p.v)) + h * p.v_head_stride +
+  C* v = static_cast<C*>(const_cast<void*>(p.v)) + h * p.v_head_stride +
          score::cache_row_offset(p, b, p.v_batch_stride, p.v_row_stride, j);
   const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_batch_stride +
                 int64_t(t) * p.k_new_row_stride + h * p.k_new_head_stride;
   const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_batch_stride +
                 int64_t(t) * p.v_new_row_stride + h * p.v_new_head_stride;
-  for (int c = threadIdx.x; c < p.head_dim; c += kDecodeThreads) k[c] = kn[c];
-  for (int c = threadIdx.x; c < p.head_dim_v; c += kDecodeThreads) v[c] = vn[c];
+  if constexpr (is_code8<C>) {
+    constexpr KvCode kFormat = C::kFormat;
+    __shared__ float red[kDecodeWarps];
+    const int64_t so = kvq::scale_offset(p, b, j, h);
+    const bool dynamic = p.scale_row_stride != 0;
+    decode_detail::append_codes_row<T, kFormat>(kn, &k->bits, p.k_scale + so, dynamic,
+                                                p.head_dim, red);
+    decode_detail::append_codes_row<T, kFormat>(vn, &v->bits, p.v_scale + so, dynamic,
+                                                p.head_dim_v, red);
+  } else {
+    for (int c = threadIdx.x; c < p.head_dim; c += kDecodeThreads) k[c] = kn[c];
+    for (int c = threadIdx.x; c < p.head_dim_v; c += kDecodeThreads) v[c] = vn[c];
+  }
 }
 
 // Shared memory of flash_decode_kernel, in floats.
@@ -196,9 +355,10 @@ constexpr int decode_smem_floats() {
          + 3 * kRows;                              // each row's query, head and ALiBi slope
 }
 
-// 3. Attention of kRows query rows of kv head blockIdx.y's group over one key split.
-template <typename T, int kHeadDim, int kRows>
-__global__ void __launch_bounds__(kDecodeThreads)
+// 3. Attention of kRows query rows of kv head blockIdx.y's group over one key split; the
+// caches hold C (T, or Code8 for 8-bit caches).
+template <typename T, typename C, int kHeadDim, int kRows>
+__global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
     flash_decode_kernel(FwdParams p, DecodeLaunch launch) {
   using namespace decode_detail;
   constexpr int kCols = kHeadDim / 32;       // O columns per lane
@@ -254,8 +414,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   j_end = min(j_end, score::key_hi(seq, right, (row0 + rows - 1) / group) + 1);
   if (refused) j_end = j_begin;  // read nothing; the rows are written as NaN
 
-  const T* K = static_cast<const T*>(p.k) + hkv * p.k_head_stride;
-  const T* V = static_cast<const T*>(p.v) + hkv * p.v_head_stride;
+  const C* K = static_cast<const C*>(p.k) + hkv * p.k_head_stride;
+  const C* V = static_cast<const C*>(p.v) + hkv * p.v_head_stride;
   float m[kRows], l[kRows], acc[kRows][kCols];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -281,11 +441,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
         v_block = p.block_table[b * p.block_table_stride + j / p.block_size];
         v_row = j % p.block_size;
       }
-      const T* krow = K + v_block * p.k_batch_stride + int64_t(v_row) * p.k_row_stride;
-#pragma unroll
-      for (int c = 0; c < kHeadDim; c += 8) {
-        float x[8];
-        load8(krow, c, p.head_dim, launch.vec, x);
+      const C* krow = K + v_block * p.k_batch_stride + int64_t(v_row) * p.k_row_stride;
+      auto dot8 = [&](int c, const float (&x)[8]) {  // s += q[:, c..c+8) . x
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -294,6 +451,40 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[r] = fmaf(qv.x[e], x[h + e], s[r]);
           }
+      };
+      if constexpr (is_code8<C>) {
+        // 32 codes at a time (8 registers), two groups in flight: unrolled over the whole
+        // row, ptxas hoists every load and widens them all at once, and spills.
+        constexpr int kGroup = kHeadDim < 32 ? kHeadDim : 32;
+#pragma unroll 2
+        for (int c0 = 0; c0 < kHeadDim; c0 += kGroup) {
+          RawCols<C, kGroup> raw;
+          raw.load(krow, c0, p.head_dim, launch.vec);
+#pragma unroll
+          for (int c = 0; c < kGroup; c += 8) {
+            float x[8];
+            raw.widen8(c, x);
+            dot8(c0 + c, x);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kHeadDim; c += 8) {
+          float x[8];
+          load8(krow, c, p.head_dim, launch.vec, x);
+          dot8(c, x);
+        }
+      }
+    }
+    // 8-bit caches: the key's scales, from its row's slot (the same place for K and V).
+    float v_scale = 1.0f;
+    if constexpr (is_code8<C>) {
+      if (key_in) {
+        const int64_t so = kvq::scale_offset_at(p, v_block, v_row, hkv);
+        const float k_scale = p.k_scale[so];
+        v_scale = p.v_scale[so];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) s[r] *= k_scale;
       }
     }
     // Logits, online softmax. `clean`: every row sees this lane's key (or it is past the end).
@@ -313,7 +504,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       l[r] = l[r] * alpha + pr;  // this lane's share; summed over the warp at the end
 #pragma unroll
       for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
-      my_p[r * kDecodeChunk + lane] = pr;
+      my_p[r * kDecodeChunk + lane] = pr * v_scale;  // l took pr unscaled
     }
     const bool all_clean = warp_ballot(!clean) == 0;
     __syncwarp();
@@ -321,28 +512,28 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // kUnroll V rows are loaded before any is used, so that many loads are in flight.
     const int n = min(kDecodeChunk, j_end - c0);
     for (int t0 = 0; t0 < n; t0 += kUnroll) {
-      float x[kUnroll][kCols];
+      RawCols<C, kCols> raw[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int t = t0 + u;
         const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
-        if (t < n) {
-          load_cols<T, kCols>(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride,
-                              lane * kCols, p.head_dim_v, launch.vec, x[u]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) x[u][c] = 0.0f;
-        }
+        if (t < n)
+          raw[u].load(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride, lane * kCols,
+                      p.head_dim_v, launch.vec);
+        else
+          raw[u].zero();
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (t0 + u >= n) break;
+        float x[kCols];
+        raw[u].widen(x);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const float pr = my_p[r * kDecodeChunk + t0 + u];
 #pragma unroll
           for (int c = 0; c < kCols; ++c)
-            acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[u][c], acc[r][c]) : acc[r][c];
+            acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[c], acc[r][c]) : acc[r][c];
         }
       }
     }

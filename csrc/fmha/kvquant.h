@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "fmha/params.h"
 #include "fmha/philox.h"  // FMHA_HD and the per-ISA namespace tag
@@ -17,6 +18,17 @@
 namespace fmha {
 inline namespace FMHA_ISA_TAG {
 namespace kvq {
+
+// The bits of a float, on the host and the device.
+FMHA_HD uint32_t float_bits_hd(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
 
 struct Format {
   int ebits, mbits, bias;
@@ -56,8 +68,9 @@ FMHA_HD uint8_t encode(KvCode c, float y) {
   // The code without its sign is (biased exponent << mbits) + mantissa for normal numbers
   // and the mantissa alone for subnormals; rounding the mantissa up carries into the exponent
   // by that very addition.
-  int e;
-  frexpf(a, &e);  // a = frac * 2^e, frac in [0.5, 1)
+  // a = frac * 2^e with frac in [0.5, 1) (frexp's e, read from the exponent bits: a float
+  // subnormal gets -126, which is below every format's smallest normal as frexp's would be).
+  const int e = int((float_bits_hd(a) >> 23) & 0xFF) - 126;
   const int min_exp = 1 - f.bias;  // exponent of the smallest normal
   int code;
   if (a == 0.0f || e - 1 < min_exp) {
@@ -78,12 +91,17 @@ FMHA_HD float dynamic_scale(KvCode c, float top) {
 // Element offset of the scale of cache row j of sequence b, kv head h (K and V scales share
 // the layout): one per kv head (static) or per (row, kv head) laid out like the cache rows
 // (dynamic; through the block table for a paged cache).
-FMHA_HD int64_t scale_offset(const FwdParams& p, int b, int j, int h) {
-  int64_t o = h * p.scale_head_stride;
+// The same from where the row lives: `slot` is the sequence b (contiguous cache) or its
+// block (paged), `row` the row in it.
+FMHA_HD int64_t scale_offset_at(const FwdParams& p, int64_t slot, int row, int h) {
+  const int64_t o = h * p.scale_head_stride;
   if (p.scale_row_stride == 0) return o;
-  if (!p.block_table) return o + b * p.scale_batch_stride + int64_t(j) * p.scale_row_stride;
+  return o + slot * p.scale_batch_stride + int64_t(row) * p.scale_row_stride;
+}
+FMHA_HD int64_t scale_offset(const FwdParams& p, int b, int j, int h) {
+  if (p.scale_row_stride == 0 || !p.block_table) return scale_offset_at(p, b, j, h);
   const int block = p.block_table[b * p.block_table_stride + j / p.block_size];
-  return o + block * p.scale_batch_stride + int64_t(j % p.block_size) * p.scale_row_stride;
+  return scale_offset_at(p, block, j % p.block_size, h);
 }
 
 }  // namespace kvq

@@ -100,9 +100,6 @@ void check_params(const FwdParams& p, Backend backend) {
       FMHA_CHECK_ARG(p.head_dim <= 1024 && p.head_dim_v <= 1024,
                      "head_dim, head_dim_v: 8-bit caches take up to 1024, got ", p.head_dim,
                      " and ", p.head_dim_v);
-      if (backend == Backend::kCuda)
-        throw Unsupported("k_cache: 8-bit caches run on the CPU kernels only in this version "
-                          "(the CUDA decode kernel reads 16-bit caches)");
     }
   } else {
     FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0 && p.kv_code == KvCode::kNone,

@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="store_true",
                     help="KV-cache decode against the measured read bandwidth")
     ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--kv-dtypes", default="",
+                    help="--decode: 8-bit cache encodings to add rows for (int8, "
+                         "float8_e4m3fn, float8_e5m2)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
@@ -263,7 +266,8 @@ def main(argv=None) -> int:
     if a.decode:
         from . import bench_decode
         bench_decode.run(a.dtypes.split(","), a.out, None,
-                         bench_decode.QUICK_CASES if a.quick else None, device="cuda")
+                         bench_decode.QUICK_CASES if a.quick else None, device="cuda",
+                         kv_dtypes=[x for x in a.kv_dtypes.split(",") if x])
         return 0
     rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out)
     failed = [r for r in rows if r.impl == "fmha" and r.error]

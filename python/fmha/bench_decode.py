@@ -24,7 +24,7 @@ CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth me
 same run: ``torch.sum`` over a float32 buffer of the same size as K+V, median of 20 (so a
 cache that fits the L2 cache is judged against the L2-fed read, as it should be).
 
-8-bit caches (``--kv-dtypes int8,float8_e4m3fn,float8_e5m2``; CPU only; default: none): for
+8-bit caches (``--kv-dtypes int8,float8_e4m3fn,float8_e5m2``; default: none): for
 each listed encoding, one more entry per case and seqlen_q, ``kvcache-int8`` /
 ``kvcache-fp8e4m3`` / ``kvcache-fp8e5m2``: attention_with_kvcache over a contiguous 8-bit
 cache with dynamic scales (per row and kv head, written by the kernel when the same K/V as
@@ -64,10 +64,11 @@ def _quantized_cache(kc, vc, fmt):
     from fmha.kvcache import attention_with_kvcache
     b, sk, hkv, d = kc.shape
     dt = getattr(torch, fmt)
-    kc8 = torch.zeros(b, sk, hkv, d, dtype=dt)
-    vc8 = torch.zeros(b, sk, hkv, vc.shape[-1], dtype=dt)
-    ks, vs = torch.zeros(b, sk, hkv), torch.zeros(b, sk, hkv)
-    q = torch.zeros(b, 1, hkv, d, dtype=kc.dtype)
+    kw = dict(device=kc.device)
+    kc8 = torch.zeros(b, sk, hkv, d, dtype=dt, **kw)
+    vc8 = torch.zeros(b, sk, hkv, vc.shape[-1], dtype=dt, **kw)
+    ks, vs = torch.zeros(b, sk, hkv, **kw), torch.zeros(b, sk, hkv, **kw)
+    q = torch.zeros(b, 1, hkv, d, dtype=kc.dtype, **kw)
     with torch.no_grad():
         attention_with_kvcache(q, kc8, vc8, kc, vc, cache_seqlens=0, k_scale=ks, v_scale=vs)
     return kc8, vc8, ks, vs
@@ -127,9 +128,6 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
     if unknown:
         raise ValueError(f"kv_dtypes: expected 8-bit encodings among {', '.join(KV8_ENTRIES)}"
                          f" (16-bit cache rows come from dtypes), got {', '.join(unknown)}")
-    if kv8 and on_gpu:
-        print("kv_dtypes: 8-bit caches run on the CPU only; their rows are skipped")
-        kv8 = []
     rows = []
     where = (f"GPU {torch.cuda.get_device_name(device)}" if on_gpu else
              f"CPU ISA {fmha.cpu_isa()} | threads {nthreads}")
