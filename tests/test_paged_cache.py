@@ -267,3 +267,123 @@ def test_numpy_cache_does_not_import_torch():
             "c.reserve([s], 1); q = np.zeros((1, 1, 1, 8), np.float32); "
             "c.attention(0, q, q, q, [s]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---------------------------------------------------------------- 8-bit pools
+
+def eightbit_pools_match_contiguous(rng, dtype, code_dtype, static):
+    """Prompts, decode steps, a fork whose child appends into a copied block: every output
+    of the 8-bit paged cache equals attention_with_kvcache's over contiguous 8-bit caches
+    holding the same rows (bitwise), and the parent's codes and scales survive the fork."""
+    prompts, steps, layers = [6, 3], 4, 2
+    kw = {}
+    if static:
+        kw = dict(k_scale=np.full((layers, HKV), 0.05, np.float32),
+                  v_scale=np.full((layers, HKV), 0.04, np.float32))
+    cache = PagedKVCache(24, BS, layers, HKV, D, dtype=dtype, **kw)
+    lib = cache.kind
+    cap = max(prompts) + steps + 1
+    code_np = np.int8 if cache.format == "int8" else np.uint8
+    flat_k = np.zeros((layers, 3, cap, HKV, D), code_np)
+    flat_v = np.zeros_like(flat_k)
+    flat_ks = np.zeros((layers, 3, cap, HKV), np.float32)
+    flat_vs = np.zeros_like(flat_ks)
+    if lib == "torch":
+        import torch
+        to = lambda x: torch.from_numpy(x).view(code_dtype) if x.dtype == code_np else \
+            torch.from_numpy(x)  # noqa: E731
+        qdt = torch.bfloat16
+    else:
+        to = lambda x: x  # noqa: E731
+        qdt = np.float32
+    fk, fv, fks, fvs = (to(x) for x in (flat_k, flat_v, flat_ks, flat_vs))
+
+    def draw_rows(*shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return torch.from_numpy(x).to(qdt) if lib == "torch" else x
+
+    def flat_call(layer, rows_b, q, k, v, lens):
+        extra = {} if lib == "torch" or cache.format == "int8" else dict(cache_dtype=cache.format)
+        if static:
+            extra.update(k_scale=cache.k_scale(layer), v_scale=cache.v_scale(layer))
+        else:
+            extra.update(k_scale=fks[layer, rows_b], v_scale=fvs[layer, rows_b])
+        if lib == "torch" and isinstance(lens, np.ndarray):
+            lens = torch.from_numpy(lens.copy())
+        return attention_with_kvcache(q, fk[layer, rows_b], fv[layer, rows_b], k, v,
+                                      cache_seqlens=lens, causal=True, **extra)
+
+    def same(a, b):
+        a, b = (x.float().numpy() if lib == "torch" else x for x in (a, b))
+        assert np.array_equal(a, b)
+
+    ids = [cache.add_sequence() for _ in prompts]
+    for b, (seq, n) in enumerate(zip(ids, prompts)):
+        q, k, v = draw_rows(1, n, HQ, D), draw_rows(1, n, HKV, D), draw_rows(1, n, HKV, D)
+        paged = step(cache, [seq], q, k, v)
+        for layer in range(layers):
+            same(paged[layer], flat_call(layer, slice(b, b + 1), q, k, v, 0))
+    lens = np.array(prompts, np.int32)
+    for _ in range(steps):
+        q, k, v = draw_rows(2, 1, HQ, D), draw_rows(2, 1, HKV, D), draw_rows(2, 1, HKV, D)
+        paged = step(cache, ids, q, k, v)
+        for layer in range(layers):
+            same(paged[layer], flat_call(layer, slice(0, 2), q, k, v, lens))
+        lens += 1
+    # Fork sequence 0 (10 rows: its third block is partial) and append to the child: the
+    # block is copied with its scales; the parent's rows and scales are unchanged.
+    parent = ids[0]
+    as_np = lambda x: (x.view(torch.uint8) if x.dtype == code_dtype else x).numpy() \
+        if lib == "torch" else x  # noqa: E731
+    before = [as_np(x).copy() for x in (cache.k_pool(0), cache.k_scale(0))]
+    child = cache.fork(parent)
+    for layer in range(layers):  # the child's rows so far, as a third contiguous sequence
+        for src, dst in ((fk, fk), (fv, fv)) + (() if static else ((fks, fks), (fvs, fvs))):
+            dst[layer, 2] = src[layer, 0]
+    q, k, v = draw_rows(1, 1, HQ, D), draw_rows(1, 1, HKV, D), draw_rows(1, 1, HKV, D)
+    paged = step(cache, [child], q, k, v)
+    for layer in range(layers):
+        same(paged[layer], flat_call(layer, slice(2, 3), q, k, v, lens[:1]))
+    after = [as_np(x) for x in (cache.k_pool(0), cache.k_scale(0))]
+    held = cache.blocks(parent)
+    for x, y in zip(before, after):
+        if x.ndim >= 3:  # the parent's blocks (static scales: (heads_kv,), unchanged)
+            assert np.array_equal(x[held], y[held])
+    assert cache.blocks(child)[-1] != held[len(cache.blocks(child)) - 1]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_8bit_pools_torch(rng, name, static):
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, name)
+    eightbit_pools_match_contiguous(rng, dt, dt, static)
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e5m2"])
+def test_8bit_pools_numpy(rng, name):
+    eightbit_pools_match_contiguous(rng, np.int8 if name == "int8" else name, None, False)
+
+
+def test_8bit_pools_accounting_and_refusals():
+    c = PagedKVCache(4, BS, 2, HKV, D, dtype="float8_e4m3fn")
+    assert c.format == "float8_e4m3fn" and c.dynamic_scales
+    assert c.k_pool(0).dtype == np.uint8 and c.k_scale(1).shape == (4, BS, HKV)
+    assert c.bytes_per_token() == 2 * HKV * (2 * D + 8)
+    s = PagedKVCache(4, BS, 2, HKV, D, dtype=np.int8, k_scale=np.ones((2, HKV)),
+                     v_scale=np.ones((2, HKV)))
+    assert not s.dynamic_scales and s.k_scale(0).shape == (HKV,)
+    assert s.bytes_per_token() == 2 * HKV * 2 * D
+    with pytest.raises(ValueError, match="k_scale, v_scale: only with an 8-bit dtype"):
+        PagedKVCache(4, BS, 1, HKV, D, dtype=np.float32, k_scale=np.ones((1, HKV)),
+                     v_scale=np.ones((1, HKV)))
+    with pytest.raises(ValueError, match="give both"):
+        PagedKVCache(4, BS, 1, HKV, D, dtype=np.int8, k_scale=np.ones((1, HKV)))
+    with pytest.raises(ValueError, match=r"k_scale: expected shape \(1, 2\)"):
+        PagedKVCache(4, BS, 1, HKV, D, dtype=np.int8, k_scale=np.ones(HKV),
+                     v_scale=np.ones(HKV))
+    with pytest.raises(ValueError, match="v_scale: expected positive"):
+        PagedKVCache(4, BS, 1, HKV, D, dtype=np.int8, k_scale=np.ones((1, HKV)),
+                     v_scale=np.zeros((1, HKV)))
+    with pytest.raises(TypeError, match="dtype"):
+        PagedKVCache(4, BS, 1, HKV, D, dtype=np.int16)

@@ -8,6 +8,7 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
+from . import kvquant
 from ._kvcache import attention_with_kvcache
 
 
@@ -53,11 +54,21 @@ class PagedKVCache:
     (max_blocks_per_seq defaults to num_blocks). ``device`` (torch dtypes only; default the
     CPU) is where the pools live: on a CUDA device the kernels are the CUDA ones, and the
     block tables and lengths are copied there at each step (host to device, no sync back).
+
+    8-bit pools (fmha.kvquant; docs/semantics.md, "8-bit KV caches"): ``dtype`` torch.int8,
+    torch.float8_e4m3fn or torch.float8_e5m2, or for NumPy pools np.int8 or the name
+    "float8_e4m3fn" / "float8_e5m2" (uint8 bytes). New rows come in q's dtype and are
+    quantised as they are written. Scales: ``k_scale`` and ``v_scale`` of shape
+    (num_layers, heads_kv) (static, e.g. ``fmha.kvquant.calibrate_scales`` per layer), or
+    neither: dynamic scales, one per (row, kv head), kept in scale pools
+    (:meth:`k_scale_pool`) that follow the blocks, copy-on-write included. ``format`` is
+    the encoding's name (None for pools in a float dtype).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, heads_kv: int,
                  head_dim: int, head_dim_v: Optional[int] = None, *, dtype=np.float32,
-                 max_blocks_per_seq: Optional[int] = None, device=None):
+                 max_blocks_per_seq: Optional[int] = None, device=None, k_scale=None,
+                 v_scale=None):
         self.num_blocks = _int_at_least("num_blocks", num_blocks)
         self.block_size = _int_at_least("block_size", block_size)
         self.num_layers = _int_at_least("num_layers", num_layers)
@@ -71,34 +82,63 @@ class PagedKVCache:
         v_shape = k_shape[:3] + (self.head_dim_v,)
         # A torch dtype can only exist once torch is imported: NumPy users never import it.
         torch = sys.modules.get("torch")
+        self.format = None  # the 8-bit encoding of the pools, if any
         if torch is not None and isinstance(dtype, torch.dtype):
-            if not dtype.is_floating_point:
-                raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
+            self.format = next((f for f in kvquant.FORMATS if getattr(torch, f) == dtype),
+                               None)
+            if not dtype.is_floating_point and self.format is None:
+                raise TypeError(f"dtype: expected a floating-point dtype or an 8-bit cache "
+                                f"dtype ({', '.join(kvquant.FORMATS)}), got {dtype}")
             self.kind = "torch"
             self.dtype = dtype
             self.device = torch.device("cpu" if device is None else device)
             self.itemsize = torch.empty((), dtype=dtype).element_size()
-            self._k = [torch.zeros(k_shape, dtype=dtype, device=self.device)
-                       for _ in range(self.num_layers)]
-            self._v = [torch.zeros(v_shape, dtype=dtype, device=self.device)
-                       for _ in range(self.num_layers)]
+            zeros = lambda shape, dt=dtype: torch.zeros(shape, dtype=dt,  # noqa: E731
+                                                        device=self.device)
         else:
             if device not in (None, "cpu"):
                 raise ValueError(f"device: {device!r}; NumPy pools live on the CPU (pass a "
                                  "torch dtype for pools on another device)")
             self.device = "cpu"
-            try:
-                np_dtype = np.dtype(dtype)
-            except TypeError:
-                raise TypeError(f"dtype: expected a torch or NumPy floating-point dtype, "
-                                f"got {dtype!r}") from None
-            if np_dtype.kind != "f":
-                raise TypeError(f"dtype: expected a floating-point dtype, got {np_dtype}")
+            if isinstance(dtype, str) and dtype in kvquant.FORMATS:
+                self.format = dtype
+                np_dtype = np.dtype(np.int8 if dtype == "int8" else np.uint8)
+            else:
+                try:
+                    np_dtype = np.dtype(dtype)
+                except TypeError:
+                    raise TypeError(f"dtype: expected a torch or NumPy floating-point dtype, "
+                                    f"got {dtype!r}") from None
+                if np_dtype == np.int8:
+                    self.format = "int8"
+                elif np_dtype.kind != "f":
+                    raise TypeError(f"dtype: expected a floating-point dtype, np.int8 or the "
+                                    f"name of a float8 encoding, got {np_dtype}")
             self.kind = "numpy"
-            self.dtype = np_dtype
+            self.dtype = dtype if self.format and self.format != "int8" else np_dtype
             self.itemsize = np_dtype.itemsize
-            self._k = [np.zeros(k_shape, dtype=np_dtype) for _ in range(self.num_layers)]
-            self._v = [np.zeros(v_shape, dtype=np_dtype) for _ in range(self.num_layers)]
+            zeros = lambda shape, dt=np_dtype: np.zeros(shape, dtype=dt)  # noqa: E731
+        self._k = [zeros(k_shape) for _ in range(self.num_layers)]
+        self._v = [zeros(v_shape) for _ in range(self.num_layers)]
+        # 8-bit pools: static scales (num_layers, heads_kv), or dynamic ones in pools shaped
+        # like the K pool without head_dim (None without 8-bit pools).
+        self._k_scale = self._v_scale = None
+        self.dynamic_scales = False
+        if self.format is None:
+            if k_scale is not None or v_scale is not None:
+                raise ValueError("k_scale, v_scale: only with an 8-bit dtype "
+                                 f"({', '.join(kvquant.FORMATS)}); dtype is {self.dtype}")
+        elif (k_scale is None) != (v_scale is None):
+            raise ValueError("k_scale, v_scale: give both (static scales) or neither "
+                             "(dynamic, per row)")
+        elif k_scale is None:
+            self.dynamic_scales = True
+            f32 = torch.float32 if self.kind == "torch" else np.float32
+            self._k_scale = [zeros(k_shape[:3], f32) for _ in range(self.num_layers)]
+            self._v_scale = [zeros(k_shape[:3], f32) for _ in range(self.num_layers)]
+        else:
+            self._k_scale = self._static_scales("k_scale", k_scale)
+            self._v_scale = self._static_scales("v_scale", v_scale)
         self._refs = [0] * self.num_blocks
         self._free: List[int] = list(range(self.num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._blocks: Dict[int, List[int]] = {}
@@ -108,9 +148,11 @@ class PagedKVCache:
         self._inputs = None      # (key, cache_seqlens, block_table) of the last attention
 
     def __repr__(self) -> str:
+        scales = ("" if self.format is None else
+                  ", dynamic scales" if self.dynamic_scales else ", static scales")
         return (f"PagedKVCache({self.num_blocks} blocks of {self.block_size} rows, "
                 f"{self.num_layers} layers, heads_kv={self.heads_kv}, head_dim={self.head_dim},"
-                f" head_dim_v={self.head_dim_v}, dtype={self.dtype}, "
+                f" head_dim_v={self.head_dim_v}, dtype={self.dtype}{scales}, "
                 f"{len(self._blocks)} sequences, {self.num_free_blocks} blocks free)")
 
     # ---------------------------------------------------------------- pools and accounting
@@ -123,13 +165,25 @@ class PagedKVCache:
         """Layer ``layer``'s V pool, (num_blocks, block_size, heads_kv, head_dim_v)."""
         return self._v[self._layer(layer)]
 
+    def k_scale(self, layer: int):
+        """Layer ``layer``'s K scales (8-bit pools): (heads_kv,) static ones, or the dynamic
+        scale pool (num_blocks, block_size, heads_kv); None for float pools."""
+        return None if self._k_scale is None else self._k_scale[self._layer(layer)]
+
+    def v_scale(self, layer: int):
+        """Layer ``layer``'s V scales, as :meth:`k_scale`."""
+        return None if self._v_scale is None else self._v_scale[self._layer(layer)]
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def bytes_per_token(self) -> int:
-        """Bytes of K and V one row takes across all layers."""
-        return self.num_layers * self.heads_kv * (self.head_dim + self.head_dim_v) * self.itemsize
+        """Bytes of K and V one row takes across all layers (dynamic scales included)."""
+        per_head = (self.head_dim + self.head_dim_v) * self.itemsize
+        if self.dynamic_scales:
+            per_head += 2 * 4  # a float32 K and V scale per (row, kv head)
+        return self.num_layers * self.heads_kv * per_head
 
     def bytes_used(self) -> int:
         """Bytes of the blocks held by sequences (a block shared by forks counts once)."""
@@ -219,9 +273,11 @@ class PagedKVCache:
                 f"{fresh} new blocks, {self.num_free_blocks} of {self.num_blocks} are free")
         for seq, copies, add in plan:
             blocks = self._blocks[seq]
+            copied = (self._k, self._v) + ((self._k_scale, self._v_scale)
+                                            if self.dynamic_scales else ())
             for i in copies:
                 old, new = blocks[i], self._allocate()
-                for pools in (self._k, self._v):
+                for pools in copied:
                     for pool in pools:
                         pool[new] = pool[old]
                 self._refs[old] -= 1
@@ -244,6 +300,10 @@ class PagedKVCache:
                              f"{len(ids)} sequences, got {tuple(q.shape)}")
         n = 0 if k is None or len(k.shape) != 4 else int(k.shape[1])
         lengths, table = self._step_inputs(ids, n)
+        if self.format is not None:
+            kwargs.update(k_scale=self._k_scale[layer], v_scale=self._v_scale[layer])
+            if self.kind == "numpy" and self.format != "int8":
+                kwargs["cache_dtype"] = self.format
         return attention_with_kvcache(q, self._k[layer], self._v[layer], k, v,
                                       cache_seqlens=lengths, block_table=table, causal=causal,
                                       **kwargs)
@@ -293,6 +353,21 @@ class PagedKVCache:
             table, lengths = (torch.from_numpy(x).to(self.device) for x in (table, lengths))
         self._inputs = (key, lengths, table)
         return lengths, table
+
+    def _static_scales(self, name, x):
+        """Static scales given for every layer: (num_layers, heads_kv) positive and finite,
+        as one float32 array or tensor per layer (on the pools' device)."""
+        a = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
+        if a.shape != (self.num_layers, self.heads_kv):
+            raise ValueError(f"{name}: expected shape ({self.num_layers}, {self.heads_kv}) "
+                             f"(num_layers, heads_kv), got {a.shape}")
+        if not (np.isfinite(a).all() and (a > 0).all()):
+            raise ValueError(f"{name}: expected positive finite scales")
+        a = a.astype(np.float32)
+        if self.kind == "torch":
+            import torch
+            return [torch.from_numpy(row.copy()).to(self.device) for row in a]
+        return [row.copy() for row in a]
 
     def _layer(self, layer) -> int:
         layer = _int_at_least("layer", layer, 0)
