@@ -15,7 +15,10 @@
 //   fmha-bench --decode                decode over full KV caches (contiguous, and paged with
 //                                      block_size 16 and 256 in a shuffled block order): GB/s
 //                                      of K+V read once and the fraction of the read bandwidth
-//                                      it measures first (same threads, same byte count)
+//                                      it measures first (same threads, same byte count); then
+//                                      8-bit caches (int8, float8 e4m3 / e5m2, dynamic scales)
+//                                      under bfloat16 queries, with their tokens/s over the
+//                                      bfloat16 cache's
 //
 // FLOPs: forward 4·b·h·sq·sk·d (halved for causal); backward 2.5× that; fwd+bwd 3.5×.
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,10 +57,31 @@ const Case kCudaSuite[] = {
     {4, 16, 16, 8192, 8192, 128, false}, {4, 16, 16, 8192, 8192, 128, true},
 };
 
+// 64-byte aligned storage, as torch and NumPy allocate it. std::vector's large buffers are
+// 16-byte aligned, which splits vector loads of every row across cache lines: the float32
+// forward ran 1.29x slower that way (benchmarks/NOTES.md, "fmha-bench's buffers").
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, Aligned64<T>>;
+
 // Owns the bytes of one (batch, seqlen, heads, dim) tensor in the benchmark's dtype.
 struct Tensor {
-  std::vector<uint16_t> h16;
-  std::vector<float> f32;
+  AlignedVector<uint16_t> h16;
+  AlignedVector<float> f32;
   void* data() { return f32.empty() ? static_cast<void*>(h16.data()) : f32.data(); }
 };
 
@@ -181,16 +206,49 @@ const Case kDecodeSuite[] = {
 
 // cpu_forward over full caches of c.sk rows per sequence (no rows appended), contiguous
 // (block_size 0) or paged: the same rows in a pool whose blocks are handed out shuffled.
-void run_decode(const Case& c, fmha::DType dt, int threads) {
+// With `code`, the caches hold 8-bit codes of that encoding (finite ones, drawn at random)
+// with dynamic scales, one float32 per (row, kv head) for K and for V, counted in the bytes
+// read; queries in dt. `base_ms` (the 16-bit cache's contiguous time of the same case, when
+// known) gives the 8-bit rows their tokens/s ratio. Returns the contiguous time in ms.
+double run_decode(const Case& c, fmha::DType dt, int threads,
+                  fmha::KvCode code = fmha::KvCode::kNone, double base_ms = 0) {
   ForwardBuffers buf(c, dt);
   std::mt19937 gen(1);
   std::vector<int32_t> lens(size_t(c.b), c.sk);
-  const double bytes = 2.0 * double(size_t(c.b) * c.sk * c.hkv * c.d) *
-                       (dt == fmha::DType::kFloat32 ? 4 : 2);
+  const bool quant = code != fmha::KvCode::kNone;
+  const size_t rows = size_t(c.b) * c.sk * c.hkv;
+  AlignedVector<uint8_t> k8, v8;
+  std::vector<float> k_scale, v_scale;
+  if (quant) {  // codes with finite values: int8 -127..127, float8 without NaN / Inf codes
+    const uint8_t top = code == fmha::KvCode::kInt8 ? 0x7F : code == fmha::KvCode::kE4M3 ? 0x7E : 0x7B;
+    std::uniform_int_distribution<int> mag(0, top), sign(0, 1);
+    for (auto* x : {&k8, &v8}) {
+      x->resize(rows * c.d);
+      for (auto& e : *x) e = uint8_t(mag(gen) | (sign(gen) ? 0x80 : 0));
+    }
+    std::uniform_real_distribution<float> sc(0.001f, 0.01f);
+    for (auto* x : {&k_scale, &v_scale}) {
+      x->resize(rows);
+      for (auto& e : *x) e = sc(gen);
+    }
+  }
+  const double bytes = quant ? 2.0 * double(rows) * (c.d + 4)
+                             : 2.0 * double(rows * c.d) * (dt == fmha::DType::kFloat32 ? 4 : 2);
   const double bandwidth = fmha::cpu_read_bandwidth_gbs(threads, int64_t(bytes));
+  double contiguous_ms = 0;
   for (int bs : {0, 16, 256}) {
     fmha::BwdParams p = buf.params(c, dt, threads);
     p.cache_seqlens = lens.data();
+    if (quant) {  // the same strides in bytes as the 16-bit caches' in elements
+      p.k = k8.data();
+      p.v = v8.data();
+      p.kv_code = code;
+      p.k_scale = k_scale.data();
+      p.v_scale = v_scale.data();
+      p.scale_head_stride = 1;
+      p.scale_row_stride = c.hkv;
+      p.scale_batch_stride = int64_t(bs ? bs : c.sk) * c.hkv;
+    }
     std::vector<int32_t> table;
     if (bs > 0) {  // the pool is the same buffer: blocks of bs rows, handed out shuffled
       const int blocks = c.sk / bs;
@@ -204,14 +262,23 @@ void run_decode(const Case& c, fmha::DType dt, int threads) {
       p.k_batch_stride = p.v_batch_stride = int64_t(bs) * c.hkv * c.d;
     }
     const double secs = seconds_of([&] { fmha::cpu_forward(p); }, 3, 0.5);
+    if (bs == 0) contiguous_ms = secs * 1e3;
     const double gbs = bytes / secs / 1e9;
-    std::printf("%-5s decode b=%-2d hq=%-2d hkv=%d sk=%-5d d=%-3d %-10s %8.3f ms %6.1f GB/s "
-                "%5.1f%% of %.1f GB/s read\n",
-                dt == fmha::DType::kFloat32 ? "f32" : "bf16", c.b, c.hq, c.hkv, c.sk, c.d,
+    const char* cache = code == fmha::KvCode::kInt8   ? "int8"
+                        : code == fmha::KvCode::kE4M3 ? "fp8e4m3"
+                        : code == fmha::KvCode::kE5M2 ? "fp8e5m2"
+                                                      : "";
+    std::printf("%-5s decode b=%-2d hq=%-2d hkv=%d sk=%-5d d=%-3d %-7s %-10s %8.3f ms %6.1f GB/s "
+                "%5.1f%% of %.1f GB/s read",
+                dt == fmha::DType::kFloat32 ? "f32" : "bf16", c.b, c.hq, c.hkv, c.sk, c.d, cache,
                 bs ? ("paged" + std::to_string(bs)).c_str() : "contiguous", secs * 1e3, gbs,
                 100.0 * gbs / bandwidth, bandwidth);
+    if (quant && bs == 0 && base_ms > 0)
+      std::printf("  %.2fx the 16-bit cache's tokens/s", base_ms / (secs * 1e3));
+    std::printf("\n");
     std::fflush(stdout);
   }
+  return contiguous_ms;
 }
 
 [[noreturn]] void usage() {
@@ -296,10 +363,19 @@ int main(int argc, char** argv) {
       if (!custom) cases.assign(std::begin(kDecodeSuite), std::end(kDecodeSuite));
       std::printf("fmha-bench --decode | CPU ISA %s | threads %d\n",
                   fmha::isa_name(fmha::active_cpu_isa()), threads);
+      std::vector<double> bf16_ms;
       for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
         if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
-        for (const Case& c : cases) run_decode(c, dt, threads);
+        for (const Case& c : cases) {
+          const double ms = run_decode(c, dt, threads);
+          if (dt == fmha::DType::kBFloat16) bf16_ms.push_back(ms);
+        }
       }
+      // 8-bit caches under bfloat16 queries, against the bfloat16 cache of the same case.
+      if (dtype != "f32")
+        for (fmha::KvCode code : {fmha::KvCode::kInt8, fmha::KvCode::kE4M3, fmha::KvCode::kE5M2})
+          for (size_t i = 0; i < cases.size(); ++i)
+            run_decode(cases[i], fmha::DType::kBFloat16, threads, code, bf16_ms[i]);
       return 0;
     }
     const double peak = fmha::cpu_fma_peak_gflops(threads);
