@@ -3,6 +3,7 @@ kernels apply against the Python contract, the build/backends report, ISA select
 padding-mask memory bound."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,17 @@ def test_cpu_isa_is_supported_and_reported():
     assert fmha.cpu_isa() in _supported_isas()
     if "FMHA_CPU_ISA" not in os.environ:
         assert fmha.cpu_isa() == _C.best_cpu_isa()
+
+
+def test_host_description_and_peak_probes():
+    """What result files record: the host (family/model from /proc/cpuinfo on Linux), and
+    the two peaks -- the vdpbf16ps one only on the level that has the instruction."""
+    d = _C.cpu_description()
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert " family " in d and " model " in d, d
+    assert _C.cpu_fma_peak_gflops(1) > 0
+    bf16 = _C.cpu_bf16_dot_peak_gflops(1)
+    assert (bf16 > 0) == (fmha.cpu_isa() == "avx512bf16"), (fmha.cpu_isa(), bf16)
 
 
 def test_forcing_an_unknown_isa_is_a_clear_error():

@@ -114,7 +114,10 @@ double seconds_of(const std::function<void()>& fn, int min_reps = 3, double min_
   return times[times.size() / 2];
 }
 
-void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak) {
+// peak: the fp32 FMA peak, or for bfloat16 on the avx512bf16 level the vdpbf16ps peak (its
+// GEMMs run on that instruction).
+void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak,
+              const char* peak_name) {
   std::mt19937 gen(0);
   const size_t nq = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
   Tensor q = random_tensor(nq, dt, gen), k = random_tensor(nk, dt, gen),
@@ -138,10 +141,10 @@ void run_case(const Case& c, fmha::DType dt, bool bwd, int threads, double peak)
   }
   const double gf = flops / secs / 1e9;
   std::printf("%-5s %-8s b=%d hq=%d hkv=%d sq=%-5d sk=%-5d d=%-3d %-6s %9.3f ms %8.1f GFLOP/s "
-              "%5.1f%% of the fp32 FMA peak\n",
+              "%5.1f%% of the %s peak\n",
               dt == fmha::DType::kFloat32 ? "f32" : "bf16", bwd ? "fwd+bwd" : "fwd", c.b, c.hq,
               c.hkv, c.sq, c.sk, c.d, c.causal ? "causal" : "", secs * 1e3, gf,
-              100.0 * gf / peak);
+              100.0 * gf / peak, peak_name);
   std::fflush(stdout);
 }
 
@@ -361,8 +364,9 @@ int main(int argc, char** argv) {
     }
     if (decode) {
       if (!custom) cases.assign(std::begin(kDecodeSuite), std::end(kDecodeSuite));
-      std::printf("fmha-bench --decode | CPU ISA %s | threads %d\n",
-                  fmha::isa_name(fmha::active_cpu_isa()), threads);
+      std::printf("fmha-bench --decode | CPU ISA %s | threads %d\nhost: %s\n",
+                  fmha::isa_name(fmha::active_cpu_isa()), threads,
+                  fmha::cpu_description().c_str());
       std::vector<double> bf16_ms;
       for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
         if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
@@ -379,14 +383,19 @@ int main(int argc, char** argv) {
       return 0;
     }
     const double peak = fmha::cpu_fma_peak_gflops(threads);
-    std::printf("fmha-bench | CPU ISA %s | threads %d | measured FMA peak %.1f GFLOP/s (fp32)\n",
+    const double bf16_peak = fmha::cpu_bf16_dot_peak_gflops(threads);
+    std::printf("fmha-bench | CPU ISA %s | threads %d | measured FMA peak %.1f GFLOP/s (fp32)",
                 fmha::isa_name(fmha::active_cpu_isa()), threads, peak);
+    if (bf16_peak > 0) std::printf(" | vdpbf16ps peak %.1f GFLOP/s", bf16_peak);
+    std::printf("\nhost: %s\n", fmha::cpu_description().c_str());
     for (const Case& c : cases)
       for (fmha::DType dt : {fmha::DType::kFloat32, fmha::DType::kBFloat16}) {
         if (dtype != "all" && (dtype == "f32") != (dt == fmha::DType::kFloat32)) continue;
         for (bool bwd : {false, true}) {
           if (pass != "all" && (pass == "fwd+bwd") != bwd) continue;
-          run_case(c, dt, bwd, threads, peak);
+          const bool pairs = dt == fmha::DType::kBFloat16 && bf16_peak > 0;
+          run_case(c, dt, bwd, threads, pairs ? bf16_peak : peak,
+                   pairs ? "vdpbf16ps" : "fp32 FMA");
         }
       }
   } catch (const std::exception& e) {

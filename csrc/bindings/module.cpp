@@ -101,6 +101,9 @@ PYBIND11_MODULE(_C, m) {
       "aligned). Keyword settings: scale, softcap, window_left, window_right (required); "
       "num_threads, num_splits, stream.");
   m.def("cpu_features", &cpu_features, "CPU features relevant to the kernels");
+  m.def("cpu_description", &cpu_description,
+        "The host for a result file: vendor, family/model (microarchitecture), model name, "
+        "MHz, SIMD flags");
   m.def("cpu_isa", [] { return std::string(isa_name(active_cpu_isa())); },
         "The instruction set the CPU kernels use");
   m.def("best_cpu_isa", [] { return std::string(isa_name(best_cpu_isa())); });
@@ -142,6 +145,9 @@ PYBIND11_MODULE(_C, m) {
         "y = the values of the 8-bit cache codes x, as the CPU kernels decode them");
   m.def("cpu_fma_peak_gflops", &cpu_fma_peak_gflops, py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_bf16_dot_peak_gflops", &cpu_bf16_dot_peak_gflops, py::arg("threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "GFLOP/s of vdpbf16ps chains on `threads` threads (0 below the avx512bf16 level)");
   m.def("cpu_read_bandwidth_gbs", &cpu_read_bandwidth_gbs, py::arg("threads"),
         py::arg("bytes") = int64_t(512) << 20, py::call_guard<py::gil_scoped_release>(),
         "Read bandwidth (GB/s) of `threads` threads summing a `bytes` buffer, best of five");

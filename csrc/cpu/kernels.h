@@ -12,6 +12,7 @@ namespace fmha::cpu {
   void forward(const FwdParams& p);         \
   void backward(const BwdParams& p);        \
   double fma_peak_gflops(int threads);      \
+  double bf16_dot_peak_gflops(int threads); \
   double read_bandwidth_gbs(int threads, int64_t bytes); \
   void exp_array(const float* x, float* y, int64_t n); \
   void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n); \

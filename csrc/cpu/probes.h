@@ -1,6 +1,8 @@
 // Probes of this ISA's building blocks, for fmha-bench and the tests:
 // - the machine's FMA peak, measured: independent FMA chains on VecF, enough of them to cover
 //   the FMA latency, on `threads` threads at once; fmha-bench reports kernel speed against it;
+// - the bfloat16 pair dot-product peak (vdpbf16ps chains, 64 FLOPs each), the rate the
+//   avx512bf16 level's GEMMs run at; 0 on the other levels;
 // - the machine's read bandwidth, measured: `threads` threads each summing their share of one
 //   large buffer with vector loads (STREAM's "sum" without the write); decode, which reads
 //   every K/V byte once and computes little, is reported against it;
@@ -19,6 +21,23 @@
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
+// The best of five timed runs of `body` on `threads` threads (after one warm-up), as
+// 1e9 units per second for `units_per_thread` (FLOPs, bytes): a peak is what the machine can
+// do, and a shared machine only ever makes a single measurement slower.
+template <typename F>
+double best_rate(int threads, double units_per_thread, F&& body) {
+  parallel_for(threads, threads, body);  // warm-up (clocks, thread start)
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    parallel_for(threads, threads, body);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, double(threads) * units_per_thread / secs / 1e9);
+  }
+  return best;
+}
+
 double fma_peak_gflops(int threads) {
   constexpr int kChains = 12;
   const long iters = 20000000L / kW + 1000000;
@@ -33,18 +52,29 @@ double fma_peak_gflops(int threads) {
     volatile float sink = hsum(s);
     (void)sink;
   };
-  parallel_for(threads, threads, body);  // warm-up (clocks, thread start)
-  // The best of five: a peak is what the machine can do, and a shared machine only ever
-  // makes a single measurement slower.
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    parallel_for(threads, threads, body);
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, double(threads) * double(iters) * kChains * kW * 2.0 / secs / 1e9);
-  }
-  return best;
+  return best_rate(threads, double(iters) * kChains * kW * 2.0, body);
+}
+
+double bf16_dot_peak_gflops([[maybe_unused]] int threads) {
+#if defined(__AVX512BF16__)
+  constexpr int kChains = 12;
+  const long iters = 10000000L / kW + 500000;
+  auto body = [&](int64_t) {
+    __m512 acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(1e-3f * float(i));
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(0x33D633D6);  // (1e-7, 1e-7)
+    for (long it = 0; it < iters; ++it)
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    __m512 s = acc[0];
+    for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+  };
+  return best_rate(threads, double(iters) * kChains * kW * 4.0, body);
+#else
+  return 0.0;
+#endif
 }
 
 double read_bandwidth_gbs(int threads, int64_t bytes) {
@@ -64,16 +94,7 @@ double read_bandwidth_gbs(int threads, int64_t bytes) {
     volatile float sink = hsum((a0 + a1) + (a2 + a3));
     (void)sink;
   };
-  parallel_for(threads, threads, body);  // warm-up
-  double best = 0;  // the best of five, as for the FMA peak
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    parallel_for(threads, threads, body);
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, double(n) * sizeof(float) / secs / 1e9);
-  }
-  return best;
+  return best_rate(threads, double(n) * sizeof(float) / threads, body);
 }
 
 void exp_array(const float* x, float* y, int64_t n) {

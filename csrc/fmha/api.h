@@ -18,6 +18,10 @@ const char* isa_name(CpuIsa isa);
 // x86 levels only in a build for x86-64 (cmake/cpu_core.cmake).
 CpuIsa best_cpu_isa();
 std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "avx512bf16"}
+// The host a benchmark ran on, for its result file: vendor, family and model, the
+// microarchitecture when the pair is a known one, the model name, the clock and the SIMD
+// flags that matter here, from /proc/cpuinfo ("unknown CPU" where it cannot be read).
+std::string cpu_description();
 // The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16) if set, else the
 // best supported. Forcing a level the CPU (or the build) lacks is an error.
 CpuIsa active_cpu_isa();
@@ -30,6 +34,10 @@ void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
 void cpu_forward(const FwdParams& p);
 // The FMA peak of the active ISA on `threads` threads, measured (takes ~0.1-1 s).
 double cpu_fma_peak_gflops(int threads);
+// The bfloat16 pair dot-product peak (AVX512-BF16's vdpbf16ps, counted as 2 FLOPs per
+// product) of the active ISA on `threads` threads, measured; 0 when the level has no such
+// instruction (the bfloat16 kernels then run on float FMAs: judge them by the FMA peak).
+double cpu_bf16_dot_peak_gflops(int threads);
 // The read bandwidth of `threads` threads summing a `bytes` buffer, measured (GB/s, 1e9 B/s):
 // the limit decode is judged against.
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes);

@@ -3,6 +3,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
@@ -36,12 +37,14 @@ struct IsaKernels {
   void (*forward)(const FwdParams&);
   void (*backward)(const BwdParams&);
   double (*fma_peak_gflops)(int);
+  double (*bf16_dot_peak_gflops)(int);
   double (*read_bandwidth_gbs)(int, int64_t);
   void (*exp_array)(const float*, float*, int64_t);
   void (*decode_kv_codes)(int, const uint8_t*, float*, int64_t);
 };
 #define FMHA_ISA_KERNELS(ns) \
   IsaKernels { cpu::ns::forward, cpu::ns::backward, cpu::ns::fma_peak_gflops, \
+               cpu::ns::bf16_dot_peak_gflops, \
                cpu::ns::read_bandwidth_gbs, cpu::ns::exp_array, cpu::ns::decode_kv_codes }
 
 // The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
@@ -101,6 +104,69 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
 #endif
   return f;
+}
+
+namespace {
+
+// The microarchitecture of an x86 (vendor, family, model), for the hosts this project has
+// met and their close kin; "" otherwise.
+const char* microarchitecture(const std::string& vendor, int family, int model) {
+  if (vendor == "GenuineIntel" && family == 6) {
+    switch (model) {
+      case 85: return "Skylake-SP / Cascade Lake";
+      case 106: case 108: return "Ice Lake-SP";
+      case 143: return "Sapphire Rapids";
+      case 207: return "Emerald Rapids";
+      case 173: case 174: return "Granite Rapids";
+    }
+  }
+  if (vendor == "AuthenticAMD") {
+    if (family == 23 && model == 49) return "Zen 2 (Rome)";
+    if (family == 25 && model == 1) return "Zen 3 (Milan)";
+    if (family == 25 && model == 17) return "Zen 4 (Genoa)";
+    if (family == 25 && model == 160) return "Zen 4c (Bergamo)";
+    if (family == 26) return "Zen 5";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string cpu_description() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (!f) return "unknown CPU";
+  std::string vendor, name, mhz, flags;
+  int family = -1, model = -1;
+  char line[8192];
+  while (std::fgets(line, sizeof line, f)) {  // the first processor's block is enough
+    std::string l(line);
+    if (l == "\n") break;
+    const size_t colon = l.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = l.substr(0, colon), value = l.substr(colon + 1);
+    while (!key.empty() && (key.back() == ' ' || key.back() == '\t')) key.pop_back();
+    while (!value.empty() && (value.front() == ' ')) value.erase(0, 1);
+    while (!value.empty() && (value.back() == '\n')) value.pop_back();
+    if (key == "vendor_id") vendor = value;
+    else if (key == "cpu family") family = std::atoi(value.c_str());
+    else if (key == "model") model = std::atoi(value.c_str());
+    else if (key == "model name") name = value;
+    else if (key == "cpu MHz") mhz = value.substr(0, value.find('.'));
+    else if (key == "flags") flags = " " + value + " ";
+  }
+  std::fclose(f);
+  if (vendor.empty() && name.empty()) return "unknown CPU";
+  std::string d = vendor.empty() ? name : vendor;
+  if (family >= 0) d += concat(" family ", family, " model ", model);
+  const std::string uarch = microarchitecture(vendor, family, model);
+  if (!uarch.empty()) d += " (" + uarch + ")";
+  if (!vendor.empty() && !name.empty()) d += " | " + name;
+  if (!mhz.empty()) d += " | " + mhz + " MHz";
+  std::string simd;
+  for (const char* flag : {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"})
+    if (flags.find(std::string(" ") + flag + " ") != std::string::npos) simd += std::string(" ") + flag;
+  if (!simd.empty()) d += " | flags" + simd;
+  return d;
 }
 
 static bool has(const std::vector<std::string>& f, const char* name) {
@@ -301,6 +367,10 @@ int64_t cpu_work_estimate_ns(const FwdParams& p, double passes) {
 }
 
 double cpu_fma_peak_gflops(int threads) { return active_kernels().fma_peak_gflops(threads); }
+
+double cpu_bf16_dot_peak_gflops(int threads) {
+  return active_kernels().bf16_dot_peak_gflops(threads);
+}
 
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes) {
   FMHA_CHECK_ARG(threads >= 1 && bytes >= 1, "threads, bytes: expected >= 1, got ", threads,

@@ -30,7 +30,8 @@ def host_meta(torch, fmha, module: str = "fmha.bench") -> dict:
                 fmha=fmha.__version__, torch=torch.__version__, cpu_isa=fmha.cpu_isa(),
                 cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(),
-                cpu_model=cpu_model(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                cpu_model=cpu_model(), cpu=fmha._C.cpu_description(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
 def median_seconds(fn, reps: int, warmup: int = 1) -> float:
