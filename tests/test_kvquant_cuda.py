@@ -150,3 +150,54 @@ def test_every_code_is_widened_exactly(fmt):
         np.testing.assert_allclose(lse[0, 0].numpy()[finite], table[finite], rtol=1e-6,
                                    atol=0)
     check_refused(0)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_paged_kv_cache_pools(static):
+    """fmha.kvcache.PagedKVCache's 8-bit pools on the CUDA kernels: two prompts, decode
+    steps, then a fork whose child appends into a copied block (codes and scales copied
+    on write): every output equals the call over contiguous 8-bit caches holding the same
+    rows, bitwise, and the parent's rows and scales are untouched by the child."""
+    from fmha.kvcache import PagedKVCache
+    rng = np.random.default_rng(7 + static)
+    layers, hkv, hq, d, bs = 2, 2, 4, 40, 4
+    kw = {}
+    if static:
+        kw = dict(k_scale=torch.full((layers, hkv), 0.05), v_scale=torch.full((layers, hkv), 0.04))
+    cache = PagedKVCache(16, bs, layers, hkv, d, dtype=torch.float8_e4m3fn, **kw)
+    cap = 16
+    flat = {n: torch.zeros(layers, 3, cap, hkv, d, dtype=torch.float8_e4m3fn) for n in "kv"}
+    fs = {n: torch.zeros(layers, 3, cap, hkv) for n in "kv"}
+    rows = lambda *s: torch.from_numpy(rng.standard_normal(s)).to(torch.bfloat16)  # noqa: E731
+
+    def flat_call(layer, sl, q, k, v, lens):
+        scales = ((cache.k_scale(layer), cache.v_scale(layer)) if static
+                  else (fs["k"][layer, sl], fs["v"][layer, sl]))
+        return attention_with_kvcache(q, flat["k"][layer, sl], flat["v"][layer, sl], k, v,
+                                      cache_seqlens=lens, k_scale=scales[0],
+                                      v_scale=scales[1], causal=True)
+
+    def step(ids, sl, lens, n_new):
+        q, k, v = rows(len(ids), n_new, hq, d), rows(len(ids), n_new, hkv, d), rows(
+            len(ids), n_new, hkv, d)
+        cache.reserve(ids, n_new)
+        for layer in range(layers):
+            got = cache.attention(layer, q, k, v, ids, causal=True)
+            assert torch.equal(got, flat_call(layer, sl, q, k, v, lens))
+        cache.commit(ids, n_new)
+
+    ids = [cache.add_sequence() for _ in range(2)]
+    step(ids[:1], slice(0, 1), torch.tensor([0], dtype=torch.int32), 6)
+    step(ids[1:], slice(1, 2), torch.tensor([0], dtype=torch.int32), 3)
+    for i in range(3):
+        step(ids, slice(0, 2), torch.tensor([6 + i, 3 + i], dtype=torch.int32), 1)
+    before = (cache.k_pool(0).view(torch.uint8).clone(), cache.k_scale(0).clone())
+    held = cache.blocks(ids[0])
+    child = cache.fork(ids[0])  # 9 rows: the third block is partial, copied on write
+    for t in (flat["k"], flat["v"]) + (() if static else (fs["k"], fs["v"])):
+        t[:, 2] = t[:, 0]
+    step([child], slice(2, 3), torch.tensor([9], dtype=torch.int32), 1)
+    assert torch.equal(cache.k_pool(0).view(torch.uint8)[held], before[0][held])
+    if not static:
+        assert torch.equal(cache.k_scale(0)[held], before[1][held])
+    check_refused(0)

@@ -92,9 +92,10 @@ constexpr int decode_min_ctas() {
 
 // The value of a code, exact in float (fmha/kvquant.h's decode, without its branches):
 //   int8  the integer;  e5m2  the top byte of a half;
-//   e4m3  its sign and 7 magnitude bits placed in a float's sign, exponent and mantissa
-//         (bias 127, not 7), times 2^120 -- subnormal codes become float subnormals, which
-//         the multiply (no flush to zero in these builds) scales exactly; 0x7F is NaN.
+//   e4m3  its sign and 7 magnitude bits placed in a half's sign, exponent and mantissa
+//         (bias 15, not 7), times 2^8: subnormal codes become half subnormals, whose
+//         conversion to float is exact and forms no float subnormal (so flushing those to
+//         zero, in a build or a thread, changes nothing); 0x7F is NaN.
 template <KvCode kFormat>
 FMHA_DEVICE float to_float(Code8<kFormat> x) {
   const uint32_t c = x.bits;
@@ -103,10 +104,9 @@ FMHA_DEVICE float to_float(Code8<kFormat> x) {
   } else if constexpr (kFormat == KvCode::kE5M2) {
     return to_float(from_bits<half_t>(uint16_t(c << 8)));
   } else {
-    const uint32_t mag = c & 0x7Fu, bits = ((c & 0x80u) << 24) | (mag << 20);
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return mag == 0x7Fu ? NAN : v * 0x1p120f;
+    const uint32_t mag = c & 0x7Fu;
+    const float v = to_float(from_bits<half_t>(uint16_t(((c & 0x80u) << 8) | (mag << 7))));
+    return mag == 0x7Fu ? NAN : v * 256.0f;
   }
 }
 
@@ -137,22 +137,10 @@ FMHA_DEVICE void load8(const T* row, int c, int n, bool vec, float (&x)[8]) {
   }
 }
 
-// The same for 8-bit codes: one 8-byte load when vec.
+// Eight 8-bit codes, one 8-byte load.
 struct __align__(8) Codes8 {
   uint32_t w[2];
 };
-template <KvCode kFormat>
-FMHA_DEVICE void load8(const Code8<kFormat>* row, int c, int n, bool vec, float (&x)[8]) {
-  if (vec && c + 8 <= n) {
-    const Codes8 v = *reinterpret_cast<const Codes8*>(row + c);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      x[e] = to_float(Code8<kFormat>{uint8_t(v.w[e / 4] >> (8 * (e % 4)))});
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] = c + e < n ? to_float(row[c + e]) : 0.0f;
-  }
-}
 
 // x[0..kCols) = row[c0 .. c0 + kCols) as float, zero past n.
 template <typename T, int kCols>
@@ -185,6 +173,8 @@ struct RawCols {
 };
 template <KvCode kFormat, int kCols>
 struct RawCols<Code8<kFormat>, kCols> {
+  static_assert(kCols == 2 || kCols == 4 || kCols % 8 == 0,
+                "RawCols: the vector loads below cover 2, 4 or a multiple of 8 codes");
   static constexpr int kWords = (kCols + 3) / 4;
   uint32_t w[kWords];  // code c in byte c % 4 of word c / 4; 0 (the value 0) past the row
   FMHA_DEVICE void load(const Code8<kFormat>* row, int c0, int n, bool vec) {

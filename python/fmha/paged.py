@@ -301,6 +301,10 @@ class PagedKVCache:
         n = 0 if k is None or len(k.shape) != 4 else int(k.shape[1])
         lengths, table = self._step_inputs(ids, n)
         if self.format is not None:
+            given = sorted({"k_scale", "v_scale", "cache_dtype"} & set(kwargs))
+            if given:
+                raise TypeError(f"{', '.join(given)}: the cache passes its own scales and "
+                                f"encoding; set static scales when constructing it")
             kwargs.update(k_scale=self._k_scale[layer], v_scale=self._v_scale[layer])
             if self.kind == "numpy" and self.format != "int8":
                 kwargs["cache_dtype"] = self.format
@@ -357,7 +361,7 @@ class PagedKVCache:
     def _static_scales(self, name, x):
         """Static scales given for every layer: (num_layers, heads_kv) positive and finite,
         as one float32 array or tensor per layer (on the pools' device)."""
-        a = np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
+        a = np.asarray(x.detach().cpu().double() if hasattr(x, "detach") else x, np.float64)
         if a.shape != (self.num_layers, self.heads_kv):
             raise ValueError(f"{name}: expected shape ({self.num_layers}, {self.heads_kv}) "
                              f"(num_layers, heads_kv), got {a.shape}")
