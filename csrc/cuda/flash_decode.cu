@@ -122,16 +122,24 @@ int run(const FwdParams& p, int tile, Stream stream) {
   return launch.num_splits;
 }
 
-// The cache element type of the call: T, or the 8-bit format of kv_code.
+// The cache element type of the call: T, or the 8-bit format of kv_code. A build may leave
+// the 8-bit kernels out (FMHA_DECODE_8BIT=0: the sanitizer programs, which run none).
+#if !defined(FMHA_DECODE_8BIT)
+#define FMHA_DECODE_8BIT 1
+#endif
 template <typename T>
 int run_caches(const FwdParams& p, int tile, Stream stream) {
+  if (p.kv_code == KvCode::kNone) return run<T, T>(p, tile, stream);
+#if FMHA_DECODE_8BIT
   switch (p.kv_code) {
     case KvCode::kInt8: return run<T, Code8<KvCode::kInt8>>(p, tile, stream);
     case KvCode::kE4M3: return run<T, Code8<KvCode::kE4M3>>(p, tile, stream);
     case KvCode::kE5M2: return run<T, Code8<KvCode::kE5M2>>(p, tile, stream);
     case KvCode::kNone: break;
   }
-  return run<T, T>(p, tile, stream);
+#endif
+  throw Unsupported("k_cache: this build of the CUDA decode has no 8-bit cache kernels "
+                    "(FMHA_DECODE_8BIT=0)");
 }
 
 }  // namespace
