@@ -12,8 +12,8 @@ refused there -- caches byte for byte unchanged, out and lse NaN, and the refusa
 by fmha.kvcache.check_refused -- and a NaN in a V row no query sees stays out.
 
 Unused cache rows are NaN and table entries past a sequence's rows are out-of-range block
-ids (kvcache_cases.Caches): the kernels must read neither. The emulator runs one OS thread
-per CUDA thread: shapes stay small.
+ids (kvcache_cases.Caches): the kernels must read neither. The emulator runs every CUDA
+thread of a block in turn: shapes stay small.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 
 import fmha
 from fmha import reference
+from fmha._core import _kernel_module
 from fmha.kvcache import attention_with_kvcache, check_refused
 from kvcache_cases import CASES, CONTIGUOUS, Caches, Call, assert_near, convert, int32, raw
 
@@ -230,6 +231,32 @@ def test_nan_in_rows_outside_the_window_stays_out(rng):
     assert_near("lse", lse, ref_lse, 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_query_of_nan_makes_its_rows_nan(rng, num_splits):
+    """A NaN in one query makes every score of its rows NaN: out and lse NaN there, as on
+    the CPU, with and without key splits (fmaxf drops NaN from the running max, so a row
+    whose every score is NaN must not read as a row with no visible key). The other rows,
+    the same group's included, stay finite and equal the reference."""
+    lens, hq, hkv, d = [70, 90], 4, 2, 32
+    caches = Caches(rng, lens, 96, hkv, d, d)
+    k_cache, v_cache, _ = caches.arrays("float16", "numpy")
+    q = convert(rng.standard_normal((2, 1, hq, d)), "float16", "numpy")
+    q[1, 0, 2, 5] = np.nan  # batch 1, head 2 (kv head 1, the group's first row)
+    lens32 = int32(lens, "numpy")
+    out, lse = call(q, k_cache, v_cache, None, None, lens32, None, num_splits=num_splits)
+    with _kernel_module(fmha._C):
+        cpu_out, cpu_lse = call(*(x.astype(np.float32) for x in (q, k_cache, v_cache)),
+                                None, None, lens32, None)
+    nan = np.zeros((2, 1, hq), bool)
+    nan[1, 0, 2] = True
+    out = out.astype(np.float64)
+    for got_out, got_lse, who in ((out, lse, "cuda"), (cpu_out, cpu_lse, "cpu")):
+        assert np.isnan(got_out[nan]).all() and np.isnan(got_lse.transpose(0, 2, 1)[nan]).all(), who
+        assert np.isfinite(got_out[~nan]).all(), who
+    assert np.abs(out[~nan] - cpu_out[~nan]).max() <= TOL["float16"] * np.abs(cpu_out[~nan]).max()
+    check_refused(0)
+
+
 def test_float32_is_refused_on_the_cuda_kernels(rng):
     a = _refusal_base(rng)
     q32 = a["q"].astype(np.float32)
@@ -253,7 +280,6 @@ def test_paged_kv_cache_with_a_fork_decodes_on_the_cuda_kernels(rng, backend):
     """PagedKVCache (block size 4, a fork sharing a prefix) driven through four steps: the
     CUDA kernels give, step by step, what the CPU kernels give on a second cache fed the same
     rows (within float16's tolerance), and both pools end with the same rows."""
-    from fmha._core import _C, _kernel_module
     from fmha.kvcache import PagedKVCache
     f16 = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
     caches = [PagedKVCache(16, 4, 1, 2, 32, dtype=np.float16) for _ in range(2)]
@@ -269,7 +295,7 @@ def test_paged_kv_cache_with_a_fork_decodes_on_the_cuda_kernels(rng, backend):
             if which == 0:
                 outs[0].append(cache.attention(0, q, k, v, seqs, causal=True))
             else:
-                with _kernel_module(_C):
+                with _kernel_module(fmha._C):
                     outs[1].append(cache.attention(0, q, k, v, seqs, causal=True))
             cache.commit(seqs, n)
     for got, want in zip(*outs):

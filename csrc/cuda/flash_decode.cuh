@@ -487,9 +487,11 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
       float x = score::logit_log2<false>(p, seq, s[r], b, rh[r], ri[r], j, slope[r], vis, dcap);
       x = vis ? x : -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(x));
-      // Nothing seen yet (m_new = -inf): P = 0 and the state stays; exp2(-inf - -inf) is NaN.
+      // Nothing seen yet (m_new = -inf): the state stays; exp2(-inf - -inf) is NaN. A masked
+      // key has P = 0. A NaN score has P = NaN even when fmaxf dropped it from m_new (every
+      // score of the warp NaN): l turns NaN, and the merge below makes the row NaN.
       const float alpha = m_new == -INFINITY ? 1.0f : exp2f(m[r] - m_new);
-      const float pr = m_new == -INFINITY ? 0.0f : exp2f(x - m_new);
+      const float pr = x == -INFINITY ? 0.0f : exp2f(x - m_new);
       m[r] = m_new;
       l[r] = l[r] * alpha + pr;  // this lane's share; summed over the warp at the end
 #pragma unroll
@@ -536,7 +538,7 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
   for (int r = 0; r < kRows; ++r) {
     const float lr = warp_sum(l[r]);
     if (lane == 0) {
-      ml_s[(warp * kRows + r) * 2] = m[r];
+      ml_s[(warp * kRows + r) * 2] = lr != lr ? NAN : m[r];  // a NaN score: m may be -inf
       ml_s[(warp * kRows + r) * 2 + 1] = lr;
     }
 #pragma unroll
