@@ -6,7 +6,7 @@ with fmha.reference (float64) by the 3x rule of docs/testing.md (3x the error of
 done naively in the input precision, by torch autograd). Deterministic mode must give bitwise
 identical gradients run to run.
 
-Shapes stay tiny (the emulator runs one OS thread per CUDA thread): seqlens 1-80, batch and
+Shapes stay tiny (the emulator runs every CUDA thread of a block in turn): seqlens 1-80, batch and
 heads 1-2; they cross the 64-key and 16/32/64-query blocks of every head-dim tile.
 """
 

@@ -12,8 +12,8 @@ a naive low-precision computation, docs/testing.md) judge them. Each backend ski
 the reason, where it is not there (no emulator build; no usable GPU).
 
 Restricted to what the CUDA kernels take (float16 / bfloat16, head_dim <= 256) and to small
-shapes: the emulator runs one OS thread per CUDA thread, about 0.15 s per (query tile, key
-tile, head, batch) step, so seqlens stay <= ~130 and most cases fit one 64-row tile.
+shapes: the emulator runs every CUDA thread of a block in turn, about 0.02 s per (query tile,
+key tile, head, batch) step, so seqlens stay <= ~130 and most cases fit one 64-row tile.
 Each feature runs in one of the low-precision (lib, dtype) pairs, rotating over the table,
 so NumPy (attention_backward) and torch (autograd) paths both see every feature family.
 
@@ -363,8 +363,9 @@ def test_varlen_numpy_dropout(rng, causal):
 
 def test_deterministic_backward_bitwise_over_4_runs(rng):
     """deterministic=True: four backward passes give bit-identical dq, dk, dv, dbias (the
-    emulator runs each CUDA thread on an OS thread, so atomics land in a different order on
-    every run; test_cuda_backward_emu.py repeats the check with GQA for eight more)."""
+    emulator runs blocks and threads in a random order, so atomics land in a different order
+    on every run: test_atomic_backward_varies_between_runs; test_cuda_backward_emu.py repeats
+    the check with GQA for eight more)."""
     q, k, v, do = inputs(rng, "numpy", "float16", 1, 70, 90, 2, 1, 32)
     bias = make_array(rng, (1, 2, 70, 90), "float16", "numpy")
     kw = dict(causal=True, softcap=5.0, dropout_p=0.2, seed=5, bias=bias)
@@ -378,6 +379,23 @@ def test_deterministic_backward_bitwise_over_4_runs(rng):
             continue
         for name, a, b in zip(("dq", "dk", "dv", "dbias"), first, grads):
             assert np.array_equal(a, b, equal_nan=True), f"{name} differs in run {run}"
+
+
+def test_atomic_backward_varies_between_runs(rng, backend):
+    """What gives the determinism tests their teeth: without deterministic=True, dQ is summed
+    by atomics from ten key blocks, and three runs on the emulator (whose block order is
+    random) give at least two different dq. On a GPU the order usually varies too, but
+    nothing promises it: there only the deterministic runs are compared."""
+    q, k, v, do = inputs(rng, "numpy", "float16", 1, 40, 640, 2, 2, 32)
+    out, lse = fmha.attention(q, k, v, return_lse=True)
+    dqs = {}
+    for deterministic in (False, True):
+        dqs[deterministic] = [fmha.attention_backward(do, q, k, v, out, lse,
+                                                      deterministic=deterministic)[0]
+                              for _ in range(3)]
+    assert all(np.array_equal(dqs[True][0], x) for x in dqs[True][1:])
+    if backend == "emu":
+        assert not all(np.array_equal(dqs[False][0], x) for x in dqs[False][1:])
 
 
 def test_deterministic_torch_flag_reaches_backward(rng):

@@ -9,7 +9,7 @@ Also: every head-dim tile (32, 64, 96, 128, 256, odd dims in the next tile), var
 batches (cu_seqlens, against fmha.reference.attention_varlen_forward), split-KV (forced
 splits, empty splits, fully masked rows) and the generated instantiation files.
 
-The emulator runs one OS thread per CUDA thread, so shapes stay tiny: seqlens 1, 17, 64
+The emulator runs every CUDA thread of a block in turn, so shapes stay tiny: seqlens 1, 17, 64
 (one whole tile), 70 (a whole tile plus a tail), 80, 130; batch and heads 1-2.
 """
 

@@ -88,7 +88,7 @@ class Limits:
 CPU = Limits(dtypes=("float64", "float32", "bfloat16", "float16"), batch=3, seqlen=140,
              heads_kv=3, group=3,
              head_dims=(1, 2, 3, 5, 8, 13, 16, 24, 32, 40, 59, 64, 80, 96, 111, 128, 200, 256))
-#: The emulator runs one OS thread per CUDA thread (~0.3 s per 64x64 tile step).
+#: The emulator runs every CUDA thread of a block in turn (~0.05 s per 64x64 tile step).
 CUDA = Limits(dtypes=("float16", "bfloat16"), batch=2, seqlen=72, heads_kv=2, group=2,
               head_dims=(1, 3, 8, 16, 24, 32, 40, 59, 64, 96, 111, 128, 200, 256), max_cells=4)
 #: NaN/Inf: float32/float64 (the naive 16-bit baseline is not defined with NaN).

@@ -11,7 +11,7 @@ paged, float16 and bfloat16 queries --
   kernels have (64, 128, 256: kCols 2, 4, 8 codes per lane) and both row blocks (4, 8);
 * a NaN code next to pairs the mask excludes reaches only the rows that see its key.
 
-The emulator runs one OS thread per CUDA thread: shapes stay small.
+The emulator runs every CUDA thread of a block in turn: shapes stay small.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // Checks of the emulator itself: the execution model (thread and block indices, blocks one
-// after another, shared memory per block) and that it reports, instead of hanging or
+// after another in a random order, shared memory per block) and that it reports, instead of hanging or
 // silently passing, the CUDA rules kernels break: barriers not reached by every thread,
 // divergent warp collectives, misaligned ldmatrix, reading cp.async data before waiting,
 // dynamic shared memory without the opt-in, __trap.
@@ -45,24 +45,38 @@ __global__ void ids_kernel(Ids* out, float* sequence) {
 }
 
 EMU_TEST("emu.indices", "CUDA Programming Guide, Thread Hierarchy: threadIdx/blockIdx/blockDim/"
-                        "gridDim; the emulator runs blocks one after another, x fastest") {
+                        "gridDim; the emulator runs blocks one after another, in a random order") {
   const dim3 grid(3, 2, 2), block(8, 4, 2);
   const int nb = 12, nt = 64;
-  std::vector<Ids> out(size_t(nb * nt));
-  float sequence = 0;
-  FMHA_LAUNCH(ids_kernel, grid, block, 0, nullptr, out.data(), &sequence);
-  for (int b = 0; b < nb; ++b)
-    for (int t = 0; t < nt; ++t) {
-      const Ids& o = out[size_t(b * nt + t)];
-      const unsigned want_t[3] = {unsigned(t % 8), unsigned(t / 8 % 4), unsigned(t / 32)};
-      const unsigned want_b[3] = {unsigned(b % 3), unsigned(b / 3 % 2), unsigned(b / 6)};
-      for (int d = 0; d < 3; ++d)
-        if (o.t[d] != want_t[d] || o.b[d] != want_b[d])
-          return fail("block " + std::to_string(b) + " thread " + std::to_string(t) + ": wrong index");
-      if (o.bd[0] != 8 || o.bd[1] != 4 || o.bd[2] != 2 || o.gd[0] != 3 || o.gd[1] != 2 || o.gd[2] != 2)
-        return fail("wrong blockDim/gridDim");
-      if (o.order != float(b)) return fail("blocks did not run one after another in linear order");
-    }
+  std::vector<float> orders[2];
+  for (std::vector<float>& order : orders) {
+    std::vector<Ids> out(size_t(nb * nt));
+    float sequence = 0;
+    FMHA_LAUNCH(ids_kernel, grid, block, 0, nullptr, out.data(), &sequence);
+    std::vector<bool> seen(size_t(nb), false);
+    for (int b = 0; b < nb; ++b)
+      for (int t = 0; t < nt; ++t) {
+        const Ids& o = out[size_t(b * nt + t)];
+        const unsigned want_t[3] = {unsigned(t % 8), unsigned(t / 8 % 4), unsigned(t / 32)};
+        const unsigned want_b[3] = {unsigned(b % 3), unsigned(b / 3 % 2), unsigned(b / 6)};
+        for (int d = 0; d < 3; ++d)
+          if (o.t[d] != want_t[d] || o.b[d] != want_b[d])
+            return fail("block " + std::to_string(b) + " thread " + std::to_string(t) + ": wrong index");
+        if (o.bd[0] != 8 || o.bd[1] != 4 || o.bd[2] != 2 || o.gd[0] != 3 || o.gd[1] != 2 || o.gd[2] != 2)
+          return fail("wrong blockDim/gridDim");
+        if (o.order != out[size_t(b * nt)].order)
+          return fail("the threads of a block saw different positions in the sequence");
+        if (t == 0) {
+          const int at = int(o.order);
+          if (at < 0 || at >= nb || seen[size_t(at)])
+            return fail("blocks did not run one after another (positions repeat or skip)");
+          seen[size_t(at)] = true;
+          order.push_back(o.order);
+        }
+      }
+  }
+  // Two launches in the same order: 1 chance in 12! with random orders.
+  if (orders[0] == orders[1]) return fail("two launches ran their 12 blocks in the same order");
   return pass();
 }
 

@@ -4,11 +4,16 @@
 // masking, missing barriers, out-of-bounds accesses) fail a test instead of shipping.
 //
 // Execution model (see runtime.cpp for the implementation):
-//  * A launch runs its blocks one after another, in CUDA's linear order (x fastest). Each
-//    block's threads are real OS threads, one per CUDA thread, whose threadIdx / blockIdx /
-//    blockDim / gridDim are thread-local. Warp w of a block is linear threads 32w..32w+31.
+//  * A launch runs its blocks one after another, in a random order (CUDA promises none;
+//    FMHA_EMU_SCHEDULE_SEED=<n> replays one: runtime.cpp). Each CUDA thread of a block is
+//    a fiber (a user-space context with its own stack, all of the block's on the launching
+//    OS thread, switched in a random order whenever one waits at a barrier) or, in builds
+//    instrumented by AddressSanitizer or ThreadSanitizer, a real OS thread (FMHA_EMU_FIBERS
+//    in runtime.cpp). threadIdx / blockIdx / blockDim / gridDim are per CUDA thread. Warp w
+//    of a block is linear threads 32w..32w+31.
 //  * __syncthreads (and __syncthreads_or) and __syncwarp are barriers (mutex + condition
-//    variables, which ThreadSanitizer understands). Every barrier checks CUDA's rules instead of hanging:
+//    variables, which ThreadSanitizer understands, with OS threads; a yield to the block's
+//    other fibers with fibers). Every barrier checks CUDA's rules instead of hanging:
 //    all threads of a block must reach the same __syncthreads (same file:line), no thread
 //    may exit while others wait at, or will later reach, a __syncthreads, and a deadlock
 //    (every live thread waiting on a barrier that cannot complete) is reported as an error.

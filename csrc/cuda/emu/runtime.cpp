@@ -4,6 +4,8 @@
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,10 +15,26 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <thread>
 
 #include "cuda/emu/runtime_internal.h"
+
+// How a block's CUDA threads run. Fibers (FMHA_EMU_FIBERS=1, the default): user-space
+// contexts on the launching OS thread, one stack each, switched round-robin whenever one
+// waits at a barrier -- a warp collective then costs a few context switches instead of
+// waking 31 OS threads through the kernel. OS threads (0): one per CUDA thread, kept for
+// AddressSanitizer and ThreadSanitizer, which follow real threads but not unannotated
+// stack switches. The barriers, checks and results are the same in both: only the order
+// in which runnable threads proceed differs, and a correct kernel does not depend on it.
+#if !defined(FMHA_EMU_FIBERS)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define FMHA_EMU_FIBERS 0
+#else
+#define FMHA_EMU_FIBERS 1
+#endif
+#endif
 
 namespace emu {
 
@@ -131,6 +149,46 @@ std::string where(const char* file, int line, const void* pc = nullptr) {
   return os.str();
 }
 
+#if FMHA_EMU_FIBERS
+// The fiber scheduler of the calling OS thread's launch (see run_block_fibers).
+struct Fiber {
+  ucontext_t context;
+  void* stack = nullptr;
+  size_t stack_bytes = 0;
+  BlockState* block = nullptr;
+  int tid = 0;
+  bool done = false;
+};
+__thread ucontext_t* t_scheduler = nullptr;  // where a waiting fiber returns to
+__thread Fiber* t_fiber = nullptr;           // the fiber running now
+__thread Thunk t_thunk = nullptr;
+__thread void* t_closure = nullptr;
+
+// Back to the scheduler until this fiber's turn comes again.
+void fiber_yield() {
+  const ThreadState* self = g_thread;
+  Fiber* f = t_fiber;
+  if (swapcontext(&f->context, t_scheduler) != 0) std::abort();
+  g_thread = self;
+}
+#endif
+
+// Waits at a barrier until ready(): on the condition variable (OS threads), or by yielding
+// to the other fibers of the block, with the lock released meanwhile (fibers).
+template <typename Ready>
+void wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, Ready ready) {
+#if FMHA_EMU_FIBERS
+  (void)cv;
+  while (!ready()) {
+    lk.unlock();
+    fiber_yield();
+    lk.lock();
+  }
+#else
+  cv.wait(lk, ready);
+#endif
+}
+
 // Records the first error of the block, aborts it and wakes every waiting thread.
 void abort_locked(BlockState& b, const std::string& message) {
   if (!b.aborted) {
@@ -208,7 +266,7 @@ void warp_barrier(ThreadImpl& t, int op, const char* file, int line, const void*
     const uint64_t g = w.generation;
     ++b.blocked;
     check_deadlock_locked(b);
-    w.cv.wait(lk, [&] { return w.generation != g || b.aborted; });
+    wait_until(w.cv, lk, [&] { return w.generation != g || b.aborted; });
     if (w.generation == g) throw Abort{};
   }
   ++t.warp_epoch;
@@ -241,6 +299,10 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
   t.pub.block_dim = b->block_dim;
   t.pub.grid_dim = b->grid_dim;
   t.pub.impl = &t;
+#if FMHA_EMU_FIBERS
+  t.stack_lo = reinterpret_cast<uintptr_t>(t_fiber->stack);
+  t.stack_hi = t.stack_lo + t_fiber->stack_bytes;
+#else
   pthread_attr_t attr;
   if (pthread_getattr_np(pthread_self(), &attr) == 0) {
     void* lo = nullptr;
@@ -251,6 +313,7 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
     }
     pthread_attr_destroy(&attr);
   }
+#endif
   g_thread = &t.pub;
 
   try {
@@ -288,6 +351,96 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
   }
   g_thread = nullptr;
 }
+
+// The random orders of the schedule: of a launch's blocks, and of the turns fibers take
+// (a new permutation every round). As on a GPU, the interleaving -- say, the order in
+// which atomics land -- then differs from run to run, so tests of run-to-run determinism
+// can fail. FMHA_EMU_SCHEDULE_SEED=<n> fixes the sequence (to replay a failure).
+uint64_t next_random() {
+  static std::atomic<uint64_t> state{[] {
+    const char* env = std::getenv("FMHA_EMU_SCHEDULE_SEED");
+    return env && *env ? std::strtoull(env, nullptr, 10) * 2 + 1
+                       : (uint64_t(std::random_device{}()) << 32) | std::random_device{}() | 1;
+  }()};
+  // splitmix64 over an atomic counter: fine from any thread.
+  uint64_t z = state.fetch_add(0x9E3779B97F4A7C15ull, std::memory_order_relaxed);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename I>
+void shuffle(std::vector<I>& order) {
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+}
+
+#if FMHA_EMU_FIBERS
+// Fiber stacks: 1 MiB each (an OS thread's default is 8, but a kernel's locals are its
+// registers and a few arrays), below each a page that faults on overflow; mapped once and
+// reused by every later block and launch of this process.
+constexpr size_t kFiberStack = size_t(1) << 20, kGuard = 4096;
+std::mutex g_stacks_mutex;
+std::vector<void*> g_stacks;
+
+void* fiber_stack(size_t i) {
+  std::lock_guard<std::mutex> lk(g_stacks_mutex);
+  while (g_stacks.size() <= i) {
+    void* p = mmap(nullptr, kFiberStack + kGuard, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    if (mprotect(p, kGuard, PROT_NONE) != 0) throw std::bad_alloc();
+    g_stacks.push_back(static_cast<unsigned char*>(p) + kGuard);
+  }
+  return g_stacks[i];
+}
+
+void fiber_main() {
+  Fiber* f = t_fiber;
+  thread_main(f->block, f->tid, t_thunk, t_closure);
+  f->done = true;  // returning resumes the scheduler (uc_link)
+}
+
+// Runs the block's threads as fibers on this OS thread, each until it waits at a barrier
+// or exits, in rounds (every unfinished fiber once per round, in a random order); a
+// waiting fiber looks at its barrier again on its next turn. thread_main's own checks end
+// any deadlock (every live thread waiting) by aborting the block, which releases every
+// waiter.
+void run_block_fibers(BlockState& b, Thunk thunk, void* closure) {
+  std::vector<Fiber> fibers(size_t(b.nthreads));
+  ucontext_t scheduler;
+  for (int tid = 0; tid < b.nthreads; ++tid) {
+    Fiber& f = fibers[size_t(tid)];
+    f.block = &b;
+    f.tid = tid;
+    f.stack = fiber_stack(size_t(tid));
+    f.stack_bytes = kFiberStack;
+    if (getcontext(&f.context) != 0) throw std::runtime_error("getcontext failed");
+    f.context.uc_stack.ss_sp = f.stack;
+    f.context.uc_stack.ss_size = f.stack_bytes;
+    f.context.uc_link = &scheduler;
+    makecontext(&f.context, fiber_main, 0);
+  }
+  t_scheduler = &scheduler;
+  t_thunk = thunk;
+  t_closure = closure;
+  std::vector<int> order(size_t(b.nthreads));
+  for (int tid = 0; tid < b.nthreads; ++tid) order[size_t(tid)] = tid;
+  while (!order.empty()) {
+    shuffle(order);
+    for (int tid : order) {
+      Fiber& f = fibers[size_t(tid)];
+      t_fiber = &f;
+      if (swapcontext(&scheduler, &f.context) != 0) std::abort();
+      g_thread = nullptr;
+    }
+    order.erase(std::remove_if(order.begin(), order.end(),
+                               [&](int tid) { return fibers[size_t(tid)].done; }),
+                order.end());
+  }
+  t_fiber = nullptr;
+  t_scheduler = nullptr;
+}
+#endif
 
 std::string dims(const uint3& v) {
   std::ostringstream os;
@@ -471,7 +624,7 @@ int syncthreads_or(int predicate, const char* file, int line) {
     const uint64_t g = b.generation;
     ++b.blocked;
     detail::check_deadlock_locked(b);
-    b.cv.wait(lk, [&] { return b.generation != g || b.aborted; });
+    detail::wait_until(b.cv, lk, [&] { return b.generation != g || b.aborted; });
     if (b.generation == g) throw detail::Abort{};
   }
   ++t.block_epoch;
@@ -783,63 +936,72 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
                       "emulated)");
   std::lock_guard<std::mutex> launch_lock(detail::g_launch_mutex);
   detail::bump(detail::s_launches);
-  for (unsigned bz = 0; bz < grid.z; ++bz)
-    for (unsigned by = 0; by < grid.y; ++by)
-      for (unsigned bx = 0; bx < grid.x; ++bx) {
-        BlockState b;
-        b.kernel = &kname;
-        b.block_idx = {bx, by, bz};
-        b.block_dim = block;
-        b.grid_dim = grid;
-        b.nthreads = int(nthreads);
-        b.nwarps = int((nthreads + 31) / 32);
-        b.live = b.nthreads;
-        b.warps.reset(new detail::WarpState[size_t(b.nwarps)]);
-        for (int w = 0; w < b.nwarps; ++w) {
-          detail::WarpState& ws = b.warps[size_t(w)];
-          ws.size = ws.live = int(std::min<uint64_t>(32, nthreads - uint64_t(w) * 32));
-        }
-        // Exactly `smem` bytes, so that AddressSanitizer flags any access past the end;
-        // 0xFF bytes are NaN in f16, bf16 and f32: an unwritten element poisons the result.
-        void* p = nullptr;
-        if (posix_memalign(&p, 128, std::max<size_t>(smem, 1)) != 0) throw std::bad_alloc();
-        std::unique_ptr<unsigned char, void (*)(void*)> dyn(static_cast<unsigned char*>(p),
-                                                             std::free);
-        std::memset(dyn.get(), 0xFF, std::max<size_t>(smem, 1));
-        b.dynamic_smem = dyn.get();
-        b.dynamic_smem_bytes = smem;
+  // The blocks one after another, in a random order: CUDA promises none, and atomics from
+  // different blocks then land in a different order on every run, as on a GPU.
+  std::vector<int64_t> blocks(static_cast<size_t>(nblocks));
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = int64_t(i);
+  detail::shuffle(blocks);
+  for (const int64_t linear : blocks) {
+    const unsigned bx = unsigned(linear % grid.x), by = unsigned(linear / grid.x % grid.y),
+                   bz = unsigned(linear / (int64_t(grid.x) * grid.y));
+    BlockState b;
+    b.kernel = &kname;
+    b.block_idx = {bx, by, bz};
+    b.block_dim = block;
+    b.grid_dim = grid;
+    b.nthreads = int(nthreads);
+    b.nwarps = int((nthreads + 31) / 32);
+    b.live = b.nthreads;
+    b.warps.reset(new detail::WarpState[size_t(b.nwarps)]);
+    for (int w = 0; w < b.nwarps; ++w) {
+      detail::WarpState& ws = b.warps[size_t(w)];
+      ws.size = ws.live = int(std::min<uint64_t>(32, nthreads - uint64_t(w) * 32));
+    }
+    // Exactly `smem` bytes, so that AddressSanitizer flags any access past the end;
+    // 0xFF bytes are NaN in f16, bf16 and f32: an unwritten element poisons the result.
+    void* p = nullptr;
+    if (posix_memalign(&p, 128, std::max<size_t>(smem, 1)) != 0) throw std::bad_alloc();
+    std::unique_ptr<unsigned char, void (*)(void*)> dyn(static_cast<unsigned char*>(p),
+                                                         std::free);
+    std::memset(dyn.get(), 0xFF, std::max<size_t>(smem, 1));
+    b.dynamic_smem = dyn.get();
+    b.dynamic_smem_bytes = smem;
 
-        if (detail::g_race_checker) detail::g_race_checker->block_begin();
-        std::vector<std::thread> threads;
-        threads.reserve(size_t(nthreads));
-        try {
-          for (int tid = 0; tid < b.nthreads; ++tid)
-            threads.emplace_back(detail::thread_main, &b, tid, thunk, closure);
-        } catch (const std::exception& e) {
-          {
-            std::lock_guard<std::mutex> lk(b.m);
-            detail::abort_locked(b, std::string("could not start the block's threads: ") +
-                                        e.what());
-            b.live -= b.nthreads - int(threads.size());  // those never started
-            detail::check_deadlock_locked(b);
-          }
-          for (std::thread& th : threads) th.join();
-          throw LaunchError(kname.get() + ": " + b.error);
-        }
-        for (std::thread& th : threads) th.join();
-        detail::bump(detail::s_blocks);
-        detail::bump(detail::s_threads, nthreads);
-
-        std::vector<std::string> races;
-        if (detail::g_race_checker) races = detail::g_race_checker->block_end();
-        if (b.aborted) throw LaunchError(b.error);
-        if (!races.empty()) {
-          std::string msg = kname.get() + ": racecheck: memory hazards in block " +
-                            detail::dims(b.block_idx) + ":";
-          for (const std::string& r : races) msg += "\n  " + r;
-          throw LaunchError(msg);
-        }
+    if (detail::g_race_checker) detail::g_race_checker->block_begin();
+#if FMHA_EMU_FIBERS
+    detail::run_block_fibers(b, thunk, closure);
+#else
+    std::vector<std::thread> threads;
+    threads.reserve(size_t(nthreads));
+    try {
+      for (int tid = 0; tid < b.nthreads; ++tid)
+        threads.emplace_back(detail::thread_main, &b, tid, thunk, closure);
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lk(b.m);
+        detail::abort_locked(b, std::string("could not start the block's threads: ") +
+                                    e.what());
+        b.live -= b.nthreads - int(threads.size());  // those never started
+        detail::check_deadlock_locked(b);
       }
+      for (std::thread& th : threads) th.join();
+      throw LaunchError(kname.get() + ": " + b.error);
+    }
+    for (std::thread& th : threads) th.join();
+#endif
+    detail::bump(detail::s_blocks);
+    detail::bump(detail::s_threads, nthreads);
+
+    std::vector<std::string> races;
+    if (detail::g_race_checker) races = detail::g_race_checker->block_end();
+    if (b.aborted) throw LaunchError(b.error);
+    if (!races.empty()) {
+      std::string msg = kname.get() + ": racecheck: memory hazards in block " +
+                        detail::dims(b.block_idx) + ":";
+      for (const std::string& r : races) msg += "\n  " + r;
+      throw LaunchError(msg);
+    }
+  }
 }
 
 Stats stats() {

@@ -22,7 +22,7 @@ void probe_convert(const float* in, uint16_t* out, int64_t n, DType to, void* st
 #if defined(__CUDACC__)
   const unsigned blocks = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
 #else
-  const unsigned blocks = 1;  // emulated threads are OS threads: one block, grid-stride loop
+  const unsigned blocks = 1;  // emulated blocks run one at a time: one, grid-stride loop
 #endif
   const Stream s = static_cast<Stream>(stream);
   if (to == DType::kFloat16) {
