@@ -11,9 +11,16 @@
     python -m fmha.bench --kv-quant --out kvq.json      # 8-bit KV cache accuracy report
 
 For every case it times the forward and the forward+backward of each implementation on the
-same inputs and thread count, reports the median GFLOP/s (forward 4·b·h·sq·sk·d, halved for
-causal; backward 2.5× forward) and the ratio fmha / torch SDPA, and writes the rows to a JSON
-file (and a CSV beside it). Speed is only ever reported here, never asserted by tests.
+same inputs and thread count: fmha, torch SDPA, PyTorch FlexAttention (``flex``:
+torch.compile(flex_attention, dynamic=False, fullgraph=True), a causal BlockMask for the
+causal cases; forward only, since FlexAttention has no CPU backward in torch 2.13 -- the
+reason is printed and recorded in the JSON's meta) and the naive formula. It reports the
+median GFLOP/s (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5× forward), the ratios
+to torch SDPA and to Flex, and the fraction of the hardware's peak measured in the same run:
+float32 rows against the fp32 FMA peak, bfloat16 rows against the bf16 dot-product peak
+(vdpbf16ps) where the CPU has it, else against the fp32 FMA peak (the JSON says which). The
+rows go to a JSON file (and a CSV beside it). Speed is only ever reported here, never
+asserted by tests.
 
 --latency times something else: the per-call cost of small calls (decode steps, short
 sequences), where the overhead around the kernel dominates. It reports µs per call for
@@ -56,6 +63,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from ._flex import compiled_flex, dynamo_compiles_allowed
 from ._host import host_meta
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
@@ -79,11 +87,12 @@ class Row:
     case: str
     dtype: str
     pass_: str  # "fwd" | "fwd+bwd"
-    impl: str   # "fmha" | "torch_sdpa" | "naive" | "fmha+keypad"
+    impl: str   # "fmha" | "torch_sdpa" | "flex" | "naive" | "fmha+keypad"
     median_s: float
     gflops: float
     ratio_vs_sdpa: Optional[float]  # for "fmha+keypad": time without mask / time with
-
+    fraction_of_peak: Optional[float] = None  # gflops / the dtype's measured peak
+    ratio_vs_flex: Optional[float] = None     # flex time / this time (fmha rows)
 
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
@@ -105,7 +114,19 @@ def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20):
     return statistics.median(times)
 
 
-def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
+def measured_peaks(fmha, nthreads: int) -> dict:
+    """The fp32 FMA and bf16 dot-product peaks (GFLOP/s, best of three probes each), and the
+    peak each dtype's rows are judged against."""
+    fp32 = max(fmha._C.cpu_fma_peak_gflops(nthreads) for _ in range(3))
+    bf16 = max(fmha._C.cpu_bf16_dot_peak_gflops(nthreads) for _ in range(3))
+    return dict(fp32_fma_peak_gflops=fp32, bf16_dot_peak_gflops=bf16 or None,
+                peak_of_dtype=dict(float32="fp32_fma",
+                                   bfloat16="bf16_dot" if bf16 else "fp32_fma"),
+                peak_gflops_of_dtype=dict(float32=fp32, bfloat16=bf16 or fp32))
+
+
+def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
+        flex: bool = True):
     import torch
     import torch.nn.functional as F
 
@@ -113,13 +134,52 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
 
     if threads:
         torch.set_num_threads(threads)
-    fmha.set_num_threads(torch.get_num_threads())
+    nthreads = torch.get_num_threads()
+    fmha.set_num_threads(nthreads)
     rows: List[Row] = []
     total = len(cases) * len(dtypes) * len(passes)
+    peaks = measured_peaks(fmha, nthreads)
+    bf16_peak = peaks["bf16_dot_peak_gflops"]
+    print(f"fmha {fmha.__version__} | CPU ISA {fmha.cpu_isa()} | threads {nthreads} | torch "
+          f"{torch.__version__}\nhost {fmha._C.cpu_description()}\nmeasured peaks: fp32 FMA "
+          f"{peaks['fp32_fma_peak_gflops']:.1f} GFLOP/s, bf16 dot "
+          + (f"{bf16_peak:.1f} GFLOP/s" if bf16_peak else "none (bfloat16 judged against fp32)"),
+          flush=True)
+    flex_fn, flex_block_mask, flex_error = compiled_flex(torch) if flex else (None, None,
+                                                                             "not requested")
+    flex_errors = {}
+    with dynamo_compiles_allowed(torch):
+        _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
+                   flex_block_mask, flex_error, flex_errors)
+    _print_table(rows)
+    if out_path:
+        meta = host_meta(torch, fmha)
+        meta.update(peaks, flex=dict(compile="torch.compile(flex_attention, dynamic=False, "
+                                             "fullgraph=True)", errors=flex_errors))
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as fh:
+            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
+        with open(os.path.splitext(out_path)[0] + ".csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["case", "dtype", "pass", "impl", "median_s", "gflops", "ratio_vs_sdpa",
+                        "fraction_of_peak", "ratio_vs_flex"])
+            opt = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
+            for r in rows:
+                w.writerow([r.case, r.dtype, r.pass_, r.impl, f"{r.median_s:.6f}",
+                            f"{r.gflops:.2f}", opt(r.ratio_vs_sdpa), opt(r.fraction_of_peak),
+                            opt(r.ratio_vs_flex)])
+        print(f"wrote {out_path}")
+    return rows
+
+
+def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
+               flex_block_mask, flex_error, flex_errors):
     done = 0
-    print(f"fmha {fmha.__version__} | CPU ISA {fmha.cpu_isa()} | threads "
-          f"{torch.get_num_threads()} | torch {torch.__version__}", flush=True)
     for (name, b, hq, hkv, sq, sk, d, causal) in cases:
+        flex_mask = None
+        if flex_fn is not None and causal:
+            flex_mask = flex_block_mask(lambda b_, h_, i, j: j <= i, None, None, sq, sk,
+                                        device="cpu")
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             g = torch.Generator().manual_seed(0)
@@ -143,6 +203,12 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
             pad[..., sk - sk // 8:] = False
             impls["fmha+keypad"] = lambda q=q, k=k, v=v, pad=pad: fmha.attention(
                 q, k, v, causal=causal, mask=pad)
+            if flex_fn is not None:
+                impls["flex"] = lambda q=q, k=k, v=v, m=flex_mask: flex_fn(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    block_mask=m, enable_gqa=gqa).transpose(1, 2)
+            else:
+                flex_errors[name] = flex_error
             if b * hq * sq * sk <= NAIVE_MAX_SCORES:
                 def naive(q=q, k=k, v=v):
                     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -162,6 +228,10 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                 for impl, fn in impls.items():
                     if impl == "fmha+keypad" and pass_ != "fwd":
                         continue
+                    if impl == "flex" and pass_ != "fwd":
+                        flex_errors.setdefault(f"{name} {pass_}", "not timed: FlexAttention "
+                                               "has no CPU backward in torch 2.13")
+                        continue
                     if pass_ == "fwd":
                         def step(fn=fn):
                             with torch.no_grad():
@@ -174,40 +244,39 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int]):
                             for x in (q, k, v):
                                 x.grad = None
                             fn().sum().backward()
-                    secs[impl] = _time(step)
+                    try:
+                        secs[impl] = _time(step)
+                    except Exception as e:  # noqa: BLE001 - a Flex failure is recorded
+                        if impl != "flex":
+                            raise
+                        flex_errors[f"{name} {dtype_name} {pass_}"] = f"{type(e).__name__}: {e}"
                     for x in (q, k, v):
                         x.requires_grad_(False)
+                peak = peaks["peak_gflops_of_dtype"].get(dtype_name)
                 for impl, s in secs.items():
                     if impl == "fmha+keypad":  # ratio to the unmasked fmha call
                         rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9,
                                         secs["fmha"] / s))
                         continue
                     ratio = secs["torch_sdpa"] / s if impl != "torch_sdpa" else None
-                    rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9, ratio))
+                    rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9, ratio,
+                                    f / s / 1e9 / peak if peak else None,
+                                    secs["flex"] / s if impl == "fmha" and "flex" in secs
+                                    else None))
                 print("  " + "  ".join(f"{i} {f / s / 1e9:7.1f} GFLOP/s" for i, s in
                                        secs.items()) +
-                      f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x", flush=True)
-    _print_table(rows)
-    if out_path:
-        meta = host_meta(torch, fmha)
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
-        with open(os.path.splitext(out_path)[0] + ".csv", "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["case", "dtype", "pass", "impl", "median_s", "gflops", "ratio_vs_sdpa"])
-            for r in rows:
-                w.writerow([r.case, r.dtype, r.pass_, r.impl, f"{r.median_s:.6f}",
-                            f"{r.gflops:.2f}", "" if r.ratio_vs_sdpa is None
-                            else f"{r.ratio_vs_sdpa:.3f}"])
-        print(f"wrote {out_path}")
-    return rows
+                      f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x" +
+                      (f"  fmha/flex {secs['flex'] / secs['fmha']:.2f}x" if "flex" in secs
+                       else "") +
+                      (f"  fmha {100 * f / secs['fmha'] / 1e9 / peak:.0f}% of peak" if peak
+                       else ""), flush=True)
 
 
 def _print_table(rows: List[Row]):
-    print("\n| case | dtype | pass | fmha GFLOP/s | torch SDPA GFLOP/s | naive GFLOP/s | "
-          "fmha / SDPA | time with key-padding mask / without |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("\n| case | dtype | pass | fmha GFLOP/s | fmha % of peak | torch SDPA GFLOP/s | "
+          "Flex GFLOP/s | naive GFLOP/s | fmha / SDPA | fmha / Flex | "
+          "time with key-padding mask / without |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     keys = []
     for r in rows:
         if (r.case, r.dtype, r.pass_) not in keys:
@@ -215,11 +284,15 @@ def _print_table(rows: List[Row]):
     for key in keys:
         by = {r.impl: r for r in rows if (r.case, r.dtype, r.pass_) == key}
         naive = f"{by['naive'].gflops:.1f}" if "naive" in by else "—"
+        flex = f"{by['flex'].gflops:.1f}" if "flex" in by else "—"
         keypad = (f"{by['fmha+keypad'].median_s / by['fmha'].median_s:.2f}"
                   if "fmha+keypad" in by else "—")
-        print(f"| {key[0]} | {key[1]} | {key[2]} | {by['fmha'].gflops:.1f} | "
-              f"{by['torch_sdpa'].gflops:.1f} | {naive} | {by['fmha'].ratio_vs_sdpa:.2f}× | "
-              f"{keypad} |")
+        fm = by["fmha"]
+        pct = f"{100 * fm.fraction_of_peak:.0f}%" if fm.fraction_of_peak else "—"
+        vs_flex = f"{fm.ratio_vs_flex:.2f}×" if fm.ratio_vs_flex else "—"
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {fm.gflops:.1f} | {pct} | "
+              f"{by['torch_sdpa'].gflops:.1f} | {flex} | {naive} | {fm.ratio_vs_sdpa:.2f}× | "
+              f"{vs_flex} | {keypad} |")
 
 
 def main(argv=None):
@@ -246,6 +319,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated (default: float32,bfloat16; float32 for --latency)")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--no-flex", action="store_true",
+                    help="leave out the FlexAttention column (it compiles once per case and "
+                         "dtype: ~10-30 s each on 2 cores)")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None,
@@ -302,7 +378,7 @@ def main(argv=None):
         cases = [c for c in STANDARD_SUITE + QUICK_SUITE if c[0] in wanted]
         if not cases:
             ap.error(f"--cases: none of {sorted(wanted)} is a known case")
-    run(cases, a.dtypes.split(","), a.passes.split(","), a.out, a.threads)
+    run(cases, a.dtypes.split(","), a.passes.split(","), a.out, a.threads, flex=not a.no_flex)
 
 
 if __name__ == "__main__":

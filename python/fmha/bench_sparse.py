@@ -48,9 +48,9 @@ non-empty blocks, forward+backward 3.5× that (bench.py's convention: backward 2
 forward). Every column's GFLOP/s uses that same count, so a dense-mask column's rate is the
 useful rate it delivers. Also recorded: the allowed pairs exactly (mask.sum()), the block
 counts (empty / full / partial) and the fraction of the fp32 FMA peak that fmha measures in
-the same run (fmha._C.cpu_fma_peak_gflops, best of five, on the same threads). There is no
-bfloat16 peak probe (benchmarks/NOTES.md, issue #21): bfloat16 rates are also given as a
-fraction of the fp32 FMA peak.
+the same run (fmha._C.cpu_fma_peak_gflops, best of five, on the same threads). bfloat16 rates
+are also given as a fraction of the fp32 FMA peak; the bf16 dot-product peak
+(fmha._C.cpu_bf16_dot_peak_gflops, 0 without AVX512-BF16) is recorded beside it.
 
 Ratios (times; > 1 means fmha_block is faster), with the targets they are judged against:
 dense/block = t(fmha_dense) / t(fmha_block) (document: >= 5); block/causal =
@@ -68,6 +68,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
+
+from ._flex import compiled_flex, dynamo_compiles_allowed
 
 CASE_NAMES = ("document", "longformer", "bigbird", "causal")
 COLUMNS = ("fmha_block", "fmha_dense", "sdpa_dense", "flex", "fmha_causal", "sdpa_causal")
@@ -285,12 +287,7 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"),
 
     flex_fn = flex_create = flex_error = None
     if flex:
-        try:
-            from torch.nn.attention.flex_attention import create_block_mask as flex_create
-            from torch.nn.attention.flex_attention import flex_attention
-            flex_fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-        except Exception as e:  # noqa: BLE001 - recorded in every Flex cell
-            flex_error = f"{type(e).__name__}: {e}"
+        flex_fn, flex_create, flex_error = compiled_flex(torch)  # an error: in every Flex cell
 
     b, h, s, d = cfg.batch, cfg.heads, cfg.seqlen, cfg.head_dim
     case_list = build_cases(cfg, list(cases or CASE_NAMES))
@@ -299,10 +296,7 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"),
 
     # Each case's mask_mod is a new function to dynamo: allow a compile per case and dtype,
     # and fail rather than fall back to eager (unfused, ~10-100x slower) past the limit.
-    settings = {k_: v_ for k_, v_ in (("recompile_limit", 64),
-                                      ("fail_on_recompile_limit_hit", True))
-                if hasattr(torch._dynamo.config, k_)}
-    patch = torch._dynamo.config.patch(**settings) if flex_fn is not None else None
+    patch = dynamo_compiles_allowed(torch) if flex_fn is not None else None
     if patch is not None:
         patch.__enter__()
     try:
@@ -453,10 +447,9 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"),
         tg["met"] = None if v is None else (v >= float(bound) if op == ">=" else
                                             v <= float(bound))
     meta = host_meta(torch, fmha)
-    meta.update(fmha_threads=nthreads, fp32_fma_peak_gflops=peak, bf16_peak_gflops=None,
-                bf16_peak_note="not measured: fmha has no bfloat16 peak probe "
-                               "(benchmarks/NOTES.md, issue #21); bf16 rates are given as a "
-                               "fraction of the fp32 FMA peak")
+    meta.update(fmha_threads=nthreads, fp32_fma_peak_gflops=peak,
+                bf16_peak_gflops=fmha._C.cpu_bf16_dot_peak_gflops(nthreads) or None,
+                bf16_peak_note="bf16 rates are given as a fraction of the fp32 FMA peak")
     result = dict(
         meta=meta, config=asdict(cfg), min_seconds=min_seconds,
         max_cell_seconds=max_cell_seconds, flex=flex,

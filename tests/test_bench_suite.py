@@ -1,0 +1,84 @@
+"""`python -m fmha.bench` (the standard suite's runner) on a tiny case with a tiny timing
+budget: every column is timed, the Flex column for the forward only (its backward's absence
+recorded), each row carries its fraction of the peak measured in the same run, and the JSON
+and CSV hold it all. Flex runs eagerly here (compiling it costs ~15 s per case; the compiled
+path is exercised by tests/test_bench_sparse.py). Times are only checked to be positive:
+speed is never asserted by tests."""
+
+import csv
+import functools
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fmha import bench  # noqa: E402
+
+CASES = [("tiny-gqa-causal", 1, 4, 2, 64, 64, 16, True), ("tiny", 1, 2, 2, 32, 48, 16, False)]
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fast_and_eager(monkeypatch):
+    """One timed call per cell, and FlexAttention uncompiled."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    monkeypatch.setattr(bench, "_time", functools.partial(bench._time, min_reps=1,
+                                                          min_seconds=0.0))
+    monkeypatch.setattr(bench, "compiled_flex", lambda torch: (flex_attention,
+                                                               create_block_mask, ""))
+
+
+def test_suite_rows_peaks_and_flex_column(tmp_path, capsys, fast_and_eager):
+    out = tmp_path / "suite.json"
+    rows = bench.run(CASES[:1], ["float32", "bfloat16"], ["fwd", "fwd+bwd"], str(out), 2)
+    printed = capsys.readouterr().out
+    assert "measured peaks: fp32 FMA" in printed and "| fmha / Flex |" in printed
+
+    result = json.loads(out.read_text())
+    meta = result["meta"]
+    assert meta["fp32_fma_peak_gflops"] > 0
+    bf16 = meta["bf16_dot_peak_gflops"]
+    assert (bf16 is None) == (meta["cpu_isa"] != "avx512bf16")  # the active level probes
+    assert meta["peak_gflops_of_dtype"]["float32"] == meta["fp32_fma_peak_gflops"]
+    assert meta["peak_gflops_of_dtype"]["bfloat16"] == (bf16 or meta["fp32_fma_peak_gflops"])
+    # The backward has no Flex row, and says why.
+    assert any("no CPU backward" in why for why in meta["flex"]["errors"].values())
+
+    cells = {(r["case"], r["dtype"], r["pass_"], r["impl"]): r for r in result["rows"]}
+    assert len(cells) == len(rows) == len(result["rows"])
+    for name, *_ in CASES[:1]:
+        for dtype in ("float32", "bfloat16"):
+            fwd = {i for (c, d, p, i) in cells if (c, d, p) == (name, dtype, "fwd")}
+            bwd = {i for (c, d, p, i) in cells if (c, d, p) == (name, dtype, "fwd+bwd")}
+            assert fwd == {"fmha", "torch_sdpa", "flex", "naive", "fmha+keypad"}, fwd
+            assert bwd == {"fmha", "torch_sdpa", "naive"}, bwd
+            peak = meta["peak_gflops_of_dtype"][dtype]
+            for (c, d, p, i), r in cells.items():
+                if (c, d) != (name, dtype):
+                    continue
+                assert r["median_s"] > 0 and r["gflops"] > 0
+                if i != "fmha+keypad":
+                    assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / peak)
+            f = cells[(name, dtype, "fwd", "fmha")]
+            flex = cells[(name, dtype, "fwd", "flex")]
+            assert f["ratio_vs_flex"] == pytest.approx(flex["median_s"] / f["median_s"])
+            assert cells[(name, dtype, "fwd+bwd", "fmha")]["ratio_vs_flex"] is None
+
+    with open(out.with_suffix(".csv")) as fh:
+        table = list(csv.reader(fh))
+    assert table[0][-2:] == ["fraction_of_peak", "ratio_vs_flex"]
+    assert len(table) == 1 + len(rows)
+
+
+def test_no_flex_leaves_the_column_out(tmp_path, fast_and_eager):
+    rows = bench.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1, flex=False)
+    assert {r.impl for r in rows} == {"fmha", "torch_sdpa", "naive", "fmha+keypad"}
+    meta = json.loads((tmp_path / "s.json").read_text())["meta"]
+    assert meta["flex"]["errors"] == {"tiny": "not requested"}
