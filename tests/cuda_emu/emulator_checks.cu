@@ -254,6 +254,95 @@ EMU_TEST("emu.cp_async_deferred",
   return pass();
 }
 
+// ---- memory-traffic counters (runtime.h, KernelTraffic): planted access patterns ----
+
+// The counters of the one kernel whose name contains `name` (after a reset_stats()).
+emu::KernelTraffic traffic_of(const char* name) {
+  for (const emu::KernelTraffic& k : emu::traffic())
+    if (k.kernel.find(name) != std::string::npos) return k;
+  return {};
+}
+std::string counts(const emu::KernelTraffic& k) {
+  return k.kernel + ": ldmatrix " + std::to_string(k.ldmatrix_requests) + " requests " +
+         std::to_string(k.ldmatrix_wavefronts) + "/" + std::to_string(k.ldmatrix_ideal_wavefronts) +
+         " wavefronts; cp.async " + std::to_string(k.cp_async_requests) + " requests " +
+         std::to_string(k.cp_async_wavefronts) + "/" + std::to_string(k.cp_async_ideal_wavefronts) +
+         " wavefronts, " + std::to_string(k.cp_async_global_sectors) + " sectors, " +
+         std::to_string(k.cp_async_global_bytes) + " bytes";
+}
+
+// One ldmatrix.x4 per warp whose 32 row addresses lie `stride` bytes apart in a tile of
+// 32 rows. stride 16: the 8 rows of each matrix are 128 consecutive bytes, all 32 banks
+// once (1 wavefront per matrix); stride 128: the 8 rows of a matrix all start at bank 0,
+// so each of banks 0-3 holds 8 distinct words (8 wavefronts per matrix).
+template <int kStride>
+__global__ void ldmatrix_stride_kernel(uint32_t* out) {
+  FMHA_DYNAMIC_SHARED(unsigned char, s);
+  for (int i = threadIdx.x; i < 32 * kStride; i += 32) s[i] = uint8_t(i);
+  __syncthreads();  // the tile is written before the warp loads it
+  uint32_t r[4];
+  ldmatrix<4>(r, s + threadIdx.x * kStride);
+  out[threadIdx.x] = r[0] ^ r[1] ^ r[2] ^ r[3];
+}
+EMU_TEST("emu.traffic_ldmatrix",
+         "Nsight Compute shared-memory wavefronts: 32 banks of 4 bytes, one wavefront per 8x8 "
+         "matrix without conflicts; rows 128 bytes apart make an 8-way conflict") {
+  uint32_t out[32];
+  emu::reset_stats();
+  FMHA_LAUNCH(ldmatrix_stride_kernel<16>, dim3(1), dim3(32), 32 * 16, nullptr, out);
+  FMHA_LAUNCH(ldmatrix_stride_kernel<128>, dim3(1), dim3(32), 32 * 128, nullptr, out);
+  const emu::KernelTraffic good = traffic_of("ldmatrix_stride_kernel<16>");
+  const emu::KernelTraffic bad = traffic_of("ldmatrix_stride_kernel<128>");
+  if (good.ldmatrix_requests != 1 || good.ldmatrix_wavefronts != 4 ||
+      good.ldmatrix_ideal_wavefronts != 4)
+    return fail("conflict-free ldmatrix.x4: expected 1 request, 4/4 wavefronts; " + counts(good));
+  if (bad.ldmatrix_requests != 1 || bad.ldmatrix_wavefronts != 32 ||
+      bad.ldmatrix_ideal_wavefronts != 4)
+    return fail("8-way conflicting ldmatrix.x4: expected 1 request, 32/4 wavefronts; " +
+                counts(bad));
+  return pass(counts(bad));
+}
+
+// Each of 32 lanes copies 16 bytes: from global offset kSrc * lane (+ kShift), to shared
+// offset kDst * lane. 16-byte copies are served in phases of 8 lanes.
+template <int kDst, int kSrc, int kShift>
+__global__ void cp_async_pattern_kernel(const unsigned char* src, uint32_t* out) {
+  FMHA_DYNAMIC_SHARED(unsigned char, s);
+  const int t = threadIdx.x;
+  cp_async_16(s + kDst * t, src + kShift + kSrc * t);
+  cp_async_commit();
+  cp_async_wait<0>();
+  out[t] = *reinterpret_cast<const uint32_t*>(s + kDst * t);
+}
+EMU_TEST("emu.traffic_cp_async",
+         "Nsight Compute: cp.async shared stores in 8-lane phases (4/4 wavefronts contiguous, "
+         "32/4 when every lane's 16 bytes start at bank 0), global 32-byte sectors per "
+         "request (16 contiguous, 17 when 16 bytes off a sector, 32 at a 64-byte stride)") {
+  alignas(256) static unsigned char src[32 * 64 + 64];
+  uint32_t out[32];
+  emu::reset_stats();
+  FMHA_LAUNCH((cp_async_pattern_kernel<16, 16, 0>), dim3(1), dim3(32), 32 * 16, nullptr, src, out);
+  FMHA_LAUNCH((cp_async_pattern_kernel<128, 16, 16>), dim3(1), dim3(32), 32 * 128, nullptr, src,
+              out);
+  FMHA_LAUNCH((cp_async_pattern_kernel<16, 64, 0>), dim3(1), dim3(32), 32 * 16, nullptr, src, out);
+  struct Want {
+    const char* name;
+    uint64_t wavefronts, sectors;
+  };
+  for (const Want& w : {Want{"cp_async_pattern_kernel<16, 16, 0>", 4, 16},
+                        Want{"cp_async_pattern_kernel<128, 16, 16>", 32, 17},
+                        Want{"cp_async_pattern_kernel<16, 64, 0>", 4, 32}}) {
+    const emu::KernelTraffic k = traffic_of(w.name);
+    if (k.cp_async_requests != 1 || k.cp_async_wavefronts != w.wavefronts ||
+        k.cp_async_ideal_wavefronts != 4 || k.cp_async_global_sectors != w.sectors ||
+        k.cp_async_global_bytes != 512)
+      return fail(std::string(w.name) + ": expected 1 request, " + std::to_string(w.wavefronts) +
+                  "/4 wavefronts, " + std::to_string(w.sectors) + " sectors, 512 bytes; " +
+                  counts(k));
+  }
+  return pass();
+}
+
 __global__ void trap_kernel(int* out) {
   if (threadIdx.x == 5) __trap();
   out[threadIdx.x] = 1;

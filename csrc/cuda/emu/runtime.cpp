@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -67,6 +68,16 @@ struct alignas(16) Slot {
   unsigned char bytes[48];
 };
 
+// A warp-level cp.async request under construction (see WarpState::cp_requests).
+struct CpRequest {
+  struct Lane {
+    uintptr_t dst = 0, src = 0;
+    int cp_size = 0, src_size = 0;
+  } lanes[32];
+  uint32_t present = 0;  // the lanes that issued it
+  int count = 0;
+};
+
 struct WarpState {
   int size = 0, live = 0;  // lanes that exist / have not exited
   int arrived = 0;         // lanes waiting at the barrier in progress
@@ -77,7 +88,47 @@ struct WarpState {
   const void* pc = nullptr;
   std::condition_variable cv;
   Slot slots[2][32];  // double-buffered by the lanes' parity: see warp_exchange
+  // cp.async requests some lane has issued but not every live lane yet (traffic counters):
+  // request k of the warp is the k-th cp.async of each lane; the front one is cp_base.
+  std::deque<CpRequest> cp_requests;
+  uint64_t cp_base = 0;
 };
+
+// Memory-traffic counters (runtime.h, KernelTraffic) of one launch, or summed per kernel.
+struct Traffic {
+  uint64_t launches = 0, ldsm_requests = 0, ldsm_wavefronts = 0, ldsm_ideal = 0;
+  uint64_t cp_requests = 0, cp_wavefronts = 0, cp_ideal = 0, sectors = 0, bytes = 0;
+  void add(const Traffic& o) {
+    launches += o.launches;
+    ldsm_requests += o.ldsm_requests;
+    ldsm_wavefronts += o.ldsm_wavefronts;
+    ldsm_ideal += o.ldsm_ideal;
+    cp_requests += o.cp_requests;
+    cp_wavefronts += o.cp_wavefronts;
+    cp_ideal += o.cp_ideal;
+    sectors += o.sectors;
+    bytes += o.bytes;
+  }
+};
+
+// Shared-memory wavefronts of one phase of a request: its lanes' accesses, as the 4-byte
+// words they touch. A phase takes one wavefront per 32 distinct words at best, and as many
+// as the most distinct words any one bank holds (each bank serves one word per wavefront;
+// lanes reading the same word share it). Returns {wavefronts, ideal}.
+std::pair<uint64_t, uint64_t> phase_wavefronts(std::vector<uintptr_t>& words) {
+  if (words.empty()) return {0, 0};
+  std::sort(words.begin(), words.end());
+  words.erase(std::unique(words.begin(), words.end()), words.end());
+  int per_bank[32] = {};
+  int most = 0;
+  for (const uintptr_t word : words) most = std::max(most, ++per_bank[word % 32]);
+  return {uint64_t(most), (words.size() + 31) / 32};
+}
+
+void add_words(std::vector<uintptr_t>& words, uintptr_t address, int bytes) {
+  for (uintptr_t w = address / 4; w < (address + uintptr_t(bytes) + 3) / 4; ++w)
+    words.push_back(w);
+}
 
 // The kernel's name for messages: its symbol (demangled) when it can be found, else the
 // expression the launch named it by. Resolved only when a message needs it.
@@ -115,6 +166,7 @@ struct BlockState {
 
   unsigned char* dynamic_smem = nullptr;
   size_t dynamic_smem_bytes = 0;
+  Traffic traffic;  // this block's memory traffic (guarded by m)
 };
 
 namespace {
@@ -225,6 +277,98 @@ void check_deadlock_locked(BlockState& b) {
   os << b.exited << " exited). A barrier must be reached by every thread it names.";
   abort_locked(b, os.str());
 }
+
+// ---- memory traffic ----
+
+// A finished cp.async request: its shared-memory stores' wavefronts (phases of
+// 128 / cp-size lanes) and the global sectors its sources touch.
+void count_cp_request_locked(BlockState& b, const CpRequest& r) {
+  if (!r.present) return;
+  int cp_size = 16;
+  for (int l = 0; l < 32; ++l)
+    if (r.present >> l & 1u) cp_size = r.lanes[l].cp_size;
+  const int phase = 128 / cp_size;
+  std::vector<uintptr_t> words, sectors;
+  uint64_t bytes = 0;
+  ++b.traffic.cp_requests;
+  for (int p0 = 0; p0 < 32; p0 += phase) {
+    words.clear();
+    for (int l = p0; l < p0 + phase; ++l)
+      if (r.present >> l & 1u) add_words(words, r.lanes[l].dst, r.lanes[l].cp_size);
+    const auto wf = phase_wavefronts(words);
+    b.traffic.cp_wavefronts += wf.first;
+    b.traffic.cp_ideal += wf.second;
+  }
+  for (int l = 0; l < 32; ++l) {
+    const CpRequest::Lane& x = r.lanes[l];
+    if (!(r.present >> l & 1u) || x.src_size == 0) continue;
+    bytes += uint64_t(x.src_size);
+    for (uintptr_t sec = x.src / 32; sec <= (x.src + uintptr_t(x.src_size) - 1) / 32; ++sec)
+      sectors.push_back(sec);
+  }
+  std::sort(sectors.begin(), sectors.end());
+  b.traffic.sectors += uint64_t(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+  b.traffic.bytes += bytes;
+}
+
+// Lane t issued a cp.async: file it under its warp's request of the same index, and count
+// the requests every lane of the warp has now issued (the rest at the block's end: a lane
+// may skip one, or exit first, as a diverged warp's request has fewer lanes).
+void note_cp_async(ThreadImpl& t, const void* dst, const void* src, int cp_size,
+                   int src_size) {
+  BlockState& b = *t.block;
+  std::lock_guard<std::mutex> lk(b.m);
+  WarpState& w = b.warps[size_t(t.warp)];
+  const uint64_t k = t.cp_async_issued++;
+  while (w.cp_base + w.cp_requests.size() <= k) w.cp_requests.emplace_back();
+  CpRequest& r = w.cp_requests[size_t(k - w.cp_base)];
+  r.lanes[t.lane] = {reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src),
+                     cp_size, src_size};
+  r.present |= 1u << t.lane;
+  ++r.count;
+  while (!w.cp_requests.empty() && w.cp_requests.front().count == w.size) {
+    count_cp_request_locked(b, w.cp_requests.front());
+    w.cp_requests.pop_front();
+    ++w.cp_base;
+  }
+}
+
+// The block ended: requests that not every lane issued (divergent, or lanes that exited)
+// count with the lanes that did.
+void finish_traffic(BlockState& b) {
+  std::lock_guard<std::mutex> lk(b.m);
+  for (int i = 0; i < b.nwarps; ++i) {
+    WarpState& w = b.warps[size_t(i)];
+    for (const CpRequest& r : w.cp_requests) count_cp_request_locked(b, r);
+    w.cp_requests.clear();
+  }
+}
+
+// An ldmatrix request (lane 0 counts it for the warp): one phase per 8x8 matrix, whose
+// eight 16-byte rows lanes 8m..8m+7 name.
+void count_ldmatrix(BlockState& b, const Slot* slots, int num) {
+  std::vector<uintptr_t> words;
+  uint64_t wavefronts = 0, ideal = 0;
+  for (int m = 0; m < num; ++m) {
+    words.clear();
+    for (int row = 0; row < 8; ++row) {
+      uintptr_t a;
+      std::memcpy(&a, slots[m * 8 + row].bytes, sizeof a);
+      add_words(words, a, 16);
+    }
+    const auto wf = phase_wavefronts(words);
+    wavefronts += wf.first;
+    ideal += wf.second;
+  }
+  std::lock_guard<std::mutex> lk(b.m);
+  ++b.traffic.ldsm_requests;
+  b.traffic.ldsm_wavefronts += wavefronts;
+  b.traffic.ldsm_ideal += ideal;
+}
+
+// Per kernel (its address), summed over launches since the last reset.
+std::mutex g_traffic_mutex;
+std::map<const void*, std::pair<const char*, Traffic>> g_traffic;
 
 void complete_warp_barrier_locked(BlockState& b, WarpState& w) {
   b.blocked -= w.arrived - 1;  // the lanes it releases no longer wait (the last never did)
@@ -742,6 +886,7 @@ void ldmatrix(int num, bool trans, uint32_t* r, const void* row_address) {
       return p;
     };
     if (supplies) detail::race_access(row_address, 16, false, pc);
+    if (lane == 0) detail::count_ldmatrix(*t.block, slots, num);
     for (int m = 0; m < num; ++m) {
       uint16_t lo, hi;
       if (!trans) {
@@ -831,6 +976,7 @@ void cp_async(void* dst, const void* src, int cp_size, int src_size) {
   // them: the race checker sees the accesses at both ends.
   detail::race_access(src, size_t(src_size), false, pc);
   detail::race_access(dst, size_t(cp_size), true, pc);
+  detail::note_cp_async(t, dst, src, cp_size, src_size);
   t.uncommitted.push_back({dst, src, cp_size, src_size, pc});
 }
 
@@ -936,6 +1082,19 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
                       "emulated)");
   std::lock_guard<std::mutex> launch_lock(detail::g_launch_mutex);
   detail::bump(detail::s_launches);
+  detail::Traffic traffic;
+  traffic.launches = 1;
+  // Counted into the per-kernel totals however the launch ends.
+  struct Record {
+    const detail::KernelName& kname;
+    detail::Traffic& traffic;
+    ~Record() {
+      std::lock_guard<std::mutex> lk(detail::g_traffic_mutex);
+      auto& entry = detail::g_traffic[kname.fn];
+      entry.first = kname.expression;
+      entry.second.add(traffic);
+    }
+  } record{kname, traffic};
   // The blocks one after another, in a random order: CUDA promises none, and atomics from
   // different blocks then land in a different order on every run, as on a GPU.
   std::vector<int64_t> blocks(static_cast<size_t>(nblocks));
@@ -989,6 +1148,8 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
     }
     for (std::thread& th : threads) th.join();
 #endif
+    detail::finish_traffic(b);
+    traffic.add(b.traffic);
     detail::bump(detail::s_blocks);
     detail::bump(detail::s_threads, nthreads);
 
@@ -1012,8 +1173,40 @@ Stats stats() {
           g(s_cp_async_zero_filled), g(s_max_groups), g(s_scratch_peak)};
 }
 
+std::vector<KernelTraffic> traffic() {
+  std::vector<std::pair<const void*, std::pair<const char*, detail::Traffic>>> entries;
+  {
+    std::lock_guard<std::mutex> lk(detail::g_traffic_mutex);
+    entries.assign(detail::g_traffic.begin(), detail::g_traffic.end());
+  }
+  std::vector<KernelTraffic> out;
+  for (const auto& [fn, e] : entries) {
+    const detail::Traffic& t = e.second;
+    KernelTraffic k;
+    k.kernel = detail::function_name(fn);
+    if (k.kernel.empty()) k.kernel = e.first;
+    k.launches = t.launches;
+    k.ldmatrix_requests = t.ldsm_requests;
+    k.ldmatrix_wavefronts = t.ldsm_wavefronts;
+    k.ldmatrix_ideal_wavefronts = t.ldsm_ideal;
+    k.cp_async_requests = t.cp_requests;
+    k.cp_async_wavefronts = t.cp_wavefronts;
+    k.cp_async_ideal_wavefronts = t.cp_ideal;
+    k.cp_async_global_sectors = t.sectors;
+    k.cp_async_global_bytes = t.bytes;
+    out.push_back(std::move(k));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const KernelTraffic& a, const KernelTraffic& b) { return a.kernel < b.kernel; });
+  return out;
+}
+
 void reset_stats() {
   using namespace detail;
+  {
+    std::lock_guard<std::mutex> lk(g_traffic_mutex);
+    g_traffic.clear();
+  }
   for (auto* c : {&s_launches, &s_blocks, &s_threads, &s_block_barriers, &s_warp_barriers, &s_mma,
                   &s_ldmatrix, &s_shfl, &s_ballot, &s_cp_async, &s_cp_async_zero_filled,
                   &s_max_groups})

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace emu {
 
@@ -23,6 +25,26 @@ struct Stats {
   uint64_t scratch_peak_bytes;  // the most device scratch (Scratch) held at once
 };
 Stats stats();
-void reset_stats();
+void reset_stats();  // also clears traffic()
+
+// Memory traffic of one kernel (all its launches since the last reset), as Nsight Compute
+// would count it for the accesses the emulator sees: ldmatrix (shared-memory reads) and
+// cp.async (global reads, shared-memory writes). Ordinary loads and stores are plain C++
+// here and are not counted. A warp-level request is the k-th such operation of each lane
+// of a warp (the lanes of a convergent warp issue them together).
+//  - Shared memory: 32 banks of 4 bytes; a request takes one wavefront per 128 bytes, plus
+//    one more for every additional distinct 4-byte word that falls in an already-used bank
+//    (a bank conflict). ldmatrix: one phase per 8x8 matrix (eight 16-byte rows);
+//    cp.async: phases of 128 / cp-size lanes. ideal = the wavefronts without conflicts.
+//  - Global memory (cp.async sources): the 32-byte sectors a request touches, and the bytes
+//    it asks for; efficiency = bytes / (32 * sectors).
+struct KernelTraffic {
+  std::string kernel;  // the kernel's name (demangled symbol, or the launch expression)
+  uint64_t launches = 0;
+  uint64_t ldmatrix_requests = 0, ldmatrix_wavefronts = 0, ldmatrix_ideal_wavefronts = 0;
+  uint64_t cp_async_requests = 0, cp_async_wavefronts = 0, cp_async_ideal_wavefronts = 0;
+  uint64_t cp_async_global_sectors = 0, cp_async_global_bytes = 0;
+};
+std::vector<KernelTraffic> traffic();
 
 }  // namespace emu

@@ -28,6 +28,7 @@ struct ThreadImpl {
   // Barriers this thread has passed in the current block: the race checker's clock.
   uint32_t block_epoch = 0, warp_epoch = 0;
   int parity = 0;  // which half of the warp's exchange buffer the next collective uses
+  uint64_t cp_async_issued = 0;  // this lane's cp.async count: its warp-level request index
   uintptr_t stack_lo = 0, stack_hi = 0;  // this OS thread's stack: private, never raced on
   std::vector<PendingCopy> uncommitted;
   std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first

@@ -463,6 +463,26 @@ PYBIND11_MODULE(_cuda_emu, m) {
     return d;
   }, "Counters of emulated operations since the last reset_stats() (per thread / warp op).");
   m.def("reset_stats", &emu::reset_stats);
+  m.def("traffic", [] {
+    py::list rows;
+    for (const emu::KernelTraffic& k : emu::traffic()) {
+      py::dict d;
+      d["kernel"] = k.kernel;
+      d["launches"] = k.launches;
+      d["ldmatrix_requests"] = k.ldmatrix_requests;
+      d["ldmatrix_wavefronts"] = k.ldmatrix_wavefronts;
+      d["ldmatrix_ideal_wavefronts"] = k.ldmatrix_ideal_wavefronts;
+      d["cp_async_requests"] = k.cp_async_requests;
+      d["cp_async_wavefronts"] = k.cp_async_wavefronts;
+      d["cp_async_ideal_wavefronts"] = k.cp_async_ideal_wavefronts;
+      d["cp_async_global_sectors"] = k.cp_async_global_sectors;
+      d["cp_async_global_bytes"] = k.cp_async_global_bytes;
+      rows.append(d);
+    }
+    return rows;
+  }, "Memory traffic per kernel since the last reset_stats(): shared-memory wavefronts of "
+     "ldmatrix and of cp.async stores (and the conflict-free ideal), global sectors and bytes "
+     "of cp.async reads (csrc/cuda/emu/runtime.h, KernelTraffic, says how each is counted).");
   fmha::bind::def_forward_kvcache(
       m, &emu_forward_kvcache,
       "fmha._C.forward_kvcache's signature and keyword settings, on host float16/bfloat16 "

@@ -1,0 +1,55 @@
+"""tools/emu_profile.py and the emulator's memory-traffic counters on the shipped kernels
+(fmha._cuda_emu.traffic(); the counters themselves are checked on planted patterns by the
+emu.traffic_* cases of tests/cuda_emu/emulator_checks.cu, run by tests/test_cuda_emu.py).
+
+What the shipped FlashAttention-2 kernels guarantee today, as regressions to catch: no bank
+conflict in any ldmatrix, none in the cp.async stores at head-dim tiles 64 and 128, every
+global byte a cp.async fetches used (256-byte-aligned inputs). The 96 tile's cp.async stores
+take 4 wavefronts where 3 would do (its 12 chunks per row make every second 8-lane phase
+straddle two padded rows: csrc/cuda/NOTES.md, "Shared-memory traffic"); the test pins that
+ratio so a change either way is seen."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import emu_profile  # noqa: E402
+
+pytest.importorskip("fmha._cuda_emu")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return emu_profile.profile()
+
+
+def test_every_case_and_pass_has_its_main_kernel(rows):
+    seen = {(r["case"], r["pass_"]) for r in rows}
+    assert seen == {(c[0], p) for c in emu_profile.CASES for p in ("forward", "backward")}
+    for r in rows:
+        assert r["launches"] == 1 and r["ldmatrix_requests"] > 0 and r["cp_async_requests"] > 0
+
+
+def test_no_bank_conflicts_but_the_96_tiles_cp_async_stores(rows):
+    for r in rows:
+        where = f"{r['case']} {r['pass_']} {r['kernel']}"
+        assert r["ldmatrix_wavefronts"] == r["ldmatrix_ideal_wavefronts"], where
+        if r["case"] == "d96":
+            assert 3 * r["cp_async_wavefronts"] == 4 * r["cp_async_ideal_wavefronts"], where
+        else:
+            assert r["cp_async_wavefronts"] == r["cp_async_ideal_wavefronts"], where
+
+
+def test_every_fetched_global_byte_is_used(rows):
+    for r in rows:
+        assert r["cp_async_global_bytes"] == 32 * r["cp_async_global_sectors"], r
+
+
+def test_table_names_each_kernel(rows):
+    text = emu_profile.table(rows)
+    assert text.count("\n") == len(rows) + 1
+    assert "FlashFwdConfig<96" in text and "100.0%" in text and "| 1.33 |" in text
