@@ -364,8 +364,8 @@ def test_varlen_numpy_dropout(rng, causal):
 def test_deterministic_backward_bitwise_over_4_runs(rng):
     """deterministic=True: four backward passes give bit-identical dq, dk, dv, dbias (the
     emulator runs blocks and threads in a random order, so atomics land in a different order
-    on every run: test_atomic_backward_varies_between_runs; test_cuda_backward_emu.py repeats
-    the check with GQA for eight more)."""
+    on every run, as test_atomic_backward_varies_between_runs shows with more key blocks;
+    test_cuda_backward_emu.py repeats the check with GQA for eight more)."""
     q, k, v, do = inputs(rng, "numpy", "float16", 1, 70, 90, 2, 1, 32)
     bias = make_array(rng, (1, 2, 70, 90), "float16", "numpy")
     kw = dict(causal=True, softcap=5.0, dropout_p=0.2, seed=5, bias=bias)
@@ -383,17 +383,20 @@ def test_deterministic_backward_bitwise_over_4_runs(rng):
 
 def test_atomic_backward_varies_between_runs(rng, backend):
     """What gives the determinism tests their teeth: without deterministic=True, dQ is summed
-    by atomics from ten key blocks, and three runs on the emulator (whose block order is
-    random) give at least two different dq. On a GPU the order usually varies too, but
-    nothing promises it: there only the deterministic runs are compared."""
-    q, k, v, do = inputs(rng, "numpy", "float16", 1, 40, 640, 2, 2, 32)
+    in float32 by atomics from 16 key blocks, and four runs on the emulator (whose block order
+    is random) do not all give the same float16 dq. Rounding to float16 hides most of the
+    order's effect: of these 8192 elements about 4 differ between two runs (measured: 2-6),
+    so all four runs agree with a probability of the order of 1e-5. On a GPU the order
+    usually varies too, but nothing promises it: there only the deterministic runs are
+    compared."""
+    q, k, v, do = inputs(rng, "numpy", "float16", 1, 64, 1024, 2, 2, 64)
     out, lse = fmha.attention(q, k, v, return_lse=True)
     dqs = {}
-    for deterministic in (False, True):
+    for deterministic, runs in ((False, 4), (True, 2)):
         dqs[deterministic] = [fmha.attention_backward(do, q, k, v, out, lse,
                                                       deterministic=deterministic)[0]
-                              for _ in range(3)]
-    assert all(np.array_equal(dqs[True][0], x) for x in dqs[True][1:])
+                              for _ in range(runs)]
+    assert np.array_equal(dqs[True][0], dqs[True][1])
     if backend == "emu":
         assert not all(np.array_equal(dqs[False][0], x) for x in dqs[False][1:])
 
