@@ -200,6 +200,9 @@ def test_bad_scales_and_caches_are_refused_untouched():
         (dict(k_scale=ks[:1], v_scale=vs), ValueError, r"k_scale: expected shape \(2,\)"),
         (dict(k_scale=ks.double(), v_scale=vs), TypeError, "k_scale: expected float32"),
         (dict(k_scale=-ks, v_scale=vs), ValueError, "k_scale: static scales must be finite"),
+        (dict(k_scale=ks, v_scale=vs * float("nan")), ValueError,
+         "v_scale: static scales must be finite and > 0, got nan for kv head 0"),
+        (dict(k_scale=ks, v_scale=vs * float("inf")), ValueError, "v_scale: static scales"),
         (dict(k_scale=ks, v_scale=torch.ones(1, 16, 2)), ValueError, "v_scale: shape"),
     ]
     for kw, err, match in cases:

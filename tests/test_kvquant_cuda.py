@@ -78,6 +78,30 @@ def test_append_and_attention_match_the_reference(i):
         lens = lens + new
 
 
+@pytest.mark.parametrize("bad", ["negative-k", "nan-v", "zero-v"])
+def test_bad_static_scale_is_refused_on_the_device(bad):
+    """Static scales stay on the device: the kernels check them (finite, > 0) before the
+    append, and a refused call writes nothing, returns NaN and is reported by check_refused,
+    as for cache_seqlens (tests/test_kvcache_cuda.py)."""
+    rng = np.random.default_rng(7)
+    kc, vc, ks, vs, _ = make_cache(rng, "int8", "static", b=1, cap=16)
+    which, value = {"negative-k": ("k", -1.0), "nan-v": ("v", float("nan")),
+                    "zero-v": ("v", 0.0)}[bad]
+    (ks if which == "k" else vs)[1] = value
+    q = torch.randn(1, 1, 4, 16).half()
+    kn, vn = torch.randn(1, 1, 2, 16).half(), torch.randn(1, 1, 2, 16).half()
+    before = kc.clone(), vc.clone()
+    check_refused(0)
+    out, lse = attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=3, k_scale=ks,
+                                      v_scale=vs, return_lse=True)
+    assert torch.equal(kc.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), before[1].view(torch.uint8))
+    assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
+    with pytest.raises(ValueError, match="k_scale / v_scale: a static scale"):
+        check_refused(0)
+    check_refused(0)  # reported once, then cleared
+
+
 @pytest.mark.parametrize("d", [44, 128, 200])
 @pytest.mark.parametrize("fmt", kvquant.FORMATS)
 def test_codes_are_read_exactly(fmt, d):

@@ -227,7 +227,8 @@ FMHA_DEVICE float warp_sum(float x) {
 
 }  // namespace decode_detail
 
-// 1. The call's lengths and block table against the capacity and the pool: one CTA, which
+// 1. The call's lengths and block table against the capacity and the pool, and static
+// scales of 8-bit caches (finite, > 0): one CTA, which
 // writes the call's KvCacheRefusal bits to *refused and ORs them into *flag (sticky).
 // A length is checked before the blocks it implies are (a refused length reads no table),
 // and the blocks before `writer` is indexed by them. writer (paged appends only: num_blocks
@@ -241,6 +242,13 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (len < 0) code |= kRefusedLength;
     else if (len + p.seqlen_new > p.seqlen_k) code |= kRefusedCapacity;
   }
+  if (p.kv_code != KvCode::kNone && p.scale_row_stride == 0)  // static scales, per kv head
+    for (int h = threadIdx.x; h < p.heads_kv; h += kDecodeThreads) {
+      const float ks = p.k_scale[h * p.scale_head_stride], vs = p.v_scale[h * p.scale_head_stride];
+      // NaN fails both comparisons
+      if (!(ks > 0.0f && ks <= 3.402823466e38f && vs > 0.0f && vs <= 3.402823466e38f))
+        code |= kRefusedScale;
+    }
   // Table entry (b, i) of every sequence whose length passed, among the entries its rows
   // use: f(b, i, len, block). Sequences in turn, entries across the threads (no 64-bit
   // division, which ptxas turns into a call).
@@ -273,7 +281,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   int all = 0;
 #pragma unroll
-  for (int bit = 1; bit <= kRefusedShared; bit *= 2)
+  for (int bit = 1; bit <= kRefusedScale; bit *= 2)
     if (__syncthreads_or(code & bit)) all |= bit;
   if (threadIdx.x == 0) {
     *refused = all;

@@ -8,14 +8,16 @@ namespace fmha {
 namespace gpu {
 
 // Bits of the device-side refusal code (docs/semantics.md, "KV caches"): which argument
-// held a value the kernels refused. cache_seqlens and block_table live in device memory and
-// are never read on the host, so they are checked by a kernel before the append.
+// held a value the kernels refused. cache_seqlens, block_table and the scales of 8-bit caches
+// live in device memory and are never read on the host, so they are checked by a kernel
+// before the append.
 enum KvCacheRefusal : int {
   kRefusedLength = 1,    // a cache_seqlens entry < 0
   kRefusedCapacity = 2,  // cache_seqlens[b] + seqlen_new > capacity
   kRefusedBlock = 4,     // a block_table entry a sequence reads or writes outside [0, num_blocks)
   kRefusedShared = 8,    // a block appended to through one table entry and read or written
                          // through another (of this sequence or another)
+  kRefusedScale = 16,    // a static k_scale / v_scale (per kv head) not finite and > 0
 };
 
 // fmha.kvcache.attention_with_kvcache on CUDA memory (p.cache_seqlens set; float16 or

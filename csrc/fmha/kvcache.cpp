@@ -1,6 +1,8 @@
 #include "fmha/kvcache.h"
 
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "fmha/error.h"
@@ -24,6 +26,15 @@ int element_bytes(DType t) {
 
 void check_kvcache_host(const FwdParams& p) {
   const int capacity = p.seqlen_k;
+  if (p.kv_code != KvCode::kNone && p.scale_row_stride == 0) {  // static scales, per kv head
+    using Named = std::pair<const char*, const float*>;
+    for (const Named& scales : {Named{"k_scale", p.k_scale}, Named{"v_scale", p.v_scale}})
+      for (int h = 0; h < p.heads_kv; ++h) {
+        const float x = scales.second[h * p.scale_head_stride];  // NaN fails x > 0
+        FMHA_CHECK_ARG(x > 0.0f && x <= std::numeric_limits<float>::max(), scales.first,
+                       ": static scales must be finite and > 0, got ", x, " for kv head ", h);
+      }
+  }
   for (int b = 0; b < p.batch; ++b) {
     const int64_t len = p.cache_seqlens[b];
     FMHA_CHECK_ARG(len >= 0, "cache_seqlens: entry ", b, " is ", len, ", expected >= 0");

@@ -68,7 +68,8 @@ def _cache_format(k_cache, v_cache, cache_dtype):
 
 def _check_scales(fmt, k_scale, v_scale, k_cache, kind, device, appending):
     """k_scale / v_scale of a quantized cache: float32 of q's kind and device, (heads_kv,)
-    (static, positive and finite) or k_cache.shape[:-1] (dynamic, written at append time);
+    (static; positive and finite, which the kernels check) or k_cache.shape[:-1] (dynamic,
+    written at append time);
     both of one granularity. Returns (k_scale, v_scale, dynamic)."""
     if fmt is None:
         for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -92,11 +93,8 @@ def _check_scales(fmt, k_scale, v_scale, k_cache, kind, device, appending):
             raise ValueError(f"{name}: expected shape {static} (per kv head) or {dynamic} (per "
                              f"row and kv head), got {tuple(x.shape)}")
         shapes.append(tuple(x.shape))
-        if tuple(x.shape) == static and device == "cpu":
-            values = x.detach().numpy() if kind == "torch" else np.asarray(x)
-            if not (np.isfinite(values).all() and (values > 0).all()):
-                raise ValueError(f"{name}: static scales must be finite and > 0, got "
-                                 f"{values.tolist()}")
+        # Static scales must be finite and > 0: the CPU kernels check them before they run,
+        # the CUDA kernels on the device (a refusal, as for cache_seqlens).
         if tuple(x.shape) == dynamic:
             contiguous = (x.is_contiguous() if kind == "torch" else x.flags.c_contiguous)
             if not contiguous:
@@ -139,7 +137,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     the caller's to advance (by seqlen_new), as in flash-attn. Every argument, including the
     values of cache_seqlens and block_table, is checked before the first write: a refused
     call leaves the caches unchanged. On the CPU a refused call raises. On CUDA the values
-    of cache_seqlens and block_table are checked by the kernels, on the device (no host
+    of cache_seqlens, block_table and static 8-bit scales are checked by the kernels, on
+    the device (no host
     synchronisation; the call can be captured in a CUDA graph): a refused call writes
     nothing into the caches, returns NaN in out and lse, and is reported by
     :func:`check_refused`.
@@ -289,6 +288,7 @@ _REFUSALS = (
     (4, "block_table: a sequence read or wrote a block outside [0, num_blocks)"),
     (8, "block_table: a block appended to through one table entry was read or written "
         "through another in the same call"),
+    (16, "k_scale / v_scale: a static scale (per kv head) was not finite and > 0"),
 )
 
 

@@ -491,7 +491,7 @@ PYBIND11_MODULE(_cuda_emu, m) {
       "and block_table are not read on the host. Returns the number of key splits.");
   m.def("kvcache_refusals", &fmha::gpu::kvcache_refusals, py::arg("clear") = true,
         "The KvCacheRefusal bits (1 length < 0, 2 over capacity, 4 block out of range, 8 block "
-        "appended to and used through another entry) of "
+        "appended to and used through another entry, 16 static scale not finite and > 0) of "
         "refused forward_kvcache calls since the last clear.");
   fmha::bind::def_forward_backward(
       m, &emu_forward, &emu_backward,
