@@ -171,10 +171,10 @@ def test_kat(programs, name):
 
 def test_emulator_rules(programs):
     """Execution model, and CUDA rule violations reported as errors (not hangs)."""
-    res = _assert_all_pass(programs.run("plain", "emu.*"), expect_at_least=16)
+    res = _assert_all_pass(programs.run("plain", "emu.*"), expect_at_least=17)
     assert {"emu.deadlock", "emu.divergent_syncthreads", "emu.exit_before_syncthreads",
             "emu.collective_inactive_lanes", "emu.cp_async_deferred", "emu.traffic_ldmatrix",
-            "emu.traffic_cp_async"} <= set(res)
+            "emu.traffic_cp_async", "emu.exit_completes_syncwarp"} <= set(res)
 
 
 # ----------------------------------------------------------------------------- sanitizers

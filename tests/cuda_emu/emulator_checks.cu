@@ -4,6 +4,7 @@
 // divergent warp collectives, misaligned ldmatrix, reading cp.async data before waiting,
 // dynamic shared memory without the opt-in, __trap.
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -75,8 +76,14 @@ EMU_TEST("emu.indices", "CUDA Programming Guide, Thread Hierarchy: threadIdx/blo
         }
       }
   }
-  // Two launches in the same order: 1 chance in 12! with random orders.
-  if (orders[0] == orders[1]) return fail("two launches ran their 12 blocks in the same order");
+  // FMHA_EMU_SCHEDULE_SEED gives every launch the same seed: the same order (a replay).
+  // Otherwise two launches in the same order: 1 chance in 12! with random orders.
+  const char* seed = std::getenv("FMHA_EMU_SCHEDULE_SEED");
+  if (seed && *seed) {
+    if (orders[0] != orders[1]) return fail("FMHA_EMU_SCHEDULE_SEED did not replay the order");
+  } else if (orders[0] == orders[1]) {
+    return fail("two launches ran their 12 blocks in the same order");
+  }
   return pass();
 }
 
@@ -173,6 +180,27 @@ EMU_TEST("emu.deadlock", "a barrier no thread can complete is reported as a dead
   return expect_error(launch_error([&] {
     FMHA_LAUNCH(deadlock_kernel, dim3(1), dim3(64), 0, nullptr, out);
   }), {"deadlock", "__syncwarp", "__syncthreads"});
+}
+
+// Lane 31 of warp 0 exits while lanes 0-30 wait at __syncwarp, so its exit completes that
+// barrier; warp 1 meets at __syncwarp meanwhile. A correct count of waiting threads lets
+// the block finish; an off-by-one left after such an exit reads as a deadlock when warp 1
+// waits while warp 0 has gone. The order varies between launches: 64 launches.
+__global__ void exit_completes_syncwarp_kernel(int* out) {
+  if (threadIdx.x == 31) return;
+  __syncwarp();
+  out[threadIdx.x] = 1;
+}
+EMU_TEST("emu.exit_completes_syncwarp",
+         "a lane's exit completes the __syncwarp its warp's other lanes wait at") {
+  int out[64];
+  for (int run = 0; run < 64; ++run) {
+    const std::string err = launch_error([&] {
+      FMHA_LAUNCH(exit_completes_syncwarp_kernel, dim3(1), dim3(64), 0, nullptr, out);
+    });
+    if (!err.empty()) return fail("launch " + std::to_string(run) + ": " + err);
+  }
+  return pass();
 }
 
 __global__ void inactive_lane_kernel(int* out) {

@@ -5,7 +5,7 @@
 //
 // Execution model (see runtime.cpp for the implementation):
 //  * A launch runs its blocks one after another, in a random order (CUDA promises none;
-//    FMHA_EMU_SCHEDULE_SEED=<n> replays one: runtime.cpp). Each CUDA thread of a block is
+//    its errors name the seed, and FMHA_EMU_SCHEDULE_SEED=<n> replays it: runtime.cpp). Each CUDA thread of a block is
 //    a fiber (a user-space context with its own stack, all of the block's on the launching
 //    OS thread, switched in a random order whenever one waits at a barrier) or, in builds
 //    instrumented by AddressSanitizer or ThreadSanitizer, a real OS thread (FMHA_EMU_FIBERS

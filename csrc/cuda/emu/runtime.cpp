@@ -11,7 +11,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
-#include <deque>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -29,11 +28,21 @@
 // AddressSanitizer and ThreadSanitizer, which follow real threads but not unannotated
 // stack switches. The barriers, checks and results are the same in both: only the order
 // in which runnable threads proceed differs, and a correct kernel does not depend on it.
+// (One difference: fibers are never preempted, so a thread spinning on a flag that another
+// thread of its block sets hangs, as spinning on another block already does.)
+// A compile-time switch: -DFMHA_EMU_FIBERS=0 forces OS threads.
+#if !defined(FMHA_EMU_FIBERS)
+#if defined(__has_feature)  // Clang (older releases do not define GCC's macros below)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define FMHA_EMU_FIBERS 0
+#endif
+#endif
 #if !defined(FMHA_EMU_FIBERS)
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define FMHA_EMU_FIBERS 0
 #else
 #define FMHA_EMU_FIBERS 1
+#endif
 #endif
 #endif
 
@@ -88,10 +97,10 @@ struct WarpState {
   const void* pc = nullptr;
   std::condition_variable cv;
   Slot slots[2][32];  // double-buffered by the lanes' parity: see warp_exchange
-  // cp.async requests some lane has issued but not every live lane yet (traffic counters):
-  // request k of the warp is the k-th cp.async of each lane; the front one is cp_base.
-  std::deque<CpRequest> cp_requests;
-  uint64_t cp_base = 0;
+  // cp.async requests some lane has issued but not every lane yet (traffic counters), by
+  // (barrier epochs, index since the last barrier): the lanes of a convergent warp issue
+  // the same cp.async at the same point between the same two barriers.
+  std::map<std::pair<uint64_t, uint32_t>, CpRequest> cp_requests;
 };
 
 // Memory-traffic counters (runtime.h, KernelTraffic) of one launch, or summed per kernel.
@@ -284,9 +293,9 @@ void check_deadlock_locked(BlockState& b) {
 // 128 / cp-size lanes) and the global sectors its sources touch.
 void count_cp_request_locked(BlockState& b, const CpRequest& r) {
   if (!r.present) return;
-  int cp_size = 16;
+  int cp_size = 4;  // one instruction has one cp-size; the largest, if lanes differ
   for (int l = 0; l < 32; ++l)
-    if (r.present >> l & 1u) cp_size = r.lanes[l].cp_size;
+    if (r.present >> l & 1u) cp_size = std::max(cp_size, r.lanes[l].cp_size);
   const int phase = 128 / cp_size;
   std::vector<uintptr_t> words, sectors;
   uint64_t bytes = 0;
@@ -311,25 +320,28 @@ void count_cp_request_locked(BlockState& b, const CpRequest& r) {
   b.traffic.bytes += bytes;
 }
 
-// Lane t issued a cp.async: file it under its warp's request of the same index, and count
-// the requests every lane of the warp has now issued (the rest at the block's end: a lane
-// may skip one, or exit first, as a diverged warp's request has fewer lanes).
+// Lane t issued a cp.async: file it under its warp's request (the same barrier epochs and
+// index since the last barrier), and count the request once every lane of the warp has
+// joined it (the rest at the block's end: a lane may skip one, or exit first, as a
+// diverged warp's request has fewer lanes).
 void note_cp_async(ThreadImpl& t, const void* dst, const void* src, int cp_size,
                    int src_size) {
   BlockState& b = *t.block;
   std::lock_guard<std::mutex> lk(b.m);
   WarpState& w = b.warps[size_t(t.warp)];
-  const uint64_t k = t.cp_async_issued++;
-  while (w.cp_base + w.cp_requests.size() <= k) w.cp_requests.emplace_back();
-  CpRequest& r = w.cp_requests[size_t(k - w.cp_base)];
+  const uint64_t epochs = uint64_t(t.block_epoch) << 32 | t.warp_epoch;
+  if (epochs != t.cp_epochs) {
+    t.cp_epochs = epochs;
+    t.cp_index = 0;
+  }
+  const auto key = std::make_pair(epochs, t.cp_index++);
+  CpRequest& r = w.cp_requests[key];
   r.lanes[t.lane] = {reinterpret_cast<uintptr_t>(dst), reinterpret_cast<uintptr_t>(src),
                      cp_size, src_size};
   r.present |= 1u << t.lane;
-  ++r.count;
-  while (!w.cp_requests.empty() && w.cp_requests.front().count == w.size) {
-    count_cp_request_locked(b, w.cp_requests.front());
-    w.cp_requests.pop_front();
-    ++w.cp_base;
+  if (++r.count == w.size) {
+    count_cp_request_locked(b, r);
+    w.cp_requests.erase(key);
   }
 }
 
@@ -339,7 +351,7 @@ void finish_traffic(BlockState& b) {
   std::lock_guard<std::mutex> lk(b.m);
   for (int i = 0; i < b.nwarps; ++i) {
     WarpState& w = b.warps[size_t(i)];
-    for (const CpRequest& r : w.cp_requests) count_cp_request_locked(b, r);
+    for (const auto& entry : w.cp_requests) count_cp_request_locked(b, entry.second);
     w.cp_requests.clear();
   }
 }
@@ -370,8 +382,11 @@ void count_ldmatrix(BlockState& b, const Slot* slots, int num) {
 std::mutex g_traffic_mutex;
 std::map<const void*, std::pair<const char*, Traffic>> g_traffic;
 
-void complete_warp_barrier_locked(BlockState& b, WarpState& w) {
-  b.blocked -= w.arrived - 1;  // the lanes it releases no longer wait (the last never did)
+// Releases the lanes waiting at the warp's barrier: `waiting` of them were counted in
+// b.blocked (all that arrived but the last, when a lane's arrival completes it; all of them,
+// when a lane's exit does).
+void complete_warp_barrier_locked(BlockState& b, WarpState& w, int waiting) {
+  b.blocked -= waiting;
   w.arrived = 0;
   ++w.generation;
   w.cv.notify_all();
@@ -405,7 +420,7 @@ void warp_barrier(ThreadImpl& t, int op, const char* file, int line, const void*
   }
   bump(s_warp_barriers);
   if (++w.arrived == w.live) {
-    complete_warp_barrier_locked(b, w);
+    complete_warp_barrier_locked(b, w, w.arrived - 1);
   } else {
     const uint64_t g = w.generation;
     ++b.blocked;
@@ -488,7 +503,7 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
         abort_locked(*b, describe_thread(tid) + " exited while its warp waits at " +
                              op_name(w.op) + " " + where(w.file, w.line, w.pc));
       } else if (w.arrived == w.live) {
-        complete_warp_barrier_locked(*b, w);
+        complete_warp_barrier_locked(*b, w, w.arrived);
       }
     }
     check_deadlock_locked(*b);
@@ -499,30 +514,41 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
 // The random orders of the schedule: of a launch's blocks, and of the turns fibers take
 // (a new permutation every round). As on a GPU, the interleaving -- say, the order in
 // which atomics land -- then differs from run to run, so tests of run-to-run determinism
-// can fail. FMHA_EMU_SCHEDULE_SEED=<n> fixes the sequence (to replay a failure).
-uint64_t next_random() {
-  static std::atomic<uint64_t> state{[] {
-    const char* env = std::getenv("FMHA_EMU_SCHEDULE_SEED");
-    return env && *env ? std::strtoull(env, nullptr, 10) * 2 + 1
-                       : (uint64_t(std::random_device{}()) << 32) | std::random_device{}() | 1;
-  }()};
-  // splitmix64 over an atomic counter: fine from any thread.
-  uint64_t z = state.fetch_add(0x9E3779B97F4A7C15ull, std::memory_order_relaxed);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+// can fail. Each launch draws a seed, which its errors name; FMHA_EMU_SCHEDULE_SEED=<n>
+// gives every launch seed n, replaying a failed launch's orders.
+struct Schedule {
+  uint64_t seed, state;
+  explicit Schedule(uint64_t s) : seed(s), state(s) {}
+  uint64_t next() {  // splitmix64
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  template <typename I>
+  void shuffle(std::vector<I>& order) {
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next() % i]);
+  }
+  std::string describe() const {
+    return " [emulator schedule seed " + std::to_string(seed) + ": FMHA_EMU_SCHEDULE_SEED=" +
+           std::to_string(seed) + " replays it]";
+  }
+};
 
-template <typename I>
-void shuffle(std::vector<I>& order) {
-  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+uint64_t launch_seed() {
+  static const char* env = std::getenv("FMHA_EMU_SCHEDULE_SEED");
+  if (env && *env) return std::strtoull(env, nullptr, 10);
+  static std::atomic<uint64_t> counter{(uint64_t(std::random_device{}()) << 32) |
+                                       std::random_device{}()};
+  return Schedule(counter.fetch_add(1, std::memory_order_relaxed)).next() % 1000000000000ull;
 }
 
 #if FMHA_EMU_FIBERS
 // Fiber stacks: 1 MiB each (an OS thread's default is 8, but a kernel's locals are its
-// registers and a few arrays), below each a page that faults on overflow; mapped once and
-// reused by every later block and launch of this process.
-constexpr size_t kFiberStack = size_t(1) << 20, kGuard = 4096;
+// registers and a few arrays), below each 64 KiB that fault on overflow (more than a page,
+// so that a large frame cannot jump it into the next stack); mapped once and reused by
+// every later block and launch of this process.
+constexpr size_t kFiberStack = size_t(1) << 20, kGuard = size_t(64) << 10;
 std::mutex g_stacks_mutex;
 std::vector<void*> g_stacks;
 
@@ -549,7 +575,7 @@ void fiber_main() {
 // waiting fiber looks at its barrier again on its next turn. thread_main's own checks end
 // any deadlock (every live thread waiting) by aborting the block, which releases every
 // waiter.
-void run_block_fibers(BlockState& b, Thunk thunk, void* closure) {
+void run_block_fibers(BlockState& b, Thunk thunk, void* closure, Schedule& schedule) {
   std::vector<Fiber> fibers(size_t(b.nthreads));
   ucontext_t scheduler;
   for (int tid = 0; tid < b.nthreads; ++tid) {
@@ -570,7 +596,7 @@ void run_block_fibers(BlockState& b, Thunk thunk, void* closure) {
   std::vector<int> order(size_t(b.nthreads));
   for (int tid = 0; tid < b.nthreads; ++tid) order[size_t(tid)] = tid;
   while (!order.empty()) {
-    shuffle(order);
+    schedule.shuffle(order);
     for (int tid : order) {
       Fiber& f = fibers[size_t(tid)];
       t_fiber = &f;
@@ -1061,9 +1087,9 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
   if (nthreads == 0 || nthreads > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64)
     bad("block (" + std::to_string(block.x) + "," + std::to_string(block.y) + "," +
         std::to_string(block.z) + ") (at most 1024 threads; x, y <= 1024, z <= 64)");
-  if (nblocks == 0 || grid.y > 65535 || grid.z > 65535)
+  if (nblocks == 0 || grid.y > 65535 || grid.z > 65535 || nblocks > (uint64_t(1) << 26))
     bad("grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," +
-        std::to_string(grid.z) + ")");
+        std::to_string(grid.z) + ") (y, z <= 65535; the emulator runs at most 2^26 blocks)");
   size_t limit = detail::kDefaultDynamicSmem;
   {
     std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
@@ -1097,9 +1123,10 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
   } record{kname, traffic};
   // The blocks one after another, in a random order: CUDA promises none, and atomics from
   // different blocks then land in a different order on every run, as on a GPU.
+  detail::Schedule schedule(detail::launch_seed());
   std::vector<int64_t> blocks(static_cast<size_t>(nblocks));
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = int64_t(i);
-  detail::shuffle(blocks);
+  schedule.shuffle(blocks);
   for (const int64_t linear : blocks) {
     const unsigned bx = unsigned(linear % grid.x), by = unsigned(linear / grid.x % grid.y),
                    bz = unsigned(linear / (int64_t(grid.x) * grid.y));
@@ -1128,7 +1155,7 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
 
     if (detail::g_race_checker) detail::g_race_checker->block_begin();
 #if FMHA_EMU_FIBERS
-    detail::run_block_fibers(b, thunk, closure);
+    detail::run_block_fibers(b, thunk, closure, schedule);
 #else
     std::vector<std::thread> threads;
     threads.reserve(size_t(nthreads));
@@ -1155,10 +1182,10 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
 
     std::vector<std::string> races;
     if (detail::g_race_checker) races = detail::g_race_checker->block_end();
-    if (b.aborted) throw LaunchError(b.error);
+    if (b.aborted) throw LaunchError(b.error + schedule.describe());
     if (!races.empty()) {
       std::string msg = kname.get() + ": racecheck: memory hazards in block " +
-                        detail::dims(b.block_idx) + ":";
+                        detail::dims(b.block_idx) + schedule.describe() + ":";
       for (const std::string& r : races) msg += "\n  " + r;
       throw LaunchError(msg);
     }

@@ -30,14 +30,15 @@ void reset_stats();  // also clears traffic()
 // Memory traffic of one kernel (all its launches since the last reset), as Nsight Compute
 // would count it for the accesses the emulator sees: ldmatrix (shared-memory reads) and
 // cp.async (global reads, shared-memory writes). Ordinary loads and stores are plain C++
-// here and are not counted. A warp-level request is the k-th such operation of each lane
-// of a warp (the lanes of a convergent warp issue them together).
+// here and are not counted. A warp-level request is the same such operation of each lane
+// of a warp: for cp.async, the k-th of each lane since the same barrier (the lanes of a
+// convergent warp issue them together).
 //  - Shared memory: 32 banks of 4 bytes; a request takes one wavefront per 128 bytes, plus
 //    one more for every additional distinct 4-byte word that falls in an already-used bank
 //    (a bank conflict). ldmatrix: one phase per 8x8 matrix (eight 16-byte rows);
 //    cp.async: phases of 128 / cp-size lanes. ideal = the wavefronts without conflicts.
 //  - Global memory (cp.async sources): the 32-byte sectors a request touches, and the bytes
-//    it asks for; efficiency = bytes / (32 * sectors).
+//    it asks for; efficiency = bytes / (32 * sectors) (over 1 if lanes read the same bytes).
 struct KernelTraffic {
   std::string kernel;  // the kernel's name (demangled symbol, or the launch expression)
   uint64_t launches = 0;

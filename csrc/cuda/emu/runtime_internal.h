@@ -28,7 +28,10 @@ struct ThreadImpl {
   // Barriers this thread has passed in the current block: the race checker's clock.
   uint32_t block_epoch = 0, warp_epoch = 0;
   int parity = 0;  // which half of the warp's exchange buffer the next collective uses
-  uint64_t cp_async_issued = 0;  // this lane's cp.async count: its warp-level request index
+  // Which warp-level request this lane's next cp.async joins (traffic counters): the
+  // barriers passed (epochs) and the cp.async count since the last of them.
+  uint64_t cp_epochs = ~uint64_t(0);
+  uint32_t cp_index = 0;
   uintptr_t stack_lo = 0, stack_hi = 0;  // this OS thread's stack: private, never raced on
   std::vector<PendingCopy> uncommitted;
   std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
