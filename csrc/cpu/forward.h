@@ -22,15 +22,18 @@
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
-// K/V rows of the current key tile as the accumulation type: read in place when the input
-// already is (float32/float64 with a unit last stride), converted into `buf` otherwise. V is
-// a GEMM B operand, whose rows must be padded to the vector width: in place only when
-// head_dim_v already is.
+// Rows of the current tile as the accumulation type: read in place when the input already
+// is (float32/float64 with a unit last stride), converted into `buf` (leading dimension `ld`)
+// otherwise. A GEMM B operand is re-read once per row block of the micro-kernel, so it must
+// stay in L1 and have rows padded to the vector width: it is read in place only when it is
+// already dense (stride == ld). In place at the usual strides of (batch, seq, heads, dim)
+// tensors -- 2 KiB for 8 heads of 64 floats -- a 64-row tile falls into a few cache sets and
+// evicts itself from L1 on every row block (benchmarks/NOTES.md, "B operands are copied").
 template <typename T, typename A>
 inline const A* rows_as_acc(const T* src, int64_t stride, int n, int dim, A* buf, int ld,
-                            int64_t* out_stride, bool needs_padding) {
+                            int64_t* out_stride, bool b_operand) {
   if constexpr (std::is_same_v<T, A>) {
-    if (!needs_padding || dim == ld) {
+    if (!b_operand || (dim == ld && stride == ld)) {
       *out_stride = stride;
       return src;
     }
