@@ -561,6 +561,20 @@ CORE_CASES = [
     ("bwd_heads_kv_zero", "_C.backward(out, q, empty_dense(2, 6, 0, 8), empty_dense(2, 6, 0, 8), "
                           "out, lse, z(2, 5, 4, 8), empty_dense(2, 6, 0, 8), "
                           "empty_dense(2, 6, 0, 8), **S)", "heads"),
+    # the signature itself (bound in params_from_dlpack.h, ArrayArgs)
+    ("missing_lse", "_C.forward(q, k, v, out, **S)", "missing required argument 'lse'"),
+    ("missing_q_by_name", "_C.forward(k=k, v=v, out=out, lse=lse, **S)",
+     "missing required argument 'q'"),
+    ("array_twice", "_C.forward(q, k, v, out, lse, q=q, **S)", "multiple values for argument 'q'"),
+    ("too_many_positional", "_C.forward(q, k, v, out, lse, *[None] * 8, **S)",
+     "at most 12 positional"),
+    ("unknown_setting", "_C.forward(q, k, v, out, lse, scael=0.3, **S)", "'scael'"),
+    ("unknown_runtime_name",
+     "_C.forward(q, k, v, out, lse, **{''.join(['sca', 'el']): 0.3}, **S)", "'scael'"),
+    ("bwd_missing_dv", "_C.backward(out, q, k, v, out, lse, z(2, 5, 4, 8), z(2, 6, 2, 8), **S)",
+     "missing required argument 'dv'"),
+    ("kvcache_missing_cache", "_C.forward_kvcache(q, k, v, out, **S)",
+     "missing required argument 'lse'"),
 ]
 
 
@@ -591,6 +605,28 @@ def test_core_rejects_inconsistent_arguments(stmt, fragment):
     message = res.stdout.split("|", 1)[1]
     assert fragment in message, detail
     assert "ALIVE" in res.stdout, detail
+
+
+def test_core_arrays_by_position_or_name_agree():
+    """The arrays may come by position or by name, in any mix, and keyword names built at run
+    time (not interned) are found too: every spelling gives the same bits."""
+    from fmha import _C
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, n, 2, 8)).astype(np.float32) for n in (5, 6, 6))
+    settings = dict(scale=0.35, softcap=0.0, window_left=-1, window_right=-1, bottom_right=True,
+                    dropout_p=0.0)
+    results = []
+    for call in (lambda o, l: _C.forward(q, k, v, o, l, **settings),
+                 lambda o, l: _C.forward(q=q, k=k, v=v, out=o, lse=l, **settings),
+                 lambda o, l: _C.forward(q, k, v=v, lse=l, out=o, bias=None, **settings),
+                 lambda o, l: _C.forward(q, k, **{"".join(["v"]): v, "".join("out"): o},
+                                         **{"".join(["ls", "e"]): l}, **settings)):
+        out, lse = np.zeros((2, 5, 2, 8), np.float32), np.zeros((2, 2, 5), np.float32)
+        call(out, lse)
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+    assert np.isfinite(results[0][0]).all()
 
 
 # ---------------------------------------------------------------- CUDA arrays, without a GPU

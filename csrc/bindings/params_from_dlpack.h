@@ -19,6 +19,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <cstdint>
+#include <forward_list>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -791,34 +792,111 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
   return c;
 }
 
+// ------------------------------------------------------------------------ the signatures
+
+// The arrays of one call, by position or by name; the other keywords are its settings.
+// pybind11's own named parameters cost ~4 µs per call here: for every parameter it makes and
+// compares a Python string (benchmarks/latency_icelake_2026-12-01.md). So forward, backward
+// and forward_kvcache are registered as (*args, **kwargs) and bound here, with pointer
+// compares on interned names (the names at a call site are interned): a call passing its
+// arrays by position and its settings by name does no string work at all.
+template <size_t N>
+class ArrayArgs {
+ public:
+  ArrayArgs(const char* fn, const std::array<const char*, N>& names, size_t required,
+            const py::args& args, const py::kwargs& kw)
+      : settings_(kw) {
+    if (args.size() > N)
+      throw py::type_error(concat(fn, ": takes at most ", N, " positional arguments (",
+                                  args.size(), " given)"));
+    for (size_t i = 0; i < args.size(); ++i) arrays_[i] = args[i];
+    static const std::array<PyObject*, N> interned = intern(names);
+    bool copied = false;
+    for (auto item : kw) {
+      PyObject* key = item.first.ptr();
+      size_t i = 0;
+      while (i < N && key != interned[i]) ++i;
+      if (i == N && !PyUnicode_CHECK_INTERNED(key)) {  // a name built at run time
+        i = 0;
+        while (i < N && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) ++i;
+      }
+      if (i == N) continue;  // a setting
+      if (arrays_[i])
+        throw py::type_error(concat(fn, ": got multiple values for argument '", names[i], "'"));
+      arrays_[i] = py::reinterpret_borrow<py::object>(item.second);
+      if (!copied) {  // the settings without the arrays given by name
+        settings_ = py::reinterpret_steal<py::kwargs>(PyDict_Copy(kw.ptr()));
+        copied = true;
+      }
+      PyDict_DelItem(settings_.ptr(), key);
+    }
+    for (size_t i = 0; i < N; ++i) {
+      if (!arrays_[i] && i < required)
+        throw py::type_error(concat(fn, ": missing required argument '", names[i], "'"));
+      if (!arrays_[i]) arrays_[i] = py::none();
+    }
+  }
+  const py::object& operator[](size_t i) const { return arrays_[i]; }
+  const py::kwargs& settings() const { return settings_; }
+
+ private:
+  static std::array<PyObject*, N> intern(const std::array<const char*, N>& names) {
+    std::array<PyObject*, N> out{};  // held for the life of the module
+    for (size_t i = 0; i < N; ++i) out[i] = PyUnicode_InternFromString(names[i]);
+    return out;
+  }
+  std::array<py::object, N> arrays_{};
+  py::kwargs settings_;
+};
+
+template <size_t N, typename Fn, size_t... I>
+decltype(auto) call_with_arrays(const Fn& fn, const ArrayArgs<N>& a, std::index_sequence<I...>) {
+  return fn(a[I]..., a.settings());
+}
+
+// Registers fn(array_0, ..., array_{N-1}, settings) as `name`: the first `required` arrays
+// are required, the rest default to None. The docstring starts with that signature.
+template <size_t N, typename Fn>
+void def_with_arrays(py::module_& m, const char* name, const std::array<const char*, N>& names,
+                     size_t required, Fn fn, const char* doc) {
+  static std::forward_list<std::string> docs;  // docstrings live as long as the module
+  std::string text = concat(name, "(");
+  for (size_t i = 0; i < N; ++i)
+    text += concat(i ? ", " : "", names[i], i < required ? "" : "=None");
+  docs.push_front(concat(text, ", **settings)\n\n", doc));
+  m.def(
+      name,
+      [name, names, required, fn](const py::args& args, const py::kwargs& kw) {
+        return call_with_arrays(fn, ArrayArgs<N>(name, names, required, args, kw),
+                                std::make_index_sequence<N>{});
+      },
+      docs.front().c_str());
+}
+
+inline constexpr std::array<const char*, 12> kForwardArrays = {
+    "q", "k", "v", "out", "lse", "bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+    "block_index", "block_masks"};
+inline constexpr std::array<const char*, 18> kBackwardArrays = {
+    "dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "dbias", "bias", "mask",
+    "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "dlse", "block_index", "block_masks"};
+inline constexpr std::array<const char*, 12> kKvcacheArrays = {
+    "q", "k_cache", "v_cache", "out", "lse", "k", "v", "cache_seqlens", "block_table",
+    "alibi_slopes", "k_scale", "v_scale"};
+
 // forward and backward with fmha._C's signature: the arrays by position or name, the
 // settings as keywords (FMHA_FORWARD_KEYWORDS). Both modules define them through this.
 template <typename Forward, typename Backward>
-void def_forward_backward(py::module_& m, Forward&& forward, Backward&& backward,
+void def_forward_backward(py::module_& m, Forward forward, Backward backward,
                           const char* forward_doc, const char* backward_doc) {
-  m.def("forward", std::forward<Forward>(forward), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("bias") = py::none(),
-        py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
-        py::arg("block_index") = py::none(), py::arg("block_masks") = py::none(), forward_doc);
-  m.def("backward", std::forward<Backward>(backward), py::arg("dout"), py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"),
-        py::arg("dk"), py::arg("dv"), py::arg("dbias") = py::none(),
-        py::arg("bias") = py::none(), py::arg("mask") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens_q") = py::none(),
-        py::arg("cu_seqlens_k") = py::none(), py::arg("dlse") = py::none(),
-        py::arg("block_index") = py::none(), py::arg("block_masks") = py::none(), backward_doc);
+  def_with_arrays(m, "forward", kForwardArrays, 5, forward, forward_doc);
+  def_with_arrays(m, "backward", kBackwardArrays, 9, backward, backward_doc);
 }
 
 // forward_kvcache with fmha._C's signature (the arrays by position or name, the settings as
 // keywords: FMHA_KVCACHE_KEYWORDS). Both modules define it through this.
 template <typename ForwardKvcache>
-void def_forward_kvcache(py::module_& m, ForwardKvcache&& fn, const char* doc) {
-  m.def("forward_kvcache", std::forward<ForwardKvcache>(fn), py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("out"), py::arg("lse"), py::arg("k") = py::none(),
-        py::arg("v") = py::none(), py::arg("cache_seqlens") = py::none(),
-        py::arg("block_table") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), doc);
+void def_forward_kvcache(py::module_& m, ForwardKvcache fn, const char* doc) {
+  def_with_arrays(m, "forward_kvcache", kKvcacheArrays, 5, fn, doc);
 }
 
 // The exception translation both modules install: the core's error types become the Python
