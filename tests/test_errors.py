@@ -562,7 +562,7 @@ CORE_CASES = [
                           "out, lse, z(2, 5, 4, 8), empty_dense(2, 6, 0, 8), "
                           "empty_dense(2, 6, 0, 8), **S)", "heads"),
     # the signature itself (bound in params_from_dlpack.h, ArrayArgs)
-    ("missing_lse", "_C.forward(q, k, v, out, **S)", "missing required argument 'lse'"),
+    ("missing_out", "_C.forward(q, k, v, **S)", "missing required argument 'out'"),
     ("missing_q_by_name", "_C.forward(k=k, v=v, out=out, lse=lse, **S)",
      "missing required argument 'q'"),
     ("array_twice", "_C.forward(q, k, v, out, lse, q=q, **S)", "multiple values for argument 'q'"),
@@ -571,6 +571,8 @@ CORE_CASES = [
     ("unknown_setting", "_C.forward(q, k, v, out, lse, scael=0.3, **S)", "'scael'"),
     ("unknown_runtime_name",
      "_C.forward(q, k, v, out, lse, **{''.join(['sca', 'el']): 0.3}, **S)", "'scael'"),
+    ("bwd_lse_none", "_C.backward(out, q, k, v, out, None, z(2, 5, 4, 8), z(2, 6, 2, 8), "
+                     "z(2, 6, 2, 8), **S)", "lse"),
     ("bwd_missing_dv", "_C.backward(out, q, k, v, out, lse, z(2, 5, 4, 8), z(2, 6, 2, 8), **S)",
      "missing required argument 'dv'"),
     ("kvcache_missing_cache", "_C.forward_kvcache(q, k, v, out, **S)",
@@ -629,6 +631,29 @@ def test_core_arrays_by_position_or_name_agree():
     assert np.isfinite(results[0][0]).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_core_host_forward_may_leave_lse_out(dtype, varlen):
+    """lse=None on a host forward: the same out as with lse, from a buffer of the call."""
+    from fmha import _C
+    rng = np.random.default_rng(2)
+    settings = dict(scale=0.35, softcap=0.0, window_left=-1, window_right=-1, bottom_right=True,
+                    dropout_p=0.0)
+    if varlen:
+        q, k, v = (rng.standard_normal((n, 4, 8)).astype(dtype) for n in (7, 9, 9))
+        extra = dict(cu_seqlens_q=np.array([0, 3, 7], np.int32),
+                     cu_seqlens_k=np.array([0, 4, 9], np.int32))
+        lse = np.zeros((4, 7), np.float64 if dtype == np.float64 else np.float32)
+    else:
+        q, k, v = (rng.standard_normal((2, n, 4, 8)).astype(dtype) for n in (5, 6, 6))
+        extra = {}
+        lse = np.zeros((2, 4, 5), np.float64 if dtype == np.float64 else np.float32)
+    with_lse, without = np.zeros_like(q), np.zeros_like(q)
+    _C.forward(q, k, v, with_lse, lse, **extra, **settings)
+    _C.forward(q, k, v, without, **extra, **settings)
+    assert np.array_equal(with_lse, without) and np.isfinite(lse).all()
+
+
 # ---------------------------------------------------------------- CUDA arrays, without a GPU
 #
 # Arrays that say they live on a CUDA device, made from host memory: a DLPack capsule built by
@@ -674,6 +699,8 @@ _FAKE_CUDA_PRELUDE = _CORE_PRELUDE + textwrap.dedent("""
 """)
 
 FAKE_CUDA_CASES = [
+    ("lse_left_out_on_cuda", "_C.forward(qc, kc, vc, oc, None, **S)",
+     "lse: required for arrays on cuda:0"),
     ("k_on_host", "_C.forward(qc, h(k), vc, oc, lc, **S)", "k: on device cpu, expected q's device cuda:0"),
     ("out_on_other_gpu", "_C.forward(qc, kc, vc, C(out, 1), lc, **S)",
      "out: on device cuda:1, expected q's device cuda:0"),

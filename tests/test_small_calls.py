@@ -7,7 +7,10 @@ timings; a test here never times anything):
   layer that must see the op (torch.compile, a dispatch mode, FakeTensors, autograd) still
   does (fmha/_torch.py, _direct);
 - a repeated call's validation is a cache lookup that can never let through what the full
-  validation refuses (fmha/_validate.py, _SPEC_CACHE).
+  validation refuses (fmha/_validate.py, _SPEC_CACHE);
+- the plain call (no bias, mask, ALiBi, dropout, sinks or block mask) allocates its outputs
+  and calls the kernels once, lse left to the kernels when not returned
+  (fmha/_torch.py plain_forward, fmha/_api.py _plain_numpy), with the op's bits.
 """
 
 from __future__ import annotations
@@ -155,3 +158,47 @@ def test_spec_cache_follows_a_growing_cache():
         torch.testing.assert_close(fmha.attention(q, k, v), ref)
     with pytest.raises(ValueError, match="v"):
         prepare(q, k, v[:, :5])  # k and v lengths differ: validated afresh
+
+
+def _layouts(g, dtype):
+    """q, k, v in the layouts a caller hands over: contiguous, transposed views of
+    (b, h, s, d) tensors (unit last stride, not contiguous), and a strided last dimension
+    (the general path's copy)."""
+    def make(s, d=16):
+        return torch.randn(2, s, 4, d, generator=g).to(dtype)
+    yield "contiguous", make(3), make(7), make(7)
+    yield "bhsd_views", *(torch.randn(2, 4, s, 16, generator=g).to(dtype).transpose(1, 2)
+                          for s in (3, 7, 7))
+    yield "strided_last", make(3, 32)[..., ::2], make(7), make(7)
+    yield "head_dim_v", make(3), make(7), make(7, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_plain_call_equals_the_op(dtype):
+    """Every layout and both results (out; out and lse) give the op's bits, and the same
+    values as a copy of the inputs made contiguous."""
+    g = torch.Generator().manual_seed(3)
+    dt = getattr(torch, dtype)
+    for name, q, k, v in _layouts(g, dt):
+        for causal in (False, True):
+            with torch.no_grad():
+                out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+                only = fmha.attention(q, k, v, causal=causal)
+            qc, kc, vc = (x.contiguous() for x in (q, k, v))
+            via_op = torch.ops.fmha.fwd(qc, kc, vc, None, None, None, None, None, 3, 7, None,
+                                        q.shape[-1] ** -0.5, 0.0, -1, 0 if causal else -1,
+                                        True, 0.0, False, 0)
+            assert out.shape == only.shape == via_op[0].shape, name
+            assert torch.equal(out, via_op[0]) and torch.equal(only, via_op[0]), name
+            assert torch.equal(lse, via_op[1]), name
+
+
+def test_plain_numpy_call_equals_torch():
+    g = torch.Generator().manual_seed(4)
+    for name, q, k, v in _layouts(g, torch.float32):
+        want, want_lse = fmha.attention(*(x.contiguous() for x in (q, k, v)), return_lse=True)
+        arrays = [x.numpy() for x in (q, k, v)]
+        out, lse = fmha.attention(*arrays, return_lse=True)
+        assert np.array_equal(out, want.numpy()), name
+        assert np.array_equal(lse, want_lse.numpy()), name
+        assert np.array_equal(fmha.attention(*arrays), want.numpy()), name

@@ -30,16 +30,18 @@ def _array_seed(seed) -> int:
     return int(seed)
 
 
-def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None, block=None):
+def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None, block=None,
+                   keep_lse=True):
     """NumPy or CuPy arrays (outputs allocated by the same module, on q's device); extra:
-    core_args' (bias, mask, alibi_slopes); block: a block mask's (index, partial)."""
+    core_args' (bias, mask, alibi_slopes); block: a block mask's (index, partial). A host
+    call with keep_lse=False leaves lse to the kernels' own buffer and returns (out, None)."""
     xp = _xp(q)
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     lse_dtype = xp.float64 if spec.dtype == "float64" else xp.float32
     lse_shape = (spec.heads_q, q.shape[0]) if spec.varlen else spec.full[:3]
     if xp is np:  # host memory: no device to make current
         out = np.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
-        lse = np.empty(lse_shape, dtype=lse_dtype)
+        lse = np.empty(lse_shape, dtype=lse_dtype) if keep_lse else None
         stream = 0
     else:
         with q.device:
@@ -60,6 +62,22 @@ def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None, block=
                                cu["cu_seqlens_k"], max_seqlen_q=cu["max_seqlen_q"],
                                max_seqlen_k=cu["max_seqlen_k"], **kw)
     return out, lse
+
+
+def _plain_numpy(spec: Spec, q, k, v, return_lse: bool):
+    """NumPy's plain call (as fmha._torch.plain_forward): the outputs allocated here, one
+    kernel call, lse left to the kernels unless returned. None when an input's last dimension
+    is strided (the general path copies it)."""
+    if (q.strides[-1] != q.itemsize or k.strides[-1] != k.itemsize
+            or v.strides[-1] != v.itemsize):
+        return None
+    out = np.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
+    lse = None
+    if return_lse:
+        lse = np.empty(spec.full[:3], dtype=np.float64 if spec.dtype == "float64" else np.float32)
+    _core._kernels.forward(q, k, v, out, lse,
+                           **dict(spec.kernel_settings, num_threads=get_num_threads()))
+    return (out, lse) if return_lse else out
 
 
 _torch = None
@@ -139,6 +157,15 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
+    plain = (bias is None and mask is None and alibi_slopes is None and sinks is None
+             and block_mask is None and spec.dropout_p == 0)
+    if plain:
+        if spec.kind == "torch":
+            res = _torch_module().plain_forward(spec, q, k, v, return_lse)
+        else:
+            res = _plain_numpy(spec, q, k, v, return_lse) if spec.kind == "numpy" else None
+        if res is not None:
+            return res
     if sinks is not None:
         _sinks.check(sinks, q, spec.heads_q)
     block = _block_arrays(block_mask, q, spec)
@@ -148,7 +175,8 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
                                         deterministic=deterministic, block=block)
         return res if sinks is None else _result(*res, sinks, return_lse)
     out, lse = _array_forward(spec, q, k, v, core_args(spec.full, bias, mask, alibi_slopes),
-                              _array_seed(seed) if spec.dropout_p > 0 else 0, block=block)
+                              _array_seed(seed) if spec.dropout_p > 0 else 0, block=block,
+                              keep_lse=return_lse or sinks is not None)
     return _result(out, lse, sinks, return_lse)
 
 

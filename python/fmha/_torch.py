@@ -277,6 +277,36 @@ def _direct(*tensors) -> bool:
                 or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
+def plain_forward(spec: Spec, q, k, v, return_lse: bool):
+    """The plain call -- dense; no bias, mask, ALiBi, dropout, sinks or block mask; arguments
+    already validated -- when :func:`_direct` lets it skip the op: the outputs allocated
+    here, the three inputs exported, one kernel call. A host call that does not return lse
+    leaves it to the kernels' own buffer (one allocation less). None when the call needs the
+    general path (the op, or a copy of an input whose last dimension is strided). The same
+    kernels with the same settings as the op, so the same bits (tests/test_small_calls.py);
+    a layer loop's call costs what is left: benchmarks/latency_icelake_2026-12-01.md."""
+    if not _direct(q, k, v):
+        return None
+    q_dense = q.is_contiguous()
+    if not ((q_dense or q.stride(-1) == 1) and (k.is_contiguous() or k.stride(-1) == 1)
+            and (v.is_contiguous() or v.stride(-1) == 1)):
+        return None
+    if q_dense and spec.head_dim_v == spec.head_dim:
+        out = torch.empty_like(q)
+    else:
+        out = torch.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype, device=q.device)
+    kw = dict(spec.kernel_settings, num_threads=get_num_threads())
+    lse = None
+    if q.is_cuda:
+        kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
+    if return_lse or q.is_cuda:
+        lse = torch.empty(spec.full[:3], device=q.device,
+                          dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    _core._kernels.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
+                           None if lse is None else to_dlpack(lse), **kw)
+    return (out, lse) if return_lse else out
+
+
 def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=None, cu_k=None,
               deterministic=False, block=None):
     """fmha.attention / attention_varlen for torch tensors (arguments already validated);

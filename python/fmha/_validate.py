@@ -230,7 +230,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
     key = None
     if (bias is None and mask is None and alibi_slopes is None and cu_seqlens_q is None
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
-            and not _compiling()):
+            and (type(q) is np.ndarray or not _compiling())):
         key = _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap,
                          num_splits)
         spec = _SPEC_CACHE.get(key) if key is not None else None
