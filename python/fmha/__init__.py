@@ -63,6 +63,9 @@ def __getattr__(name):
     # `import fmha` works (and stays light) for NumPy users.
     if name == "scaled_dot_product_attention":
         from .sdpa import scaled_dot_product_attention
+        # Kept as a module attribute: later lookups are plain ones, not this call (a layer
+        # loop looks it up once per call).
+        globals()[name] = scaled_dot_product_attention
         return scaled_dot_product_attention
     if name in ("nn", "integrations", "distributed"):
         import importlib

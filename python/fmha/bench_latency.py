@@ -129,7 +129,6 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
 
     spec = prepare(q, k, v)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-    lse = torch.empty((spec.batch, spec.heads_q, spec.seqlen_q), dtype=torch.float32)
     op_args = (q, k, v, None, None, None, None, None, spec.seqlen_q, spec.seqlen_k, None,
                spec.scale, spec.softcap, spec.window_left, spec.window_right,
                spec.bottom_right, spec.dropout_p, False, spec.num_splits)
@@ -138,9 +137,9 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     from torch.utils.dlpack import to_dlpack
 
     def c_forward(threads):
-        # As the implementation body calls it: the arrays as to_dlpack capsules.
-        return lambda: _C.forward(*_torch._exported(q, k, v, out, lse), **spec.settings(),
-                                  num_threads=threads)
+        # As the plain call makes it: four to_dlpack capsules, lse left to the kernels.
+        return lambda: _C.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
+                                  None, **spec.kernel_settings, num_threads=threads)
 
     measured = {}
 
@@ -152,15 +151,15 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
 
     measure("total", lambda: fmha.attention(q, k, v))
     measure("prepare", lambda: prepare(q, k, v))
+    measure("plain", lambda: _torch.plain_forward(spec, q, k, v, False))
     measure("op_call", lambda: _torch.fwd(*op_args))
-    # The op's implementation body: what an eager call that needs no autograd runs directly.
     measure("impl_body", lambda: _torch._fwd(*op_args))
     measure("c_forward", c_forward(default_threads))
     measure("c_forward_1t", c_forward(1))
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        # What the implementation body does for each array: one DLPack export.
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        # What the plain call does for each array: one DLPack export.
         measure(f"dlpack_{name}", lambda x=x: to_dlpack(x))
-    dlpack = sum(measured[f"dlpack_{n}"] for n in ("q", "k", "v", "out", "lse"))
+    dlpack = sum(measured[f"dlpack_{n}"] for n in ("q", "k", "v", "out"))
 
     rows = []
 
@@ -170,29 +169,29 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     m = measured
     add("total", m["total"], "measured", "fmha.attention(q, k, v) under torch.no_grad()")
     add("_validate.prepare", m["prepare"], "measured", "argument validation -> Spec")
-    add("_api/_torch glue", m["total"] - m["prepare"] - m["impl_body"], "difference",
-        "total - prepare - implementation body (kind dispatch, _torch.attention, the "
-        "direct-call checks)")
+    add("_api glue", m["total"] - m["prepare"] - m["plain"], "difference",
+        "total - prepare - plain call (argument checks, kind dispatch)")
+    add("plain call (_torch.plain_forward)", m["plain"], "measured",
+        "what a plain eager call runs after validation: the direct-call checks, out "
+        "allocated, _C.forward")
+    add("plain-call glue (checks, allocation, kwargs)", m["plain"] - m["c_forward"],
+        "difference", "plain call - _C.forward")
     add("op call (torch.ops.fmha.fwd)", m["op_call"], "measured",
         "the custom op called with validated arguments: what a call that records autograd "
-        "pays instead of the body alone")
+        "pays instead of the plain call")
     add("custom-op dispatch", m["op_call"] - m["impl_body"], "difference",
         "op call - implementation body (custom_op -> autograd -> redispatch -> impl); "
         "skipped by eager calls without autograd")
-    add("implementation body", m["impl_body"], "measured",
-        "fmha::fwd's Python body alone (allocate out/lse, kwargs, _C.forward)")
-    add("body glue (allocation, kwargs)", m["impl_body"] - m["c_forward"], "difference",
-        "implementation body - _C.forward")
     add(f"_C.forward, {default_threads} threads", m["c_forward"], "measured",
-        "the binding with preallocated out/lse (includes the 5 DLPack exports)")
+        "the binding with a preallocated out and no lse (includes the 4 DLPack exports)")
     add("_C.forward, 1 thread", m["c_forward_1t"], "measured",
         "the same with num_threads=1")
     add("thread-pool wake", m["c_forward"] - m["c_forward_1t"], "difference",
         f"_C.forward {default_threads} threads - 1 thread (wake-up net of any work shared)")
-    for n in ("q", "k", "v", "out", "lse"):
+    for n in ("q", "k", "v", "out"):
         add(f"to_dlpack {n}", m[f"dlpack_{n}"], "measured",
             f"torch.utils.dlpack.to_dlpack({n}) alone")
-    add("to_dlpack x5", dlpack, "sum", "sum of the five exports above (part of _C.forward)")
+    add("to_dlpack x4", dlpack, "sum", "sum of the four exports above (part of _C.forward)")
     add("C++ floor, 1 thread", m["c_forward_1t"] - dlpack, "difference",
         "_C.forward 1 thread - DLPack exports (argument parsing, params, kernel)")
     return rows

@@ -87,7 +87,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                     mask=mask, dropout_p=dropout_p, sinks=sinks)
     # (B, L, Hq, Ev) -> (..., Hq, L, Ev): a transpose and a split of the batch dimension,
     # both views of fmha's contiguous output.
-    out = out.transpose(1, 2).reshape(*lead, heads_q, seqlen_q, out.shape[-1])
+    out = out.transpose(1, 2)
+    if len(lead) != 1:
+        out = out.reshape(*lead, heads_q, seqlen_q, out.shape[-1])
     if max(query.ndim, key.ndim, value.ndim) == 2:
         out = out.squeeze(0)
     return out
@@ -124,6 +126,8 @@ def _batch_and_heads(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool):
 
 def _to_fmha_layout(x: Tensor, lead: Tuple[int, ...], heads: int) -> Tensor:
     """(..., H, S, E) -> (B, S, H, E), B = prod(lead): views unless batch dims must merge."""
+    if len(lead) == 1 and x.ndim == 4 and x.shape[0] == lead[0] and x.shape[1] == heads:
+        return x.transpose(1, 2)  # the common case: (B, H, S, E) as it is
     if x.shape[:-2] != (*lead, heads):
         x = x.expand(*lead, heads, *x.shape[-2:])
     if len(lead) != 1:
