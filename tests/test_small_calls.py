@@ -8,6 +8,9 @@ timings; a test here never times anything):
   does (fmha/_torch.py, _direct);
 - a repeated call's validation is a cache lookup that can never let through what the full
   validation refuses (fmha/_validate.py, _SPEC_CACHE);
+- an eager call that records autograd runs the op's formula as an autograd.Function, not
+  through torch's custom-op wrapper, with the op's outputs and gradients (fmha/_torch.py,
+  _Attention);
 - the plain call (no bias, mask, ALiBi, dropout, sinks or block mask) allocates its outputs
   and calls the kernels once, lse left to the kernels when not returned
   (fmha/_torch.py plain_forward, fmha/_api.py _plain_numpy), with the op's bits.
@@ -202,3 +205,47 @@ def test_plain_numpy_call_equals_torch():
         assert np.array_equal(out, want.numpy()), name
         assert np.array_equal(lse, want_lse.numpy()), name
         assert np.array_equal(fmha.attention(*arrays), want.numpy()), name
+
+
+@pytest.mark.parametrize("use_lse", [False, True])
+def test_recorded_call_equals_the_op(use_lse):
+    """A call that records a graph (the autograd.Function) and the op give the same outputs
+    and the same gradients, dbias included, with lse used or not."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, s, 4, 16, generator=g, dtype=torch.float64).requires_grad_()
+               for s in (5, 9, 9))
+    bias = torch.randn(2, 4, 5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    spec = prepare(q, k, v, causal=True, bias=bias)
+    args = (q, k, v, bias, None, None, None, None, 5, 9, None, spec.scale, 0.0,
+            spec.window_left, spec.window_right, True, 0.0, False, 0)
+    grads = []
+    for run in (lambda: fmha.attention(q, k, v, causal=True, bias=bias, return_lse=True),
+                lambda: torch.ops.fmha.fwd(*args)):
+        out, lse = run()
+        assert out.grad_fn is not None
+        (out.sum() + (lse.sum() if use_lse else 0)).backward()
+        grads.append([out.detach(), lse.detach()] + [x.grad for x in (q, k, v, bias)])
+        for x in (q, k, v, bias):
+            x.grad = None
+    assert type(fmha.attention(q, k, v).grad_fn).__name__ == "_AttentionBackward"
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_dispatch_mode_sees_the_op_with_grad():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv(requires_grad=True)
+    with Log() as log:
+        fmha.attention(q, k, v).sum().backward()
+    assert any("fmha.fwd" in op for op in log.ops), log.ops
+    assert any("fmha.bwd" in op for op in log.ops), log.ops

@@ -1,6 +1,7 @@
 """Per-call time of small calls in a plain loop (no harness, no per-call no_grad entry):
 the tiny call through each entry point, torch's own SDPA on the same data, and one decode
-step through the Hugging Face entries (fmha's and transformers' "sdpa"). Prints a
+step through the Hugging Face entries (fmha's and transformers' "sdpa"), and the tiny call
+with inputs that require grad (fmha and SDPA). Prints a
 Markdown table with the host; benchmarks/latency_xeon_amx_2026-11-30_after.md quotes a run.
 
     python tools/plain_call_loop.py
@@ -54,9 +55,16 @@ def main():
         rows.append(("transformers sdpa entry, same decode step",
                      per_call_us(lambda: sdpa_attention_forward(layer, hq, hk, hv, None,
                                                                 scaling=0.125))))
+    # The same tiny call recording a graph (forward only): what a training step pays per call.
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qtg, ktg, vtg = (x.clone().requires_grad_() for x in (qt, kt, vt))
+    rows.append(("fmha.attention, torch, tiny call, inputs requiring grad",
+                 per_call_us(lambda: fmha.attention(qg, kg, vg), n=1000)))
+    rows.append(("torch SDPA, same, inputs requiring grad",
+                 per_call_us(lambda: F.scaled_dot_product_attention(qtg, ktg, vtg), n=1000)))
     print(f"host: {cpu_model()} | fmha threads {fmha.get_num_threads()} | CPU ISA "
           f"{fmha.cpu_isa()} | torch {torch.__version__}\n")
-    print("| call | µs per call (median of 7 batches of 5000) |")
+    print("| call | µs per call (median of 7 batches of 5000; 1000 with grad) |")
     print("|---|---:|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")

@@ -258,23 +258,50 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _direct(*tensors) -> bool:
-    """Can an eager call run the op's body directly? It can when no layer of the op has
-    anything to do: no gradient can flow (grad mode off, or no input requires grad), the
-    inputs are plain tensors (not FakeTensors or other subclasses), and no torch.compile
-    trace, functorch transform (vmap, grad) or dispatch/function mode is active, each of
-    which must see the op. The outputs are the same tensors the op would return; the
-    dispatcher, autograd wrapper and custom-op layers are what is skipped: tens of
-    microseconds per call (benchmarks/latency_*.md)."""
+def _plain_eager(tensors) -> bool:
+    """Whether nothing but autograd needs to see the op: the inputs are plain tensors (not
+    FakeTensors or other subclasses), and no torch.compile trace, functorch transform (vmap,
+    grad) or dispatch/function mode is active."""
     if torch.compiler.is_compiling():
         return False
-    grad = torch.is_grad_enabled()
     for x in tensors:
-        if x is not None and (type(x) is not Tensor or (grad and x.requires_grad)):
+        if x is not None and type(x) is not Tensor:
             return False
     return not (torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def _direct(*tensors) -> bool:
+    """Can an eager call run the op's body directly? It can when no layer of the op has
+    anything to do: :func:`_plain_eager`, and no gradient can flow (grad mode off, or no
+    input requires grad). The outputs are the same tensors the op would return; the
+    dispatcher, autograd wrapper and custom-op layers are what is skipped: tens of
+    microseconds per call (benchmarks/latency_*.md)."""
+    if torch.is_grad_enabled():
+        for x in tensors:
+            if x is not None and x.requires_grad:
+                return False
+    return _plain_eager(tensors)
+
+
+class _Attention(torch.autograd.Function):
+    """fmha::fwd with its registered autograd formula (the same _setup_context and
+    _backward), as an autograd.Function: what an eager call that records a graph runs when
+    :func:`_plain_eager` holds. torch's custom-op autograd wrapper (torch 2.13,
+    torch._library.utils.fill_defaults) rebuilds the op's 25-argument schema list once per
+    argument on every call, ~280 µs for a tiny call here; this costs what a Function costs.
+    torch.compile, transforms, modes and subclasses still get the op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out, lse = _fwd(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
 
 
 def plain_forward(spec: Spec, q, k, v, return_lse: bool):
@@ -323,9 +350,15 @@ def attention(spec: Spec, q, k, v, bias, mask, alibi_slopes, return_lse, cu_q=No
         # The kernels read the offsets where they read q. (Host offsets were validated on the
         # host; device offsets are never read there: the kernels clamp each sequence.)
         cu_q, cu_k = cu_q.to(q.device), cu_k.to(q.device)
-    op = _fwd if _direct(q, k, v, bias, mask, alibi_slopes) else fwd
-    out, lse = op(q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k,
-                  rng, spec.scale, spec.softcap, spec.window_left, spec.window_right,
-                  spec.bottom_right, spec.dropout_p, bool(deterministic), spec.num_splits,
-                  *((0, 0, 0, 0) + tuple(block) if block is not None else ()))
+    args = (q, k, v, bias, mask, alibi_slopes, cu_q, cu_k, spec.seqlen_q, spec.seqlen_k, rng,
+            spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.bottom_right,
+            spec.dropout_p, bool(deterministic), spec.num_splits,
+            *((0, 0, 0, 0) + tuple(block) if block is not None else ()))
+    tensors = (q, k, v, bias, mask, alibi_slopes)
+    if _direct(*tensors):
+        out, lse = _fwd(*args)
+    elif _plain_eager(tensors):  # a graph is recorded: the formula without the op's wrapper
+        out, lse = _Attention.apply(*args)
+    else:
+        out, lse = fwd(*args)
     return (out, lse) if return_lse else out
