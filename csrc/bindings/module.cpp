@@ -85,7 +85,8 @@ PYBIND11_MODULE(_C, m) {
   bind::register_errors();
   bind::def_forward_backward(
       m, &forward, &backward,
-      "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels). "
+      "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels); a "
+      "host call may pass lse=None (not kept). "
       "Keyword settings: scale, softcap, window_left, window_right, bottom_right, dropout_p "
       "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
       "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "

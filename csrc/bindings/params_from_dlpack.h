@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <forward_list>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -179,6 +180,7 @@ struct Call {
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
   std::optional<View> block_index, block_masks;  // a block-sparse mask
   std::optional<View> dout, dq, dk, dv, dbias, dlse;  // backward only
+  std::unique_ptr<double[]> lse_scratch;  // lse, when a host forward leaves it out
 };
 
 inline std::optional<View> import_opt(const std::string& name, const py::object& obj,
@@ -279,6 +281,31 @@ void import_alibi(Call<Params>& c, const py::object& alibi) {
   }
 }
 
+// A forward on host arrays may leave lse out (None): the kernels then write it into a buffer
+// of the call, dense (batch, heads_q, seqlen_q) or, varlen, (heads_q, total_q), dropped after
+// the call. A small call saves the caller an allocation (fmha's plain torch and NumPy calls
+// that do not return lse).
+template <typename Params>
+void scratch_lse(Call<Params>& c, bool varlen) {
+  const bool f64 = c.p.dtype == DType::kFloat64;
+  View& t = c.lse;
+  t.name = "lse";
+  t.device = {kDLCPU, 0};
+  t.dtype = {kDLFloat, uint8_t(f64 ? 64 : 32), 1};
+  t.ndim = varlen ? 2 : 3;
+  if (varlen)
+    t.shape = {c.q.size(1), c.q.size(0), 0, 0};
+  else
+    t.shape = {c.q.size(0), c.q.size(2), c.q.size(1), 0};
+  int64_t n = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.strides[size_t(i)] = n;
+    n *= t.shape[size_t(i)];
+  }
+  c.lse_scratch.reset(new double[size_t(std::max<int64_t>(n, 1))]);  // float or double rows
+  t.data = c.lse_scratch.get();
+}
+
 // Everything but the gradients: q, k, v, out, lse, bias, mask, ALiBi, varlen offsets and the
 // settings. `host_only`: the caller can run host arrays only (the emulator), which stand for
 // the GPU's memory: varlen offsets are then handled as device offsets (not read here).
@@ -296,13 +323,21 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   c.k = import("k", k, false, c.import_stream);
   c.v = import("v", v, false, c.import_stream);
   c.o = import("out", out, outputs_writable, c.import_stream);
-  c.lse = import("lse", lse, outputs_writable, c.import_stream);
-  for (View* t : {&c.k, &c.v, &c.o, &c.lse}) expect_device(*t, c.dev);
+  for (View* t : {&c.k, &c.v, &c.o}) expect_device(*t, c.dev);
+  if (!lse.is_none()) {
+    c.lse = import("lse", lse, outputs_writable, c.import_stream);
+    expect_device(c.lse, c.dev);
+  } else {
+    FMHA_CHECK_ARG(outputs_writable, "lse: required (the backward reads the forward's lse)");
+    FMHA_CHECK_ARG(c.dev.mem == Memory::kHost, "lse: required for arrays on ",
+                   device_name(c.dev), " (only a host call may leave it out)");
+  }
 
   const bool varlen = !cu_q.is_none() || !cu_k.is_none();
   p.dtype = float_dtype(c.q);
   const int nd = varlen ? 3 : 4;
   FMHA_CHECK_ARG(c.q.ndim == nd, "q: expected ", nd, " dimensions, got ", c.q.ndim);
+  if (lse.is_none()) scratch_lse(c, varlen);
   FMHA_CHECK_ARG(c.k.ndim == nd, "k: expected ", nd, " dimensions, got ", c.k.ndim);
   FMHA_CHECK_ARG(c.v.ndim == nd, "v: expected ", nd, " dimensions, got ", c.v.ndim);
   const int o_ = varlen ? 0 : 1;  // index of the seqlen dimension
@@ -888,7 +923,7 @@ inline constexpr std::array<const char*, 12> kKvcacheArrays = {
 template <typename Forward, typename Backward>
 void def_forward_backward(py::module_& m, Forward forward, Backward backward,
                           const char* forward_doc, const char* backward_doc) {
-  def_with_arrays(m, "forward", kForwardArrays, 5, forward, forward_doc);
+  def_with_arrays(m, "forward", kForwardArrays, 4, forward, forward_doc);
   def_with_arrays(m, "backward", kBackwardArrays, 9, backward, backward_doc);
 }
 
