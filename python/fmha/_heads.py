@@ -28,7 +28,9 @@ GATE = "fmha_head_gate"
 
 def gate_heads(module, out: Tensor, head_dim: int = 2) -> Tensor:
     """out with head h multiplied by the module's gate h, when it has gates (else out)."""
-    gate = getattr(module, GATE, None)
+    # The instance's own attributes: a module without gates would otherwise go through
+    # nn.Module.__getattr__ and a caught AttributeError on every call.
+    gate = getattr(module, "__dict__", {}).get(GATE)
     if gate is None:
         return out
     shape = [1] * out.dim()

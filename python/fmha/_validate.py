@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -414,10 +415,17 @@ def _cuda_device_usable(index: int):
     return _CUDA_USABLE[index]
 
 
+_is_compiling = None  # torch.compiler.is_compiling, once torch is imported
+
+
 def _compiling() -> bool:
-    import sys
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    global _is_compiling
+    if _is_compiling is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _is_compiling = torch.compiler.is_compiling
+    return _is_compiling()
 
 
 def _check_cu_seqlens(kind, q, cu_q, cu_k, total_q, total_k, max_q, max_k):
