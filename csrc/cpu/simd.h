@@ -20,6 +20,23 @@
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
+// x as rounded: a compiler barrier that keeps a product from being contracted with the next
+// addition into one fused multiply-add (GCC does so by default wherever FMA exists), for the
+// places whose result must match the same two steps computed apart (the softmax's folded
+// scale: the forward's scores must equal the backward's, which scales in a pass of its own).
+template <typename T>
+inline T unfused(T x) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+  asm("" : "+x"(x));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm("" : "+w"(x));
+#else
+  volatile T y = x;
+  x = y;
+#endif
+  return x;
+}
+
 #if defined(FMHA_SIMD_AVX512)
 // 32 zmm registers: 6 rows x 4 vectors of accumulators (24) + 4 B vectors + 1 broadcast.
 constexpr int kW = 16, kGemmRows = 6, kGemmVecs = 4;
@@ -48,11 +65,15 @@ struct VecF {
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
   }
   friend float hmax(VecF a) { return _mm512_reduce_max_ps(a.v); }
-  // 2^n for integral-valued n in [-127, 127], built in the exponent bits.
-  static VecF pow2i(VecF n) {
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v),
-                                                         _mm512_set1_epi32(127)), 23);
-    return {_mm512_castsi512_ps(e)};
+  // x * 2^n for integral-valued n in [-127, 127]: one vscalefps, the same correctly rounded
+  // product as the other levels' x * pow2i(n) (2^n built in the exponent bits).
+  static VecF mul_pow2(VecF x, VecF n) { return {_mm512_scalef_ps(x.v, n.v)}; }
+  // This value as rounded, kept out of any fused multiply-add the compiler would form with
+  // the next operation (see unfused() above).
+  VecF unfused() const {
+    __m512 x = v;
+    asm("" : "+v"(x));
+    return {x};
   }
   // lanes where a < b take `x`, others keep this
   VecF select_lt(VecF a, VecF b, VecF x) const {
@@ -98,6 +119,12 @@ struct VecF {
                                                          _mm256_set1_epi32(127)), 23);
     return {_mm256_castsi256_ps(e)};
   }
+  static VecF mul_pow2(VecF x, VecF n) { return x * pow2i(n); }
+  VecF unfused() const {
+    __m256 x = v;
+    asm("" : "+x"(x));
+    return {x};
+  }
   VecF select_lt(VecF a, VecF b, VecF x) const {
     return {_mm256_blendv_ps(v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))};
   }
@@ -132,6 +159,8 @@ struct VecF {
     std::memcpy(&f, &e, 4);
     return {f};
   }
+  static VecF mul_pow2(VecF x, VecF n) { return x * pow2i(n); }
+  VecF unfused() const { return {fmha::cpu::FMHA_CPU_ISA_NS::unfused(v)}; }
   VecF select_lt(VecF a, VecF b, VecF x) const { return {a.v < b.v ? x.v : v}; }
   VecF select_eq(VecF a, VecF b, VecF x) const { return {a.v == b.v ? x.v : v}; }
 };
@@ -155,7 +184,7 @@ inline VecF vexp(VecF x) {
   p = fma(p, r, VecF::set1(0.5f));
   p = fma(p, r, VecF::set1(1.f));
   p = fma(p, r, VecF::set1(1.f));
-  return (p * VecF::pow2i(n)).select_lt(x, lo, VecF::zero());
+  return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
 }
 
 inline int round_up_w(int n) { return (n + kW - 1) / kW * kW; }

@@ -14,19 +14,27 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 //   alpha[r] = exp(m - m_new);      l = l * alpha + sum_c P[c][r];  m = m_new.
 // A row with nothing visible so far keeps m = -inf and gets P = 0 (no NaN): the exponent is
 // taken against 0 there, and exp(-inf) = 0.
-inline void online_softmax_T(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
-                             float* alpha) {
+// `scale`: the score scale when Sᵀ still holds the raw products q·k (the forward folds it in
+// here when nothing else touches the scores between the GEMM and the softmax), 1 when Sᵀ
+// already holds the final scores. Only a scale > 0 may be folded: it keeps every column's
+// maximum where it was, so max(scale * s) = scale * max(s) exactly (rounding is monotonic),
+// and every exponent sees the same float scale * s as an unfolded pass would compute.
+template <bool kScale>
+inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
+                                  float* alpha, float scale) {
   const VecF neg_inf = VecF::set1(-__builtin_huge_valf()), lowest = VecF::set1(-3.4e38f);
+  const VecF c_scale = VecF::set1(scale);
   for (int r0 = 0; r0 < nrp; r0 += kW) {
     const VecF m_old = VecF::load(m + r0);
     VecF mx = neg_inf;
     for (int c = 0; c < nc; ++c) mx = max(mx, VecF::load(S + c * ld + r0));
-    const VecF m_new = max(m_old, mx);
+    const VecF m_new = max(m_old, kScale ? mx * c_scale : mx);
     const VecF m_ref = m_new.select_lt(m_new, lowest, VecF::zero());  // -inf -> 0
     const VecF a = vexp(m_old - m_ref);
     VecF sum = VecF::zero();
     for (int c = 0; c < nc; ++c) {
-      const VecF e = vexp(VecF::load(S + c * ld + r0) - m_ref);
+      const VecF x = VecF::load(S + c * ld + r0);
+      const VecF e = vexp((kScale ? (x * c_scale).unfused() : x) - m_ref);
       e.store(S + c * ld + r0);
       sum = sum + e;
     }
@@ -36,16 +44,23 @@ inline void online_softmax_T(float* S, int64_t ld, int nc, int nrp, float* m, fl
   }
 }
 
+inline void online_softmax_T(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
+                             float* alpha, float scale = 1.0f) {
+  if (scale == 1.0f) return online_softmax_T_impl<false>(S, ld, nc, nrp, m, l, alpha, scale);
+  online_softmax_T_impl<true>(S, ld, nc, nrp, m, l, alpha, scale);
+}
+
 inline void online_softmax_T(double* S, int64_t ld, int nc, int nrp, double* m, double* l,
-                             double* alpha) {
+                             double* alpha, double scale = 1.0) {
   for (int r = 0; r < nrp; ++r) {
-    double mx = m[r];
+    double mx = -__builtin_huge_val();
     for (int c = 0; c < nc; ++c) mx = std::max(mx, S[c * ld + r]);
+    mx = std::max(m[r], unfused(mx * scale));
     const double m_ref = mx == -__builtin_huge_val() ? 0.0 : mx;
     alpha[r] = std::exp(m[r] - m_ref);
     double sum = 0;
     for (int c = 0; c < nc; ++c) {
-      const double e = std::exp(S[c * ld + r] - m_ref);
+      const double e = std::exp(unfused(S[c * ld + r] * scale) - m_ref);
       S[c * ld + r] = e;
       sum += e;
     }

@@ -201,6 +201,13 @@ inline bool inside_window(const FwdParams& p, const Seq& s, int i0, int nr, int 
 // make 0 * NaN = NaN. Only tiles that may hold such pairs need care, and only when the
 // streamed operand holds a non-finite value, which `has_nonfinite` checks at the cost of one
 // read of that tile. Those rare tiles take `gemm_strong_zero` instead of the GEMM.
+// Whether finish_scores leaves the tile's scores as they are: no softcap, bias, ALiBi, block
+// mask or mask, and the tile inside every row's window.
+inline bool scores_untouched(const FwdParams& p, const Seq& s, int i0, int nr, int j0, int nc) {
+  return !(p.softcap > 0) && !p.bias.ptr && !p.alibi_slopes && !p.block_mask.index &&
+         !p.mask.ptr && inside_window(p, s, i0, nr, j0, nc);
+}
+
 inline bool tile_may_zero(const FwdParams& p, const Seq& s, int i0, int nr, int j0, int nc) {
   return p.bias.ptr || p.mask.ptr || p.block_mask.index || p.dropout_p > 0 ||
          !inside_window(p, s, i0, nr, j0, nc);
