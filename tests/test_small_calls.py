@@ -91,9 +91,9 @@ def test_grad_still_recorded():
         assert fmha.attention(q, k, v).grad_fn is None
 
 
-def test_dispatch_mode_sees_the_op():
-    """A TorchDispatchMode (profilers, FLOP counters, tracers) must see fmha::fwd even when
-    no autograd is recorded."""
+def _op_log():
+    """A TorchDispatchMode that records the ops it sees (as profilers, FLOP counters and
+    tracers do)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Log(TorchDispatchMode):
@@ -105,8 +105,14 @@ def test_dispatch_mode_sees_the_op():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
+    return Log()
+
+
+def test_dispatch_mode_sees_the_op():
+    """A TorchDispatchMode (profilers, FLOP counters, tracers) must see fmha::fwd even when
+    no autograd is recorded."""
     q, k, v = _qkv()
-    with torch.no_grad(), Log() as log:
+    with torch.no_grad(), _op_log() as log:
         fmha.attention(q, k, v)
     assert any("fmha.fwd" in op for op in log.ops), log.ops
 
@@ -233,19 +239,8 @@ def test_recorded_call_equals_the_op(use_lse):
 
 
 def test_dispatch_mode_sees_the_op_with_grad():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v = _qkv(requires_grad=True)
-    with Log() as log:
+    with _op_log() as log:
         fmha.attention(q, k, v).sum().backward()
     assert any("fmha.fwd" in op for op in log.ops), log.ops
     assert any("fmha.bwd" in op for op in log.ops), log.ops
