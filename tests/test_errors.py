@@ -631,6 +631,38 @@ def test_core_arrays_by_position_or_name_agree():
     assert np.isfinite(results[0][0]).all()
 
 
+def test_core_each_function_binds_its_own_argument_names():
+    """forward and forward_kvcache both take 12 arrays: each must match keywords against
+    its own names, whichever is called first in a process (a fresh one per order)."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from fmha import _C
+        rng = np.random.default_rng(0)
+        S = dict(scale=0.35, softcap=0.0, window_left=-1, window_right=-1)
+        q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+        kc, vc = (rng.standard_normal((1, 6, 2, 8)).astype(np.float32) for _ in range(2))
+        def kvcache():
+            out, lse = np.zeros((1, 1, 2, 8), np.float32), np.zeros((1, 2, 1), np.float32)
+            _C.forward_kvcache(q=q, k_cache=kc, v_cache=vc, out=out, lse=lse,
+                               cache_seqlens=np.array([6], np.int32), **S)
+            return out
+        def forward():
+            out, lse = np.zeros((1, 1, 2, 8), np.float32), np.zeros((1, 2, 1), np.float32)
+            _C.forward(q=q, k=kc, v=vc, out=out, lse=lse, alibi_slopes=None,
+                       block_index=None, bottom_right=True, dropout_p=0.0, **S)
+            return out
+        first, second = (kvcache, forward) if sys.argv[1] == "kvcache" else (forward, kvcache)
+        a, b = first(), second()
+        assert np.array_equal(a, b), (a, b)  # the same attention over the same 6 rows
+        print("OK")
+    """)
+    for first in ("kvcache", "forward"):
+        res = subprocess.run([sys.executable, "-c", code, first], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0 and "OK" in res.stdout, (first, res.stderr[-2000:])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_core_host_forward_may_leave_lse_out(dtype, varlen):

@@ -329,8 +329,9 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
     expect_device(c.lse, c.dev);
   } else {
     FMHA_CHECK_ARG(outputs_writable, "lse: required (the backward reads the forward's lse)");
-    FMHA_CHECK_ARG(c.dev.mem == Memory::kHost, "lse: required for arrays on ",
-                   device_name(c.dev), " (only a host call may leave it out)");
+    FMHA_CHECK_ARG(c.dev.mem == Memory::kHost && !host_only, "lse: required for arrays on ",
+                   device_name(c.dev), host_only ? " run by the emulated CUDA kernels" : "",
+                   " (only a call of the CPU kernels may leave it out)");
   }
 
   const bool varlen = !cu_q.is_none() || !cu_k.is_none();
@@ -836,38 +837,59 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
 // compares on interned names (the names at a call site are interned): a call passing its
 // arrays by position and its settings by name does no string work at all.
 template <size_t N>
+struct Signature {
+  const char* fn;
+  std::array<const char*, N> names;  // the arrays, in positional order
+  size_t required;                   // the first `required` arrays must be given
+  std::array<PyObject*, N> interned;  // the names as interned strings (held by the module)
+};
+
+template <size_t N>
+Signature<N> make_signature(const char* fn, const std::array<const char*, N>& names,
+                            size_t required) {
+  Signature<N> sig{fn, names, required, {}};
+  for (size_t i = 0; i < N; ++i) {
+    sig.interned[i] = PyUnicode_InternFromString(names[i]);
+    if (!sig.interned[i]) throw py::error_already_set();
+  }
+  return sig;
+}
+
+template <size_t N>
 class ArrayArgs {
  public:
-  ArrayArgs(const char* fn, const std::array<const char*, N>& names, size_t required,
-            const py::args& args, const py::kwargs& kw)
+  ArrayArgs(const Signature<N>& sig, const py::args& args, const py::kwargs& kw)
       : settings_(kw) {
     if (args.size() > N)
-      throw py::type_error(concat(fn, ": takes at most ", N, " positional arguments (",
+      throw py::type_error(concat(sig.fn, ": takes at most ", N, " positional arguments (",
                                   args.size(), " given)"));
     for (size_t i = 0; i < args.size(); ++i) arrays_[i] = args[i];
-    static const std::array<PyObject*, N> interned = intern(names);
     bool copied = false;
     for (auto item : kw) {
       PyObject* key = item.first.ptr();
       size_t i = 0;
-      while (i < N && key != interned[i]) ++i;
+      while (i < N && key != sig.interned[i]) ++i;
       if (i == N && !PyUnicode_CHECK_INTERNED(key)) {  // a name built at run time
         i = 0;
-        while (i < N && PyUnicode_CompareWithASCIIString(key, names[i]) != 0) ++i;
+        while (i < N && PyUnicode_CompareWithASCIIString(key, sig.names[i]) != 0) ++i;
       }
       if (i == N) continue;  // a setting
       if (arrays_[i])
-        throw py::type_error(concat(fn, ": got multiple values for argument '", names[i], "'"));
+        throw py::type_error(concat(sig.fn, ": got multiple values for argument '",
+                                    sig.names[i], "'"));
       arrays_[i] = py::reinterpret_borrow<py::object>(item.second);
       if (!copied) {  // the settings without the arrays given by name
-        settings_ = py::reinterpret_steal<py::kwargs>(PyDict_Copy(kw.ptr()));
+        PyObject* copy = PyDict_Copy(kw.ptr());
+        if (!copy) throw py::error_already_set();
+        settings_ = py::reinterpret_steal<py::kwargs>(copy);
         copied = true;
       }
-      PyDict_DelItem(settings_.ptr(), key);
+      if (PyDict_DelItem(settings_.ptr(), key) != 0) throw py::error_already_set();
     }
     for (size_t i = 0; i < N; ++i) {
-      if (!arrays_[i] && i < required)
-        throw py::type_error(concat(fn, ": missing required argument '", names[i], "'"));
+      if (!arrays_[i] && i < sig.required)
+        throw py::type_error(concat(sig.fn, ": missing required argument '", sig.names[i],
+                                    "'"));
       if (!arrays_[i]) arrays_[i] = py::none();
     }
   }
@@ -875,11 +897,6 @@ class ArrayArgs {
   const py::kwargs& settings() const { return settings_; }
 
  private:
-  static std::array<PyObject*, N> intern(const std::array<const char*, N>& names) {
-    std::array<PyObject*, N> out{};  // held for the life of the module
-    for (size_t i = 0; i < N; ++i) out[i] = PyUnicode_InternFromString(names[i]);
-    return out;
-  }
   std::array<py::object, N> arrays_{};
   py::kwargs settings_;
 };
@@ -890,7 +907,8 @@ decltype(auto) call_with_arrays(const Fn& fn, const ArrayArgs<N>& a, std::index_
 }
 
 // Registers fn(array_0, ..., array_{N-1}, settings) as `name`: the first `required` arrays
-// are required, the rest default to None. The docstring starts with that signature.
+// are required, the rest default to None. The docstring starts with that signature. Each
+// function binds against its own names (the lambda holds its Signature).
 template <size_t N, typename Fn>
 void def_with_arrays(py::module_& m, const char* name, const std::array<const char*, N>& names,
                      size_t required, Fn fn, const char* doc) {
@@ -901,9 +919,9 @@ void def_with_arrays(py::module_& m, const char* name, const std::array<const ch
   docs.push_front(concat(text, ", **settings)\n\n", doc));
   m.def(
       name,
-      [name, names, required, fn](const py::args& args, const py::kwargs& kw) {
-        return call_with_arrays(fn, ArrayArgs<N>(name, names, required, args, kw),
-                                std::make_index_sequence<N>{});
+      [sig = make_signature(name, names, required), fn](const py::args& args,
+                                                         const py::kwargs& kw) {
+        return call_with_arrays(fn, ArrayArgs<N>(sig, args, kw), std::make_index_sequence<N>{});
       },
       docs.front().c_str());
 }

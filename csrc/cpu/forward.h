@@ -135,7 +135,9 @@ void forward_task(const FwdParams& p, int64_t task) {
     }
     // A tile whose scores nothing else touches (no softcap, bias, ALiBi or mask; inside the
     // window) takes the scale inside the softmax: the same scores, one pass fewer over Sᵀ.
-    const bool fold_scale = !quant && p.scale > 0 && scores_untouched(p, s, i0, nr, j0, nc);
+    const A scale = A(p.scale);  // finite as a double; may round to inf as a float
+    const bool fold_scale = !quant && scale > 0 && std::isfinite(scale) &&
+                            scores_untouched(p, s, i0, nr, j0, nc);
     if (quant) {  // Sᵀ's row c times scale * k_scale of key c
       key_scales(p, b, hk, false, j0, nc, kscale);
       scale_each_row(ST, nc, nrp, kBr, kscale);
@@ -145,7 +147,7 @@ void forward_task(const FwdParams& p, int64_t task) {
     if (!fold_scale)
       finish_scores(p, s, b, h, i0, nr, j0, nc, ST, 1, kBr, static_cast<A*>(nullptr));
     // Sᵀ becomes Pᵀ (unnormalised)
-    online_softmax_T(ST, kBr, nc, nrp, m, l, alpha, fold_scale ? A(p.scale) : A(1));
+    online_softmax_T(ST, kBr, nc, nrp, m, l, alpha, fold_scale ? scale : A(1));
     if (p.dropout_p > 0)  // after the normaliser l, which counts dropped entries too
       for (int r = 0; r < nr; ++r) dropout_row(p, b, h, i0 + r, j0, nc, ST + r, kBr);
     for (int r = 0; r < nr; ++r)

@@ -28,9 +28,14 @@ GATE = "fmha_head_gate"
 
 def gate_heads(module, out: Tensor, head_dim: int = 2) -> Tensor:
     """out with head h multiplied by the module's gate h, when it has gates (else out)."""
-    # The instance's own attributes: a module without gates would otherwise go through
-    # nn.Module.__getattr__ and a caught AttributeError on every call.
-    gate = getattr(module, "__dict__", {}).get(GATE)
+    # The instance's own attributes first: a module without gates would otherwise go through
+    # nn.Module.__getattr__ and a caught AttributeError on every call. A gate registered as
+    # a parameter or buffer lives in their dictionaries instead.
+    attrs = getattr(module, "__dict__", {})
+    gate = attrs.get(GATE)
+    if gate is None and (GATE in attrs.get("_parameters", ())
+                         or GATE in attrs.get("_buffers", ())):
+        gate = getattr(module, GATE)
     if gate is None:
         return out
     shape = [1] * out.dim()

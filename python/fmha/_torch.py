@@ -260,13 +260,17 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _plain_eager(tensors) -> bool:
     """Whether nothing but autograd needs to see the op: the inputs are plain tensors (not
-    FakeTensors or other subclasses), and no torch.compile trace, functorch transform (vmap,
-    grad) or dispatch/function mode is active."""
+    FakeTensors or other subclasses) on a device the kernels run on (CPU or CUDA; "meta"
+    tensors need the op's fake implementation), and no torch.compile trace, functorch
+    transform (vmap, grad) or dispatch/function mode is active. tensors[0] is q, whose
+    device validation has made every other input's."""
     if torch.compiler.is_compiling():
         return False
     for x in tensors:
         if x is not None and type(x) is not Tensor:
             return False
+    if not (tensors[0].is_cpu or tensors[0].is_cuda):
+        return False
     return not (torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._functorch.peek_interpreter_stack() is not None)
