@@ -41,7 +41,7 @@ def _array_forward(spec: Spec, q, k, v, extra: tuple, seed: int, cu=None, block=
     lse_shape = (spec.heads_q, q.shape[0]) if spec.varlen else spec.full[:3]
     if xp is np:  # host memory: no device to make current
         out = np.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
-        lse = np.empty(lse_shape, dtype=lse_dtype) if keep_lse else None
+        lse = np.empty(lse_shape, dtype=lse_dtype) if keep_lse or not _core.lse_optional() else None
         stream = 0
     else:
         with q.device:
@@ -73,7 +73,7 @@ def _plain_numpy(spec: Spec, q, k, v, return_lse: bool):
         return None
     out = np.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype)
     lse = None
-    if return_lse:
+    if return_lse or not _core.lse_optional():
         lse = np.empty(spec.full[:3], dtype=np.float64 if spec.dtype == "float64" else np.float32)
     _core._kernels.forward(q, k, v, out, lse,
                            **dict(spec.kernel_settings, num_threads=get_num_threads()))

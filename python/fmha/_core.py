@@ -27,6 +27,12 @@ from ._validate import kind_of
 _kernels = _C
 
 
+def lse_optional() -> bool:
+    """Whether a host forward may pass lse=None (the CPU kernels then keep it in a buffer of
+    the call): only fmha._C's CPU kernels may; the emulated CUDA kernels, like CUDA, need it."""
+    return _kernels is _C
+
+
 @contextlib.contextmanager
 def _kernel_module(module):
     """Within the block, fmha's entry points call ``module.forward`` / ``module.backward``

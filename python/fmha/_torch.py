@@ -330,7 +330,7 @@ def plain_forward(spec: Spec, q, k, v, return_lse: bool):
     lse = None
     if q.is_cuda:
         kw["stream"] = torch.cuda.current_stream(q.device).cuda_stream
-    if return_lse or q.is_cuda:
+    if return_lse or q.is_cuda or not _core.lse_optional():
         lse = torch.empty(spec.full[:3], device=q.device,
                           dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     _core._kernels.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out),
