@@ -831,7 +831,7 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
 // ------------------------------------------------------------------------ the signatures
 
 // The arrays of one call, by position or by name; the other keywords are its settings.
-// pybind11's own named parameters cost ~4 µs per call here: for every parameter it makes and
+// pybind11's own named parameters cost ~2-4 µs per call here: for every parameter it makes and
 // compares a Python string (benchmarks/latency_icelake_2026-12-01.md). So forward, backward
 // and forward_kvcache are registered as (*args, **kwargs) and bound here, with pointer
 // compares on interned names (the names at a call site are interned): a call passing its
