@@ -114,6 +114,15 @@ def test_window(window, sq, sk):
     run_case(sq=sq, sk=sk, window=window)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window,causal", [((-1, -1), False), ((-1, -1), True), ((100, 0), False)])
+def test_inner_and_edge_steps(d, window, causal):
+    # Tiles inside both sequences and every row's window skip the per-pair test
+    # (bwd_detail::inner_step) beside edge and partial tiles; both backward kernels.
+    run_case(sq=200, sk=330, d=d, window=window, causal=causal)
+    run_case(sq=200, sk=330, d=d, window=window, causal=causal, deterministic=True)
+
+
 @pytest.mark.parametrize("hq,hkv", [(2, 1), (4, 2)])
 def test_gqa_batch(hq, hkv):
     run_case(batch=2, sq=17, sk=70, hq=hq, hkv=hkv, causal=True)

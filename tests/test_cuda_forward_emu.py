@@ -130,6 +130,23 @@ def test_explicit_scale(rng):
     run_case(rng, sq=17, sk=17, scale=0.3)
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_scale_not_positive(rng, scale):
+    # The plain kernel folds the scale into exp2, which needs scale > 0: such calls run in
+    # the extras kernel (flash_fwd.cu), and must still mask and normalise the same way.
+    run_case(rng, sq=70, sk=130, scale=scale, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window,causal", [((-1, -1), False), ((-1, -1), True),
+                                           ((100, 0), False), ((70, 30), False)])
+def test_inner_and_edge_blocks(rng, d, window, causal):
+    # Long enough for key blocks inside every row's window (copied without bounds tests and
+    # scored without a mask: the plain kernel's steady state) beside the window's edge blocks
+    # and the sequence's partial last block, in 4 query blocks.
+    run_case(rng, sq=200, sk=330, d=d, window=window, causal=causal)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_bfloat16(rng, d):
     run_case(rng, sq=70, sk=17, d=d, dtype="bfloat16", lib="torch", causal=True,

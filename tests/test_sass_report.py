@@ -55,3 +55,36 @@ def test_also_takes_the_optional_region():
     loop = sr.main_loop(sr.blocks_of(funcs["planted_kernel"]), also=("LDS.128",))
     assert loop.path_count("LDS") == 1 and loop.path_count() == 13
     assert any(i.op == "LDS.128" for b in loop.path for i in b.instrs)
+
+
+def test_natural_loops_agree_with_the_address_range_on_a_structured_loop():
+    funcs = sr.parse(_sass(PLANTED))
+    blocks = sr.blocks_of(funcs["planted_kernel"])
+    a, b = sr.main_loop(blocks), sr.main_loop(blocks, natural=True)
+    assert (b.header, b.back_edge) == (a.header, a.back_edge)
+    assert [x.start for x in b.path] == [x.start for x in a.path]
+
+
+# A loop whose conditional prefetch block nvcc placed above its head (flash-attn's forward):
+# the head (0x40) branches up to it (0x20), which rejoins the body at 0x50.
+PREFETCH_ABOVE = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "BRA 0x40"),
+    (0x20, "LDGSTS.E.128 [R3], [R10.64]"),
+    (0x30, "BRA 0x50"),
+    (0x40, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x48, "@P0 BRA 0x20"),
+    (0x50, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x58, "@P1 BRA 0x40"),
+    (0x60, "EXIT"),
+]
+
+
+def test_natural_loop_takes_a_block_placed_above_its_head():
+    blocks = sr.blocks_of(sr.parse(_sass(PREFETCH_ABOVE))["planted_kernel"])
+    loop = sr.main_loop(blocks, natural=True)
+    assert loop.header == 0x40 and loop.back_edge == 0x58
+    assert loop.path_count("LDGSTS") == 1 and loop.path_count("HMMA") == 2
+    assert loop.path_count() == 6
+    # The address-range finder sees only 0x40-0x58 and misses the prefetch.
+    assert sr.main_loop(blocks).path_count("LDGSTS") == 0

@@ -20,9 +20,32 @@ non-HMMA instructions per HMMA. Registers from the cubin's resource usage (cuobj
     python tools/sass_report.py --arch 90 csrc/cuda/instantiations/flash_fwd_hdim128_fp16.cu
     python tools/sass_report.py --src-root /tmp/old-checkout ...  # another tree's sources
 
-Assumptions, checked where they can be: the loop is structured (its body is the address range
-from the header to the back edge, as nvcc lays out loops); inner loops without HMMA on the path
-count one trip; predicated-off instructions count as issued (they are). cuobjdump and nvdisasm
+flash-attn 2's kernels, for comparison (its sources are pointed to, never copied here): give a
+flash-attn source tree -- a git checkout with its csrc/cutlass submodule, or the PyPI sdist
+(`pip download --no-deps --no-binary :all: flash-attn==2.8.3`), unpacked or as the .tar.gz --
+and the tool compiles its fp16 sm80 instantiation files for head dims 64 and 128 (forward and
+backward) with flash-attn's own nvcc flags (setup.py), and reports the variant comparable to
+fmha's plain path (see FA_PLAIN) under names like `fa2 fwd d128 128x64 w4` (head dim, kBlockM x
+kBlockN, warps), then a second table: tile, shared memory per CTA (from the traits' formulas),
+registers and stack, local-memory traffic and integer/address instructions on the path, and the
+CTAs per SM this allows.
+
+    python tools/sass_report.py --flash-attn /tmp/fa --arch 80 --arch 90
+    python tools/sass_report.py --flash-attn flash_attn-2.8.3.tar.gz --cutlass /tmp/cutlass
+
+Its headers include PyTorch's (c10/cuda, ATen/cuda; found with --torch-include or the current
+Python's torch); a CPU wheel lacks the one generated c10/cuda/impl/cuda_cmake_macros.h, which
+the tool then writes to a temporary include directory (one line: C10_CUDA_BUILD_SHARED_LIBS).
+Its loops are found as natural loops (dominator-based, not address ranges): nvcc places the
+key-block loop's conditional K prefetch above the loop head, outside the address range.
+`--loops` prints every loop holding HMMA, to check which one was taken; `--keep DIR` keeps
+the cubins and SASS, and `--keep DIR --reuse` analyses them again without compiling (the eight
+compiles take ~30 min on 2 cores). On fmha's kernels the natural-loop finder gives the same
+paths as the address-range one (only `body` differs), so the two sets of counts are comparable.
+
+Assumptions, checked where they can be: for fmha's files the loop is structured (its body is
+the address range from the header to the back edge, as nvcc lays out loops); inner loops
+without HMMA on the path count one trip; predicated-off instructions count as issued (they are). cuobjdump and nvdisasm
 come from the CUDA toolkit or from the pip wheels nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
 (found on PATH, in CUDA_HOME/bin, or in the current Python's site-packages).
 """
@@ -148,7 +171,9 @@ class LoopStats:
         return sum(len(b.instrs) if base is None else b.count(base) for b in self.path)
 
 
-def main_loop(blocks: list[Block], also: tuple = ()) -> LoopStats | None:
+def main_loop(blocks: list[Block], also: tuple = (), natural: bool = False) -> LoopStats | None:
+    if natural:
+        return natural_main_loop(blocks, also)
     by_start = {b.start: b for b in blocks}
     best = None
     for b in blocks:
@@ -168,8 +193,7 @@ def main_loop(blocks: list[Block], also: tuple = ()) -> LoopStats | None:
     # tile's prefetch), then the fewest instructions. Where two copies of a product exist (a
     # rare variant beside the common one) the shorter, common one wins.
     def weight(x: Block):
-        return (x.count("HMMA"), x.count("LDGSTS"),
-                *(sum(i.op == op for i in x.instrs) for op in also), -len(x.instrs))
+        return _weight(x, also)
 
     score = {head: weight(by_start[head])}
     prev: dict[int, int] = {}
@@ -192,7 +216,139 @@ def main_loop(blocks: list[Block], also: tuple = ()) -> LoopStats | None:
                      [by_start[a] for a in reversed(path)])
 
 
-def registers(cubin: Path, cuobjdump: str) -> dict[str, int]:
+def _weight(x: Block, also: tuple) -> tuple:
+    return (x.count("HMMA"), x.count("LDGSTS"),
+            *(sum(i.op == op for i in x.instrs) for op in also), -len(x.instrs))
+
+
+def natural_loops(blocks: list[Block]) -> dict[int, tuple[set, set]]:
+    """Natural loops: header -> (latches, body starts), from the back edges x -> h where h
+    dominates x (Cooper-Harvey-Kennedy dominators over the blocks reachable from the entry). The
+    body need not be an address range: nvcc may place a loop's conditional block above its head."""
+    by_start = {b.start: b for b in blocks}
+    entry = blocks[0].start
+    order, seen, stack = [], {entry}, [(entry, iter(by_start[entry].succ))]
+    while stack:  # iterative DFS, postorder
+        node, it = stack[-1]
+        for v in it:
+            if v in by_start and v not in seen:
+                seen.add(v)
+                stack.append((v, iter(by_start[v].succ)))
+                break
+        else:
+            order.append(node)
+            stack.pop()
+    rpo = order[::-1]
+    index = {b: k for k, b in enumerate(rpo)}
+    preds: dict[int, list] = {b: [] for b in rpo}
+    for b in rpo:
+        for v in by_start[b].succ:
+            if v in preds:
+                preds[v].append(b)
+    idom = {entry: entry}
+    changed = True
+    while changed:
+        changed = False
+        for b in rpo[1:]:
+            ps = [p for p in preds[b] if p in idom]
+            new = ps[0]
+            for p in ps[1:]:
+                a, c = p, new
+                while a != c:
+                    while index[a] > index[c]:
+                        a = idom[a]
+                    while index[c] > index[a]:
+                        c = idom[c]
+                new = a
+            if idom.get(b) != new:
+                idom[b], changed = new, True
+
+    def dominates(h: int, x: int) -> bool:
+        while True:
+            if x == h:
+                return True
+            if x == entry:
+                return False
+            x = idom[x]
+
+    loops: dict[int, tuple[set, set]] = {}
+    for x in rpo:
+        for h in by_start[x].succ:
+            if h in idom and dominates(h, x):
+                latches, body = loops.setdefault(h, (set(), {h}))
+                latches.add(x)
+                work = [x]
+                while work:
+                    y = work.pop()
+                    if y not in body:
+                        body.add(y)
+                        work += preds[y]
+    return loops
+
+
+def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None = None
+                      ) -> LoopStats | None:
+    """The natural loop with the most HMMA (ties: the fewest instructions -- the inner of two
+    nested loops, e.g. the backward's query-step loop inside its key-block loop, or of two
+    sibling copies the one without masking), and its common path: over the body's forward
+    edges (edges to a block on the DFS stack -- the header or an inner loop's -- dropped, so
+    inner loops count one trip), from the header to a latch, the most HMMA, then LDGSTS, then
+    the fewest instructions, as main_loop."""
+    by_start = {b.start: b for b in blocks}
+    loops = natural_loops(blocks)
+    ranked = sorted(((sum(by_start[y].count("HMMA") for y in body),
+                      -sum(len(by_start[y].instrs) for y in body), h)
+                     for h, (_, body) in loops.items()), reverse=True)
+    if verbose is not None:
+        for hmma, _, h in sorted(ranked, key=lambda t: t[2]):
+            if hmma:
+                latches, body = loops[h]
+                print(f"  {verbose}: loop head {h:#x} latches {[hex(x) for x in sorted(latches)]} "
+                      f"{len(body)} blocks {sum(len(by_start[y].instrs) for y in body)} instrs "
+                      f"{hmma} HMMA", file=sys.stderr)
+    if not ranked or ranked[0][0] == 0:
+        return None
+    head = ranked[0][2]
+    latches, body = loops[head]
+    # topological order of the body's forward edges (DFS from the head; edges to the stack dropped)
+    topo, state, stack = [], {head: 1}, [(head, iter(by_start[head].succ))]
+    fwd: dict[int, list] = {y: [] for y in body}
+    while stack:
+        node, it = stack[-1]
+        for v in it:
+            if v not in body or state.get(v) == 1:
+                continue
+            fwd[node].append(v)
+            if v not in state:
+                state[v] = 1
+                stack.append((v, iter(by_start[v].succ)))
+                break
+        else:
+            state[node] = 2
+            topo.append(node)
+            stack.pop()
+    topo.reverse()
+    score = {head: _weight(by_start[head], also)}
+    prev: dict[int, int] = {}
+    for x in topo:
+        if x not in score:
+            continue
+        for v in fwd[x]:
+            cand = tuple(p + q for p, q in zip(score[x], _weight(by_start[v], also)))
+            if v not in score or cand > score[v]:
+                score[v], prev[v] = cand, x
+    ends = [x for x in latches if x in score]
+    if not ends:
+        raise RuntimeError(f"no forward path from {head:#x} to a latch in the loop body")
+    tail = max(ends, key=lambda x: score[x])
+    path = [tail]
+    while path[-1] != head:
+        path.append(prev[path[-1]])
+    return LoopStats(head, by_start[tail].instrs[-1].addr, sum(len(by_start[y].instrs)
+                     for y in body), [by_start[a] for a in reversed(path)])
+
+
+def registers(cubin: Path, cuobjdump: str, field: str = "REG") -> dict[str, int]:
     out = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True,
                          check=True).stdout
     regs, name = {}, None
@@ -200,7 +356,7 @@ def registers(cubin: Path, cuobjdump: str) -> dict[str, int]:
         m = re.search(r"Function (\S+):", line)
         if m:
             name = m.group(1)
-        m = re.search(r"REG:(\d+)", line)
+        m = re.search(field + r":(\d+)", line)
         if m and name:
             regs[name] = int(m.group(1))
     return regs
@@ -219,14 +375,19 @@ def short_name(mangled: str) -> str:
     return f"{label} {dtype}"
 
 
-def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: str,
-           kernel_re: str, also: tuple = ()) -> list[dict]:
-    rows = []
+def _disasm_env() -> dict:
     env = dict(os.environ)
     nvd = find_tool("nvdisasm")
     if nvd:
         env["NVDISASM_PATH"] = str(Path(nvd).parent)
         env["PATH"] = env.get("PATH", "") + os.pathsep + str(Path(nvd).parent)
+    return env
+
+
+def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: str,
+           kernel_re: str, also: tuple = ()) -> list[dict]:
+    rows = []
+    env = _disasm_env()
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             cubin = Path(tmp) / (Path(f).stem + f".sm{arch}.cubin")
@@ -251,6 +412,223 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
     return rows
 
 
+# --- flash-attn 2 -------------------------------------------------------------------------
+
+# The instantiation files (csrc/flash_attn/src/), and per file the kernel comparable to fmha's
+# plain path. flash-attn's launchers (flash_fwd_launch_template.h, flash_bwd_launch_template.h)
+# pick the tile at run time and instantiate every bool variant; these are what an A100 or H100
+# (sm80/sm90: >= 144 KiB shared memory per block, not sm86/sm89) runs for fp16, no dropout, not
+# causal, no window, no ALiBi, no softcap, seqlens multiples of the tile (Is_even_MN) and
+# d == head dim (Is_even_K), no returned softmax:
+#   forward: run_mha_fwd_hdim64  -> Flash_fwd_kernel_traits<64, 128, 128, 4, false, false>
+#            run_mha_fwd_hdim128 -> Flash_fwd_kernel_traits<128, 128, 64, 4, false, false>
+#            flash_fwd_kernel<traits, Is_dropout=0, Is_causal=0, Is_local=0, Has_alibi=0,
+#                             Is_even_MN=1, Is_even_K=1, Is_softcap=0, Return_softmax=0>
+#   backward: run_mha_bwd_hdim64  -> Flash_bwd_kernel_traits<64, 128, 128, 8, 4, 4, 4, false, false>
+#             run_mha_bwd_hdim128 -> Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false, false>
+#             flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<traits, Is_dropout=0, Is_causal=0,
+#                 Is_local=0, Has_alibi=0, Is_even_MN=1, Is_even_K=1, Is_softcap=0>
+#             (run_flash_bwd -> run_flash_bwd_seqk_parallel; its dot(dO, O) and dQ-convert
+#             kernels have no HMMA loop and are not reported)
+FA_FILES = [
+    "csrc/flash_attn/src/flash_fwd_hdim64_fp16_sm80.cu",
+    "csrc/flash_attn/src/flash_fwd_hdim128_fp16_sm80.cu",
+    "csrc/flash_attn/src/flash_bwd_hdim64_fp16_sm80.cu",
+    "csrc/flash_attn/src/flash_bwd_hdim128_fp16_sm80.cu",
+]
+FA_PLAIN = {
+    ("flash_fwd_kernel", 64): ((64, 128, 128, 4, 0, 0), (0, 0, 0, 0, 1, 1, 0, 0)),
+    ("flash_fwd_kernel", 128): ((128, 128, 64, 4, 0, 0), (0, 0, 0, 0, 1, 1, 0, 0)),
+    ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", 64):
+        ((64, 128, 128, 8, 4, 4, 4, 0, 0), (0, 0, 0, 0, 1, 1, 0)),
+    ("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", 128):
+        ((128, 64, 128, 8, 2, 4, 2, 0, 0), (0, 0, 0, 0, 1, 1, 0)),
+}
+# flash-attn's setup.py nvcc flags (its CUDAExtension; torch adds -D__CUDA_NO_HALF*__, which
+# these -U undo, and host-only defines). No -DNDEBUG: torch's build does not pass it to nvcc.
+FA_NVCC_FLAGS = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__",
+                 "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+                 "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr",
+                 "--expt-extended-lambda", "--use_fast_math"]
+# Integer / address arithmetic, counted on the path (moves, IMAD.MOV, excluded).
+INT_OPS = {"IMAD", "IADD3", "IADD", "VIADD", "LEA", "SHF", "LOP3", "ISETP", "SEL", "IMNMX",
+           "VIMNMX", "IABS", "PRMT", "UIMAD", "UIADD3", "ULEA", "USHF", "ULOP3", "UISETP", "USEL",
+           "UIMNMX", "UPRMT"}
+# Per SM: shared memory a CTA can get (bytes; 1 KiB more is reserved per CTA), registers,
+# threads, CTAs.
+SM_LIMITS = {"80": (164 * 1024, 65536, 2048, 32), "90": (228 * 1024, 65536, 2048, 32)}
+
+
+def _fa_parse(mangled: str):
+    """(kernel, traits ints/bools, variant bools) of a flash-attn kernel's mangled name."""
+    kind = re.search(r"flash\d*(flash_\w+?kernel)I", mangled)
+    traits = re.search(r"Flash_(?:fwd|bwd)_kernel_traitsI((?:L[ib]\d+E)+)", mangled)
+    flags = re.search(r"((?:Lb\dE)+)EEvNS_", mangled)
+    if not (kind and traits):
+        return None
+    t = tuple(int(x) for x in re.findall(r"L[ib](\d+)E", traits.group(1)))
+    f = tuple(int(x) for x in re.findall(r"Lb(\d)E", flags.group(1))) if flags else ()
+    return kind.group(1), t, f
+
+
+def fa_short_name(mangled: str) -> str:
+    p = _fa_parse(mangled)
+    if p is None:
+        return mangled[:60]
+    kind, t, f = p
+    dtype = "bf16" if "bfloat16" in mangled else "fp16"
+    d, bm, bn, w = t[:4]
+    label = f"fa2 {'fwd' if kind == 'flash_fwd_kernel' else 'bwd'} d{d} {bm}x{bn} w{w}"
+    if FA_PLAIN.get((kind, d)) != (t, f):
+        label += f" <{kind} {','.join(map(str, t))} | {','.join(map(str, f))}>"
+    return f"{label} {dtype}"
+
+
+def fa_smem(mangled: str) -> int:
+    """Dynamic shared memory per CTA, bytes: kernel_traits.h's kSmemSize (forward) and
+    kSmemSize1colblock (backward, the size run_flash_bwd_seqk_parallel launches with), 2-byte
+    elements."""
+    kind, t, _ = _fa_parse(mangled)
+    if kind == "flash_fwd_kernel":
+        d, bm, bn, _, _, share_qk = t
+        q, kv = bm * d * 2, bn * d * 2 * 2
+        return max(q, kv) if share_qk else q + kv
+    d, bm, bn, _, _, _, _, v_in_regs, no_double = t
+    qdo = bm * d * (2 if no_double else 3) * 2
+    kv = bn * d * 2 * 2
+    ds = p = bm * bn * 2
+    return qdo + (kv + ds + p if not v_in_regs else max(kv, kv // 2 + ds + p))
+
+
+def ctas_per_sm(arch: str, regs: int, threads: int, smem: int) -> tuple[int, str]:
+    """Resident CTAs per SM and the limiting resource (registers allocated per warp in units of
+    256, rounded from regs per thread to a multiple of 8; 1 KiB of shared memory reserved per
+    CTA)."""
+    smem_sm, regs_sm, threads_sm, ctas_sm = SM_LIMITS.get(arch, SM_LIMITS["90"])
+    warps = -(-threads // 32)
+    per_warp = -(-(-(-regs // 8) * 8 * 32) // 256) * 256
+    lim = {"regs": (regs_sm // per_warp) // warps if regs > 0 else ctas_sm,
+           "smem": smem_sm // (smem + 1024) if smem else ctas_sm,
+           "threads": threads_sm // threads, "CTAs": ctas_sm}
+    n = min(lim.values())
+    return n, "+".join(k for k, v in lim.items() if v == n)
+
+
+def _unpack_fa(src: Path, tmp: Path) -> Path:
+    """A flash-attn source tree from a directory or an sdist tarball."""
+    if src.is_dir():
+        return src
+    import tarfile
+    with tarfile.open(src) as tf:
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(tmp / "fa-src", filter="data")
+        else:
+            tf.extractall(tmp / "fa-src")
+    tops = [p for p in (tmp / "fa-src").iterdir() if p.is_dir()]
+    return tops[0] if len(tops) == 1 else tmp / "fa-src"
+
+
+def find_torch_include(given: Path | None) -> Path | None:
+    if given:
+        return given
+    site = Path(sysconfig.get_paths()["purelib"]) / "torch" / "include"
+    if (site / "ATen").is_dir():
+        return site
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension as c; "
+                              "print(c.include_paths()[0])"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        return Path(out) if out else None
+    except (subprocess.CalledProcessError, OSError):
+        return None
+
+
+def fa_report(fa_src: Path, cutlass: Path | None, torch_inc: Path, archs: list[str], nvcc: str,
+              cuobjdump: str, kernel_re: str | None, also: tuple = (), keep: Path | None = None,
+              show_loops: bool = False, reuse: bool = False) -> list[dict]:
+    rows = []
+    env = _disasm_env()
+    with tempfile.TemporaryDirectory() as tmpname:
+        tmp = Path(tmpname)
+        root = _unpack_fa(fa_src, tmp)
+        cutlass_inc = (cutlass or root / "csrc" / "cutlass") / "include"
+        if not (cutlass_inc / "cute").is_dir():
+            raise SystemExit(f"sass_report: no CUTLASS/CuTe headers at {cutlass_inc} "
+                             f"(give --cutlass)")
+        incs = [root / "csrc" / "flash_attn", root / "csrc" / "flash_attn" / "src", cutlass_inc]
+        if not (torch_inc / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
+            stub = tmp / "stub" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+            stub.parent.mkdir(parents=True)
+            stub.write_text("#pragma once\n// stand-in: generated in CUDA builds of PyTorch only\n"
+                            "#define C10_CUDA_BUILD_SHARED_LIBS\n")
+            incs.append(tmp / "stub")
+        incs += [torch_inc, torch_inc / "torch" / "csrc" / "api" / "include"]
+        for arch in archs:
+            for f in FA_FILES:
+                out_dir = keep or tmp
+                cubin = out_dir / (Path(f).stem + f".sm{arch}.cubin")
+                cmd = [nvcc, *FA_NVCC_FLAGS, *(f"-I{i}" for i in incs), "-cubin", "-o", str(cubin),
+                       str(root / f), "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+                if reuse and cubin.is_file():
+                    print(f"sass_report: reusing {cubin}", file=sys.stderr)
+                else:
+                    print("sass_report: " + " ".join(cmd), file=sys.stderr)
+                    r = subprocess.run(cmd, capture_output=True, text=True)
+                    if r.returncode:
+                        raise SystemExit(f"sass_report: nvcc failed on {f}:\n{r.stderr[-4000:]}")
+                sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
+                                      text=True, check=True, env=env).stdout
+                if keep:
+                    cubin.with_suffix(".sass").write_text(sass)
+                regs = registers(cubin, cuobjdump)
+                stack = registers(cubin, cuobjdump, "STACK")
+                for name, instrs in parse(sass).items():
+                    p = _fa_parse(name)
+                    if p is None:
+                        continue
+                    kind, t, fl = p
+                    if kernel_re is not None:
+                        if not re.search(kernel_re, name):
+                            continue
+                    elif FA_PLAIN.get((kind, t[0])) != (t, fl):
+                        continue
+                    label = fa_short_name(name)
+                    loop = natural_main_loop(blocks_of(instrs), also,
+                                             f"{label} sm_{arch}" if show_loops else None)
+                    if loop is None:
+                        continue
+                    threads = t[3] * 32
+                    smem = fa_smem(name)
+                    n, lim = ctas_per_sm(arch, regs.get(name, -1), threads, smem)
+                    row = dict(file=f, kernel=label, mangled=name, arch=f"sm_{arch}",
+                               regs=regs.get(name, -1), stack=stack.get(name, -1), body=loop.body,
+                               path=loop.path_count(), tile=f"{t[1]}x{t[2]}", warps=t[3],
+                               smem=smem, ctas=n, ctas_limit=lim, head=loop.header,
+                               back=loop.back_edge)
+                    for c in COUNTED + ("LDL", "STL", "RED", "REDG", "LDG"):
+                        row[c] = loop.path_count(c)
+                    row["RED"] += row.pop("REDG")  # sm_90 spells the global reduction REDG
+                    row["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV")
+                                     for b in loop.path for i in b.instrs)
+                    rows.append(row)
+    return rows
+
+
+def print_fa_details(rows: list[dict]) -> None:
+    head = ["kernel", "arch", "tile (M x N)", "warps", "smem/CTA", "regs", "stack", "CTAs/SM",
+            "LDL+STL", "LDG", "RED", "int/addr", "path/HMMA", "loop (head..back edge)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [r["kernel"], r["arch"], r["tile"], r["warps"],
+                 f"{r['smem']} ({r['smem'] / 1024:g} KiB)", r["regs"], r["stack"],
+                 f"{r['ctas']} ({r['ctas_limit']})", f"{r['LDL']}+{r['STL']}", r["LDG"], r["RED"],
+                 r["int"],
+                 f"{r['path'] / r['HMMA']:.2f}" if r["HMMA"] else "nan",
+                 f"{r['head']:#x}..{r['back']:#x}"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def print_table(rows: list[dict]) -> None:
     head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "non-HMMA/HMMA"]
     print("| " + " | ".join(head) + " |")
@@ -267,12 +645,28 @@ def main() -> int:
     ap.add_argument("files", nargs="*", help="instantiation files, relative to --src-root")
     ap.add_argument("--arch", action="append", help="sm number, repeatable (default 80)")
     ap.add_argument("--src-root", type=Path, default=ROOT, help="the source tree (default: this one)")
-    ap.add_argument("--kernel", default=r"flash_(fwd|bwd|bwd_dq)_kernel",
-                    help="regex on the mangled kernel name")
+    ap.add_argument("--kernel", default=None,
+                    help="regex on the mangled kernel name (default: "
+                         "flash_(fwd|bwd|bwd_dq)_kernel; with --flash-attn, the plain variants "
+                         "of FA_PLAIN)")
     ap.add_argument("--also", action="append", default=[], metavar="OPCODE",
                     help="prefer paths through this exact opcode too (repeatable), after HMMA "
                          "and LDGSTS: e.g. LDS.128 takes the strong zero's vote scan, which "
                          "calls with a mask, bias, dropout or window run")
+    ap.add_argument("--flash-attn", type=Path, metavar="SRC",
+                    help="report flash-attn 2's kernels instead: its source tree or sdist tarball")
+    ap.add_argument("--cutlass", type=Path, metavar="DIR",
+                    help="CUTLASS checkout for --flash-attn (default SRC/csrc/cutlass)")
+    ap.add_argument("--torch-include", type=Path, metavar="DIR",
+                    help="PyTorch's include directory for --flash-attn (default: the current "
+                         "Python's torch)")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="with --flash-attn: keep the cubins and their SASS in DIR")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: analyse the cubins an earlier run left in DIR instead of "
+                         "compiling them again (compile flags are not checked)")
+    ap.add_argument("--loops", action="store_true",
+                    help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()
     nvcc = find_tool("nvcc")
     cuobjdump = find_tool("cuobjdump")
@@ -280,10 +674,26 @@ def main() -> int:
         print("sass_report: needs nvcc, cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump "
               "nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
+    if a.flash_attn:
+        torch_inc = find_torch_include(a.torch_include)
+        if torch_inc is None or not (torch_inc / "ATen").is_dir():
+            print("sass_report: flash-attn needs PyTorch's headers (--torch-include DIR)",
+                  file=sys.stderr)
+            return 2
+        if a.keep:
+            a.keep.mkdir(parents=True, exist_ok=True)
+        rows = fa_report(a.flash_attn.resolve(), a.cutlass.resolve() if a.cutlass else None,
+                         torch_inc.resolve(), a.arch or ["80"], nvcc, cuobjdump, a.kernel,
+                         tuple(a.also), a.keep.resolve() if a.keep else None, a.loops,
+                         a.reuse and a.keep is not None)
+        print_table(rows)
+        print()
+        print_fa_details(rows)
+        return 0
     rows = []
     for arch in a.arch or ["80"]:
         rows += report(a.files or DEFAULT_FILES, arch, a.src_root.resolve(), nvcc, cuobjdump,
-                       a.kernel, tuple(a.also))
+                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also))
     print_table(rows)
     return 0
 

@@ -168,6 +168,15 @@ FMHA_DEVICE void query_range(const FwdParams& p, const score::Seq& s, int n0, in
   m_end = hi / kBlockM + 1;
 }
 
+// Whether the tile of query rows [m0, m0 + kBlockM) x keys [n0, n0 + kBlockN) of a plain call
+// (no extras) lies wholly inside both sequences and, by in_window, inside every row's window:
+// then no pair of it is excluded and the kernels skip the per-pair test (FlashAttention-2's
+// split of interior and edge blocks).
+template <bool kExtras, typename Cfg>
+FMHA_DEVICE bool inner_step(const score::Seq& s, bool in_window, int m0, int n0) {
+  return !kExtras && in_window && m0 + Cfg::kBlockM <= s.sq && n0 + Cfg::kBlockN <= s.sk;
+}
+
 
 // S and dP of one block, in either kernel's orientation: acc_s = As Bs^T, acc_dp = Adp Bdp^T.
 // The A tiles give the warp's 16 rows, the B tiles kNTilesS * 8 rows, all stored row-major
@@ -378,10 +387,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + stage * Cfg::kTileQ;
-    const bool may_zero =
-        zeros_anywhere || !score::block_inside_window(s, p.window_left, p.window_right, m0,
+    const bool in_window = score::block_inside_window(s, p.window_left, p.window_right, m0,
                                                       m0 + Cfg::kBlockM - 1, n0,
                                                       n0 + Cfg::kBlockN - 1);
+    const bool may_zero = zeros_anywhere || !in_window;
     // ... for every thread, and lse / D too; and whether an operand of the step's products
     // holds a NaN or Inf that a zero-weight pair must not pass on (rare).
     const bool nonfinite = __syncthreads_or(
@@ -405,30 +414,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // (Each element has its own dropout draw: the two keys of a thread are 8 apart, in
     // different draws of four.)
     const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
+    // kInner: a plain step whose rows and keys all lie inside the sequences and the window
+    // (bwd_detail::inner_step): no pair to test.
+    auto scores = [&](auto inner) {
+      constexpr bool kInner = decltype(inner)::value;
 #pragma unroll
-    for (int j = 0; j < Cfg::kNTilesS; ++j)
+      for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
-        bool visible = score::visible(p, s, i, key);
-        float x, dcap = 1.0f;
-        if constexpr (kExtras)
-          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-        else
-          x = acc_s[j][e] * scale_log2;
-        // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
-        const float prob = visible && x != -INFINITY ? exp2_approx(x - tLse[il]) : 0.0f;
-        float dp = acc_dp[j][e], pd = prob;
-        if (kExtras && p.dropout_p > 0.0) {
-          const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
-          dp = keep ? dp * keep_scale : 0.0f;
-          pd = keep ? prob * keep_scale : 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
+          bool visible = kInner || score::visible(p, s, i, key);
+          float x;
+          [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
+          if constexpr (kExtras)
+            x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+          else
+            x = acc_s[j][e] * scale_log2;
+          // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
+          const float prob = visible && x != -INFINITY ? exp2_approx(x - tLse[il]) : 0.0f;
+          float dp = acc_dp[j][e], pd = prob;
+          if (kExtras && p.dropout_p > 0.0) {
+            const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
+            dp = keep ? dp * keep_scale : 0.0f;
+            pd = keep ? prob * keep_scale : 0.0f;
+          }
+          float ds = prob == 0.0f ? 0.0f : prob * (dp - tD[il]);
+          if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
+          acc_s[j][e] = pd;
+          acc_dp[j][e] = ds;
         }
-        float ds = prob == 0.0f ? 0.0f : prob * (dp - tD[il]);
-        if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
-        acc_s[j][e] = pd;
-        acc_dp[j][e] = ds;
-      }
+    };
+    if (bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+      scores(std::true_type{});
+    else
+      scores(std::false_type{});
 
     // ---- the strong zero, in a step whose operands hold NaN or Inf: dV (dK) becomes NaN where
     // a pair that takes part meets one in dOi (Qi); dropped pairs take part in dK and dQ, not
@@ -664,28 +683,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
     // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t +
     // e % 2. Each element takes its own dropout draw: sharing one per key pair, as the
     // forward does, made ptxas spill (24 bytes at d = 128 on sm_90).
+    auto scores = [&](auto inner) {  // kInner: as in flash_bwd_kernel
+      [[maybe_unused]] constexpr bool kInner = decltype(inner)::value;  // plain kernels only
 #pragma unroll
-    for (int j = 0; j < Cfg::kNTilesS; ++j)
+      for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
-        bool visible;
-        float x, dcap = 1.0f;
-        if constexpr (kExtras) {
-          visible = score::visible(p, s, i, key);
-          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-        } else {
-          visible = i < s.sq && score::key_visible(s, left, right, i, key);
-          x = acc_s[j][e] * scale_log2;
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_lo + 8 * (e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
+          bool visible;
+          float x, dcap = 1.0f;
+          if constexpr (kExtras) {
+            visible = score::visible(p, s, i, key);
+            x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+          } else {
+            visible = kInner || (i < s.sq && score::key_visible(s, left, right, i, key));
+            x = acc_s[j][e] * scale_log2;
+          }
+          const float prob =
+              visible && x != -INFINITY ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+          float dp = acc_dp[j][e];
+          if (kExtras && p.dropout_p > 0.0)
+            dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
+                                                                            : 0.0f;
+          acc_s[j][e] = prob == 0.0f ? 0.0f : prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
         }
-        const float prob =
-            visible && x != -INFINITY ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
-        float dp = acc_dp[j][e];
-        if (kExtras && p.dropout_p > 0.0)
-          dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
-                                                                          : 0.0f;
-        acc_s[j][e] = prob == 0.0f ? 0.0f : prob * (dp - (e < 2 ? d_lo : d_hi)) * dcap;
-      }
+    };
+    if (bwd_detail::inner_step<kExtras, Cfg>(
+            s, score::block_inside_window(s, left, right, m0, m0 + Cfg::kBlockM - 1, n0,
+                                          n0 + Cfg::kBlockN - 1),
+            m0, n0))
+      scores(std::true_type{});
+    else
+      scores(std::false_type{});
 
     // The strong zero, once S (which needs Kj raw) is formed: the block votes on whether Kj
     // holds NaN or Inf (a flag kept from the load through S and dS spilled at d = 96); if so,

@@ -50,8 +50,9 @@ int run(const FwdParams& p, int tile, Stream stream) {
   int splits = 0;
   with_head_dim_tile(tile, [&](auto tile_c) {
     constexpr int kTile = decltype(tile_c)::value;
-    splits = needs_extras(p) ? run_flash_fwd<T, kTile, true>(p, stream)
-                             : run_flash_fwd<T, kTile, false>(p, stream);
+    // The plain kernel folds the scale into exp2 and so needs scale > 0 (flash_fwd.cuh).
+    splits = needs_extras(p) || !(p.scale > 0.0) ? run_flash_fwd<T, kTile, true>(p, stream)
+                                                 : run_flash_fwd<T, kTile, false>(p, stream);
   });
   return splits;
 }

@@ -43,8 +43,13 @@
 // as the CPU for any tiling or split) -- is compiled in only when kExtras: plain attention
 // keeps its registers and its single multiply per score.
 //
-// Not yet here: output staged through shared memory for coalesced stores, skipping the mask
-// arithmetic for blocks inside every window. Performance reasoning: cuda/NOTES.md.
+// The steady state (FlashAttention-2's): key blocks wholly inside the sequence are copied
+// without bounds tests (tile::load's whole-block path), plain attention tests keys only on
+// the window's edge blocks and the sequence's last partial block, and its scale rides in the
+// exp2's FFMA.
+//
+// Not yet here: output staged through shared memory for coalesced stores; 32 query rows per
+// warp (a 128-row tile). Performance reasoning: cuda/NOTES.md.
 #pragma once
 
 #include <cmath>
@@ -84,6 +89,8 @@ struct FlashFwdConfigBase {
   // Launch bounds' CTAs per SM: 0 leaves ptxas to choose its register target, which suits
   // every config but one (below).
   static constexpr int kMinBlocks = 0;
+  // Whole key blocks copied without bounds tests (tile::load's FullBlock path).
+  static constexpr bool kWholeBlocks = true;
   // Rows padded by 8 elements (16 bytes): row starts stay 16-byte aligned (ldmatrix,
   // cp.async) and the 8 rows one ldmatrix reads fall in distinct banks (row strides of
   // 80, 144, 208, 272 and 528 bytes all step through the 32 banks without repeating).
@@ -134,12 +141,18 @@ template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 
 #endif
 };
 template <> struct FlashFwdConfig<32, true> : FlashFwdConfigBase<32, 64, true, 2> {};
-// d = 64: Q re-read from shared memory (4 ldmatrix.x4 per key block and warp, +12% shared
-// traffic): with Q in registers ptxas caps the kernel at 168 registers (3 CTAs/SM) and
-// spills 16 bytes. 46 KiB: three CTAs per SM. Extras: kBlockN = 32 halves S and the
-// per-score extras state.
-template <> struct FlashFwdConfig<64, false> : FlashFwdConfigBase<64, 64, false, 3> {};
-template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3> {};
+// d = 64: Q re-read from shared memory (4 ldmatrix.x4 per key block and warp, +6% shared
+// traffic at kBlockN = 128): with Q in registers ptxas caps the kernel at 168 registers
+// (3 CTAs/SM) and spills 16 bytes. kBlockN = 128 (S 64 registers, 81 KiB, two CTAs per SM as
+// flash-attn's 128 x 128 tile gets) halves the per-block work of the 64-key tile it replaced
+// (one pass 683 instructions per 128 HMMA against 2 x 419 per 64 HMMA: NOTES.md, "The
+// steady-state loop"). Extras: kBlockN = 32 halves S and the per-score extras state.
+template <> struct FlashFwdConfig<64, false> : FlashFwdConfigBase<64, 128, false, 2> {};
+template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3> {
+  // With the whole-block copy as well, ptxas's 168-register target (3 CTAs) spilled 36 bytes
+  // on sm_80: the checked copy only, keeping 3 CTAs per SM.
+  static constexpr bool kWholeBlocks = false;
+};
 // d = 96: 48 + 32 + 24 registers of tiles, 67 KiB: two CTAs per SM on sm_80.
 template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 64, true, 2> {};
 template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2> {};
@@ -193,8 +206,8 @@ namespace flash_detail {
 template <typename T, typename Cfg, int kRows>
 FMHA_DEVICE void load_tile(T* smem, const T* g, int64_t ld, int rows, int cols, int row0,
                            bool vec, int tid) {
-  tile::load<T, kRows, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(smem, g, ld, rows, cols, row0,
-                                                                   vec, tid);
+  tile::load<T, kRows, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads, Cfg::kWholeBlocks>(
+      smem, g, ld, rows, cols, row0, vec, tid);
 }
 
 }  // namespace flash_detail
@@ -254,7 +267,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                  score::k_base(p, seq, b, p.k_batch_stride, p.k_row_stride);
     const T* V = static_cast<const T*>(p.v) + h_kv * p.v_head_stride +
                  score::k_base(p, seq, b, p.v_batch_stride, p.v_row_stride);
+    // Plain attention keeps S raw and folds the scale into the exponent: the row max is taken
+    // on raw scores (scaling by a positive number keeps the order, and rounds the max to
+    // exactly the max of the scaled scores), then P = exp2(S * scale_log2 - m), one FFMA per
+    // score. So the plain kernel needs scale > 0; the launcher sends other scales to the
+    // extras kernel, whose logits already carry the scale (there `fold` is 1: exact).
     const float scale_log2 = float(p.scale) * score::kLog2e;
+    const float fold = kExtras ? 1.0f : scale_log2;
     // kExtras only: the rest of the score pipeline and dropout. Everything else they need
     // is read from the params (kernel parameters live in the constant bank: free to
     // re-read, and caching them here cost registers -- 16-byte spills at d = 128 on sm_80).
@@ -312,13 +331,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     };
 
     auto load_kv = [&](int n_block, int stage) {
+      const int row0 = n_block * Cfg::kBlockN;
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
-                                                    p.k_row_stride, sk, d,
-                                                    n_block * Cfg::kBlockN, launch.vec, tid);
+                                                    p.k_row_stride, sk, d, row0, launch.vec, tid);
       flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sV + stage * Cfg::kTileKV, V,
-                                                    p.v_row_stride, sk, dv,
-                                                    n_block * Cfg::kBlockN, launch.vec, tid);
+                                                    p.v_row_stride, sk, dv, row0, launch.vec, tid);
     };
+    // Plain attention: the blocks [inner_lo, inner_hi) lie inside the sequence and inside
+    // every row's window (rows past seqlen_q aside: never stored), so their scores need no
+    // mask; only the window's edge blocks and the sequence's last partial block test keys.
+    const int inner_lo = (score::key_lo(seq, left, min(m0 + Cfg::kBlockM, sq) - 1) +
+                          Cfg::kBlockN - 1) / Cfg::kBlockN;
+    const int inner_hi = (score::key_hi(seq, right, m0) + 1) / Cfg::kBlockN;
 
     flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, launch.vec,
                                                   tid);
@@ -392,38 +416,45 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           mma_pair<T>(acc_s[j], acc_s[j + 1], a, k4);
         }
       }
-      // ---- into the log2 domain and mask: keys past seqlen_k (zero-filled, but they must
-      // get probability 0, not exp(0)) and keys outside the row's window. Plain attention
-      // only scales; rows past seqlen_q are never stored, so only the extras (which read
-      // bias / mask memory) exclude them.
-#pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
-          float x;
-          bool visible;
-          if constexpr (kExtras) {
-            float dcap;
-            visible = score::visible(p, seq, i, key);
-            x = score::logit_log2(p, seq, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-          } else {
-            visible = score::key_visible(seq, left, right, i, key);
-            x = acc_s[j][e] * scale_log2;
-          }
-          acc_s[j][e] = visible ? x : -INFINITY;
-        }
-
-      // ---- online softmax. A row's 64 scores are spread over the 4 lanes of a quad
-      // (16 each): reduce within the thread, then across the quad with two xor-shuffles.
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float row_max = m[r];
+      // ---- mask: keys past seqlen_k (zero-filled, but they must get probability 0, not
+      // exp(0)) and keys outside the row's window get -inf. The extras turn S into log2-domain
+      // logits here; plain attention keeps it raw and tests keys only on edge blocks. Rows
+      // past seqlen_q are never stored, so only the extras (which read bias / mask memory)
+      // exclude them.
+      if constexpr (kExtras) {
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; ++j)
-          row_max = fmaxf(row_max, fmaxf(acc_s[j][2 * r], acc_s[j][2 * r + 1]));
-        row_max = fmaxf(row_max, shfl_xor(row_max, 1));
-        row_max = fmaxf(row_max, shfl_xor(row_max, 2));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
+            float dcap;
+            bool visible = score::visible(p, seq, i, key);
+            const float x = score::logit_log2(p, seq, acc_s[j][e], b, h, i, key, slope, visible,
+                                              dcap);
+            acc_s[j][e] = visible ? x : -INFINITY;
+          }
+      } else if (n_block < inner_lo || n_block >= inner_hi) {
+#pragma unroll
+        for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
+            if (!score::key_visible(seq, left, right, i, key)) acc_s[j][e] = -INFINITY;
+          }
+      }
+
+      // ---- online softmax. A row's 64 scores are spread over the 4 lanes of a quad
+      // (16 each): reduce within the thread, then across the quad with two xor-shuffles; the
+      // max of the block's (raw) scores times `fold` is the max of their logits.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < Cfg::kNTilesS; ++j)
+          block_max = fmaxf(block_max, fmaxf(acc_s[j][2 * r], acc_s[j][2 * r + 1]));
+        block_max = fmaxf(block_max, shfl_xor(block_max, 1));
+        block_max = fmaxf(block_max, shfl_xor(block_max, 2));
+        const float row_max = fmaxf(m[r], block_max * fold);
         // A row with no visible key so far keeps m = -inf; subtracting 0 instead keeps
         // exp2(-inf - -inf) = NaN out: its P is exactly 0.
         const float m_use = row_max == -INFINITY ? 0.0f : row_max;
@@ -434,7 +465,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            acc_s[j][e] = exp2_approx(acc_s[j][e] - m_use);
+            acc_s[j][e] = exp2_approx(fmaf(acc_s[j][e], fold, -m_use));
             row_sum += acc_s[j][e];
           }
         l[r] = l[r] * alpha + row_sum;
@@ -453,7 +484,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
         // j, key 2t + e), then the multiplies: the draws loop indexes no register array, so
         // where registers are short (kDropoutUnroll = 1) it runs one Philox at a time.
-        static_assert(2 * Cfg::kNTilesS * 2 <= 32, "keep bits fit one word");
+        static_assert(!kExtras || 2 * Cfg::kNTilesS * 2 <= 32, "keep bits fit one word");
         uint32_t keep = 0;
 #pragma unroll Cfg::kDropoutUnroll
         for (int x = 0; x < 2 * Cfg::kNTilesS; ++x) {

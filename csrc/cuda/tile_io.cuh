@@ -31,19 +31,51 @@ FMHA_DEVICE void store_acc(T* g, int64_t ld, const float (&acc)[kNTiles][4], int
   }
 }
 
+// The steady-state copy of `load` below: rows [row0, row0 + kRows) all inside the matrix,
+// cols == kCols and 16-byte aligned rows (`load` checks), so every chunk is whole. A thread
+// copies chunk column tid % kChunksPerRow of rows tid / kChunksPerRow + i * kRowsPerPass: one
+// pointer add and one cp.async per chunk, no bounds test, and the shared offsets constant.
+// kUsable is false where the threads do not tile the block that way (96-wide rows): those
+// configs keep `load` for every block.
+template <typename T, int kRows, int kCols, int kStride, int kThreads>
+struct FullBlock {
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr bool kUsable = kThreads % kChunksPerRow == 0 && kRowsPerPass > 0 &&
+                                  kRows % kRowsPerPass == 0;
+
+  FMHA_DEVICE static void load(T* smem, const T* g, int64_t ld, int row0, int tid) {
+    if constexpr (kUsable) {
+      const int r = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
+      const T* src = g + (int64_t(row0) + r) * ld + c;
+      T* dst = smem + r * kStride + c;
+      const int64_t step = int64_t(kRowsPerPass) * ld;
+#pragma unroll
+      for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+        cp_async_16(dst + i * kRowsPerPass * kStride, src);
+        src += step;
+      }
+    }
+  }
+};
+
 // Copies rows [row0, row0 + kRows) x columns [0, kCols) of a (rows x cols) matrix with row
 // stride ld into shared memory (row stride kStride), zero outside the matrix. The zero rows of
 // a tail block keep NaN/garbage out of the products (0 * NaN is NaN); the zero columns pad
 // head_dim up to the tile width. vec: every row start is 16-byte aligned, so whole 16-byte
-// chunks move by cp.async (a partial chunk reads only its valid bytes); otherwise element by
-// element with plain loads and stores.
-template <typename T, int kRows, int kCols, int kStride, int kThreads>
+// chunks move by cp.async (a partial chunk reads only its valid bytes), and a block wholly
+// inside the matrix by FullBlock (unless kWholeBlocks is false: a kernel whose registers do
+// not fit the second path); otherwise element by element with plain loads and stores.
+template <typename T, int kRows, int kCols, int kStride, int kThreads, bool kWholeBlocks = true>
 FMHA_DEVICE void load(T* smem, const T* g, int64_t ld, int rows, int cols, int row0, bool vec,
                       int tid) {
   constexpr int kChunksPerRow = kCols / 8;  // 16-byte chunks of 8 elements
   constexpr int kChunks = kRows * kChunksPerRow;
   static_assert(kCols % 8 == 0, "whole 16-byte chunks per row");
-  if (vec) {
+  using Full = FullBlock<T, kRows, kCols, kStride, kThreads>;
+  if (kWholeBlocks && Full::kUsable && vec && cols == kCols && row0 + kRows <= rows) {
+    Full::load(smem, g, ld, row0, tid);
+  } else if (vec) {
 #pragma unroll
     for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
       const int chunk = tid + i * kThreads;

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Predicted vs measured: the CUDA kernels' expected speed, written down before any GPU ran
+them (benchmarks/gpu/predictions.json, reasoned in csrc/cuda/NOTES.md, "Predictions for a GPU
+run"), beside what `python -m fmha.bench_cuda` measured (its --out JSON).
+
+    python tools/gpu_predictions.py OUT/bench.json [--predictions FILE] [--out OUT/predictions.md]
+
+Each prediction names the rows it covers (pass, dtypes, a regex on the case name) and a range
+for one field of fmha's rows (ratio_vs_sdpa: SDPA flash's time over fmha's). The table gives
+the measured minimum and maximum over those rows and a verdict: inside the range, below it,
+above it, or not measured (no row, or every row failed). tools/gpu_check.sh runs it last.
+Exit status 0 whatever the verdicts (a missed prediction is a finding, not a failure); 2 when
+a file cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PREDICTIONS = ROOT / "benchmarks" / "gpu" / "predictions.json"
+
+
+def verdicts(predictions: list[dict], rows: list[dict]) -> list[dict]:
+    """One result per prediction: its rows' measured range and where it falls."""
+    out = []
+    for pr in predictions:
+        field = pr.get("metric", "ratio_vs_sdpa")
+        case_re = re.compile(pr.get("cases", ".*"))
+        values = [r[field] for r in rows
+                  if r.get("impl") == "fmha" and r.get("pass_") == pr["pass"]
+                  and r.get("dtype") in pr.get("dtypes", ["float16", "bfloat16"])
+                  and case_re.search(r.get("case", "")) and r.get(field) is not None]
+        lo, hi = pr["low"], pr["high"]
+        if not values:
+            verdict = "not measured"
+        elif max(values) < lo:
+            verdict = "below"
+        elif min(values) > hi:
+            verdict = "above"
+        elif lo <= min(values) and max(values) <= hi:
+            verdict = "inside"
+        else:
+            verdict = "spans the range"
+        out.append(dict(id=pr["id"], field=field, low=lo, high=hi, n=len(values),
+                        measured_min=min(values) if values else None,
+                        measured_max=max(values) if values else None, verdict=verdict,
+                        why=pr.get("why", "")))
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| prediction | field | predicted | measured (rows) | verdict |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        measured = ("—" if r["n"] == 0 else
+                    f"{r['measured_min']:.2f}–{r['measured_max']:.2f} ({r['n']})")
+        lines.append(f"| {r['id']} | {r['field']} | {r['low']:.2f}–{r['high']:.2f} | "
+                     f"{measured} | {r['verdict']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bench", type=Path, help="python -m fmha.bench_cuda's --out JSON")
+    ap.add_argument("--predictions", type=Path, default=DEFAULT_PREDICTIONS)
+    ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    a = ap.parse_args(argv)
+    try:
+        predictions = json.loads(a.predictions.read_text())["predictions"]
+        rows = json.loads(a.bench.read_text())["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"gpu_predictions: {e}", file=sys.stderr)
+        return 2
+    text = table(verdicts(predictions, rows))
+    print(text)
+    if a.out:
+        a.out.write_text(f"Predicted (`{a.predictions.name}`) vs measured (`{a.bench}`)\n\n"
+                         f"{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
