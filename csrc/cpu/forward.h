@@ -15,6 +15,7 @@
 
 #include "cpu/bf16_pairs.h"
 #include "cpu/dequant.h"
+#include "cpu/kernels.h"
 #include "cpu/softmax.h"
 #include "cpu/tile.h"
 #include "fmha/api.h"
@@ -25,15 +26,16 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 // Rows of the current tile as the accumulation type: read in place when the input already
 // is (float32/float64 with a unit last stride), converted into `buf` (leading dimension `ld`)
 // otherwise. A GEMM B operand is re-read once per row block of the micro-kernel, so it must
-// stay in L1 and have rows padded to the vector width: it is read in place only when it is
-// already dense (stride == ld). In place at the usual strides of (batch, seq, heads, dim)
-// tensors -- 2 KiB for 8 heads of 64 floats -- a 64-row tile falls into a few cache sets and
-// evicts itself from L1 on every row block (benchmarks/NOTES.md, "B operands are copied").
+// have rows padded to the vector width, and (`dense`) stay in L1: then it is read in place
+// only when it is already dense (stride == ld). In place at the usual strides of (batch,
+// seq, heads, dim) tensors -- 2 KiB for 8 heads of 64 floats -- a 64-row tile falls into a
+// few cache sets and evicts itself from L1 on every row block on some cores
+// (benchmarks/NOTES.md, "B operands are copied"). Either way the values are the same.
 template <typename T, typename A>
 inline const A* rows_as_acc(const T* src, int64_t stride, int n, int dim, A* buf, int ld,
-                            int64_t* out_stride, bool b_operand) {
+                            int64_t* out_stride, bool b_operand, bool dense = true) {
   if constexpr (std::is_same_v<T, A>) {
-    if (!b_operand || (dim == ld && stride == ld)) {
+    if (!b_operand || (dim == ld && (!dense || stride == ld))) {
       *out_stride = stride;
       return src;
     }
@@ -53,7 +55,7 @@ inline A* lse_at(const FwdParams& p, const Seq& s, int b, int h, int i) {
 }
 
 template <typename T>
-void forward_task(const FwdParams& p, int64_t task) {
+void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
   using A = acc_t<T>;
   const int n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int b = int(task / (int64_t(p.heads_q) * n_qblocks));
@@ -130,7 +132,7 @@ void forward_task(const FwdParams& p, int64_t task) {
     } else {
       int64_t ldk;
       const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
-      Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true);
+      Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true, dense_v);
       gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ
     }
     // A tile whose scores nothing else touches (no softcap, bias, ALiBi or mask; inside the
@@ -747,7 +749,9 @@ void forward_typed(const FwdParams& p) {
   }
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
-  parallel_for(n_tasks, p.num_threads, [&](int64_t t) { forward_task<T>(p, t); }, work);
+  const bool dense_v = forward_copies_v_dense();  // per microarchitecture (kernels.h)
+  parallel_for(n_tasks, p.num_threads,
+               [&](int64_t t) { forward_task<T>(p, t, dense_v); }, work);
 }
 
 void forward(const FwdParams& p) {
