@@ -137,6 +137,26 @@ def test_scale_not_positive(rng, scale):
     run_case(rng, sq=70, sk=130, scale=scale, causal=True)
 
 
+def test_scale_rounding_to_zero_as_float(rng):
+    # 1e-50 is positive as a double and 0 as a float: folded into exp2 it would have turned the
+    # masked keys of the partial last block into NaN; the extras kernel scales, then masks.
+    run_case(rng, sq=100, sk=100, scale=1e-50)
+
+
+def test_scaled_scores_overflowing_float_make_rows_nan():
+    # q.k = 64 times 1e37 overflows float32: the CPU kernels give NaN rows (an Inf logit), and
+    # so must the plain CUDA forward, whose folded exp2 would otherwise give every key P = 0.
+    import fmha
+
+    q = np.ones((1, 64, 1, 64), np.float16)
+    out = np.zeros_like(q)
+    lse = np.zeros((1, 1, 64), np.float32)
+    emu.flash_forward(q, q, q, out, lse, scale=1e37)
+    cpu_out, cpu_lse = fmha.attention(q, q, q, scale=1e37, return_lse=True)
+    assert np.isnan(np.asarray(cpu_out, np.float32)).all() and np.isnan(cpu_lse).all()
+    assert np.isnan(out.astype(np.float32)).all() and np.isnan(lse).all()
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window,causal", [((-1, -1), False), ((-1, -1), True),
                                            ((100, 0), False), ((70, 30), False)])

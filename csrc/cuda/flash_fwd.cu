@@ -50,9 +50,11 @@ int run(const FwdParams& p, int tile, Stream stream) {
   int splits = 0;
   with_head_dim_tile(tile, [&](auto tile_c) {
     constexpr int kTile = decltype(tile_c)::value;
-    // The plain kernel folds the scale into exp2 and so needs scale > 0 (flash_fwd.cuh).
-    splits = needs_extras(p) || !(p.scale > 0.0) ? run_flash_fwd<T, kTile, true>(p, stream)
-                                                 : run_flash_fwd<T, kTile, false>(p, stream);
+    // The plain kernel folds the scale into exp2 and so needs scale * log2(e) > 0 as a float
+    // (flash_fwd.cuh): a scale that is 0 or below, or rounds to 0, runs in the extras kernel.
+    const bool fold = float(p.scale) * score::kLog2e > 0.0f;
+    splits = needs_extras(p) || !fold ? run_flash_fwd<T, kTile, true>(p, stream)
+                                      : run_flash_fwd<T, kTile, false>(p, stream);
   });
   return splits;
 }

@@ -270,8 +270,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // Plain attention keeps S raw and folds the scale into the exponent: the row max is taken
     // on raw scores (scaling by a positive number keeps the order, and rounds the max to
     // exactly the max of the scaled scores), then P = exp2(S * scale_log2 - m), one FFMA per
-    // score. So the plain kernel needs scale > 0; the launcher sends other scales to the
-    // extras kernel, whose logits already carry the scale (there `fold` is 1: exact).
+    // score. So the plain kernel needs scale_log2 > 0; the launcher sends other scales to
+    // the extras kernel, whose logits already carry the scale (there `fold` is 1: exact).
     const float scale_log2 = float(p.scale) * score::kLog2e;
     const float fold = kExtras ? 1.0f : scale_log2;
     // kExtras only: the rest of the score pipeline and dropout. Everything else they need
@@ -456,8 +456,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         block_max = fmaxf(block_max, shfl_xor(block_max, 2));
         const float row_max = fmaxf(m[r], block_max * fold);
         // A row with no visible key so far keeps m = -inf; subtracting 0 instead keeps
-        // exp2(-inf - -inf) = NaN out: its P is exactly 0.
-        const float m_use = row_max == -INFINITY ? 0.0f : row_max;
+        // exp2(-inf - -inf) = NaN out: its P is exactly 0. An infinite max (an Inf score, or
+        // a raw max whose scaled value overflows) makes the row NaN, as exp2(inf - inf) did
+        // before the scale was folded: fmaf would have given every key -inf, P = 0.
+        const float m_use = row_max == -INFINITY ? 0.0f : row_max == INFINITY ? NAN : row_max;
         const float alpha = exp2_approx(m[r] - m_use);  // exp2(-inf) = 0 on the first block
         m[r] = row_max;
         float row_sum = 0.0f;
