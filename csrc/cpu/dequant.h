@@ -82,6 +82,17 @@ template <KvCode C>
 inline __m512 load16(const Code<C>* x, __mmask16 mask) {
   return decode16<C>(_mm_maskz_loadu_epi8(mask, x));
 }
+#if defined(__AVX512BF16__)
+// 32 codes as bfloat16 pairs for the pair dot products (forward.h, dot_block_bf16), lanes
+// past `mask` zero. The floats are exact in bfloat16, so the rounding conversion is exact.
+template <KvCode C>
+inline __m512bh load_pairs(const Code<C>* x, __mmask32 mask) {
+  const __m256i bytes = _mm256_maskz_loadu_epi8(mask, x);
+  const __m512 lo = decode16<C>(_mm256_castsi256_si128(bytes));
+  const __m512 hi = decode16<C>(_mm256_extracti128_si256(bytes, 1));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
 #elif defined(FMHA_SIMD_AVX2)
 template <KvCode C>
 inline VecF load_vec(const Code<C>* x) {
@@ -157,6 +168,16 @@ inline void decode_rows(const FwdParams& p, const Seq& s, int b, int hk, bool va
     U* x = dst + r * ld;
     if constexpr (std::is_same_v<U, float>)
       with_code(p.kv_code, [&](auto c) { decode_codes<decltype(c)::kCode>(src, dim, x); });
+#if defined(__AVX512BF16__)
+    else if constexpr (std::is_same_v<U, bf16_t>)  // the pair products' rows: 32 at a time
+      with_code(p.kv_code, [&](auto c) {
+        const auto* codes = reinterpret_cast<const decltype(c)*>(src);
+        for (int t = 0; t < dim; t += 32) {
+          const __mmask32 in = dim - t >= 32 ? __mmask32(~0u) : __mmask32((1u << (dim - t)) - 1);
+          _mm512_mask_storeu_epi16(x + t, in, (__m512i)load_pairs(codes + t, in));
+        }
+      });
+#endif
     else
       for (int t = 0; t < dim; ++t) x[t] = Store<U>::from(kvq::decode(p.kv_code, src[t]));
     for (int t = dim; t < ld; ++t) x[t] = Store<U>::from(0.0f);

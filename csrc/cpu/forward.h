@@ -298,11 +298,19 @@ inline void dot_tile(int M, int nc, int d, const double* Q, int64_t ldq,
 }
 
 #if defined(__AVX512BF16__)
+// 32 elements of a K row as bfloat16 pairs, lanes past `mask` zero: bfloat16 rows as they
+// are, 8-bit codes widened (every code's value is exact in bfloat16, dequant.h).
+inline __m512bh load_pairs(const bf16_t* x, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, x);
+}
+
 // dot_tile for bfloat16 Q and K read as they are (no conversion pass): vdpbf16ps takes 32
 // elements per instruction as 16 pairs, products exact in float, accumulated in float (the
-// AVX512-BF16 rules: a bfloat16 denormal reads as zero, as in the GEMM's pair path).
-template <int RB>
-inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const bf16_t* const* k, int d,
+// AVX512-BF16 rules: a bfloat16 denormal reads as zero, as in the GEMM's pair path). K's
+// elements are bfloat16 or 8-bit codes; the same sums either way, so a cache of codes gives
+// bitwise the scores of a bfloat16 cache holding their values.
+template <int RB, typename KT>
+inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const KT* const* k, int d,
                            float* S, int64_t ld) {
   const int full = d / 32 * 32;
   const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
@@ -312,7 +320,7 @@ inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const bf16_t* const* k,
   for (int t = 0; t < d; t += 32) {
     const __mmask32 mask = t < full ? __mmask32(~0u) : tail;
     __m512bh kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, k[j] + t);
+    for (int j = 0; j < 4; ++j) kv[j] = load_pairs(k[j] + t, mask);
     for (int r = 0; r < RB; ++r) {
       const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(mask, Q + r * ldq + t);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, kv[j]);
@@ -322,17 +330,14 @@ inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const bf16_t* const* k,
     hsum4(VecF{acc[r][0]}, VecF{acc[r][1]}, VecF{acc[r][2]}, VecF{acc[r][3]}, S + r * ld);
 }
 
+template <typename KT>
 inline void dot_tile_bf16(int M, int nc, int d, const bf16_t* Q, int64_t ldq,
-                          const bf16_t* const* K, float* S, int64_t ld) {
+                          const KT* const* K, float* S, int64_t ld) {
   const int full = d / 32 * 32;
   const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
-  auto load = [](const bf16_t* x) { return (__m512bh)_mm512_loadu_si512(x); };
-  auto load_tail = [tail](const bf16_t* x) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(tail, x);
-  };
   int c = 0;
   for (; c + 4 <= nc; c += 4) {
-    const bf16_t* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
+    const KT* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
     int m = 0;
     for (; m + 4 <= M; m += 4) dot_block_bf16<4>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
     for (; m < M; ++m) dot_block_bf16<1>(Q + m * ldq, ldq, k, d, S + m * ld + c, ld);
@@ -341,8 +346,9 @@ inline void dot_tile_bf16(int M, int nc, int d, const bf16_t* Q, int64_t ldq,
     for (int m = 0; m < M; ++m) {
       const bf16_t* q = Q + m * ldq;
       __m512 a = _mm512_setzero_ps();
-      for (int t = 0; t < full; t += 32) a = _mm512_dpbf16_ps(a, load(q + t), load(K[c] + t));
-      if (tail) a = _mm512_dpbf16_ps(a, load_tail(q + full), load_tail(K[c] + full));
+      for (int t = 0; t < full; t += 32)
+        a = _mm512_dpbf16_ps(a, load_pairs(q + t, __mmask32(~0u)), load_pairs(K[c] + t, __mmask32(~0u)));
+      if (tail) a = _mm512_dpbf16_ps(a, load_pairs(q + full, tail), load_pairs(K[c] + full, tail));
       S[m * ld + c] = _mm512_reduce_add_ps(a);
     }
 }
@@ -549,21 +555,40 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       const A* Qx = Qr + int64_t(x) * M * ldq;
       if (quant) {  // 8-bit caches: S from the codes, scaled per key (dequant.h)
         key_scales(p, b, hk, false, j0, nc, kscale);
-        bool fused = false;
-        if constexpr (std::is_same_v<A, float>) {
-          fused = M <= kDotRows;  // each code is read once anyway: widened in the products
-          if (fused)
+        if constexpr (pairs) {  // bfloat16 q: pair products, as for a bfloat16 cache
+#if defined(__AVX512BF16__)
+          const T* Qxt = Qt + int64_t(x) * M * d;
+          if (M <= 4) {  // each code is read once anyway: widened in the products
             with_code(p.kv_code, [&](auto c) {
               const decltype(c)* kc[kBc];
               code_rows(p.k, p.k_head_stride, hk, koff, nc, kc);
-              dot_tile(M, nc, d, Qx, ldq, kc, S, kBc);
+              dot_tile_bf16(M, nc, d, Qxt, d, kc, S, kBc);
             });
-        }
-        if (!fused) {  // more rows: the codes widened once, into Kbuf
-          decode_rows(p, s, b, hk, false, j0, nc, d, Kbuf, d);
-          const A* kr[kBc];
-          for (int r = 0; r < nc; ++r) kr[r] = Kbuf + int64_t(r) * d;
-          dot_tile(M, nc, d, Qx, ldq, kr, S, kBc);
+          } else {  // more rows: the codes widened once, into a bfloat16 tile
+            T* Kt = reinterpret_cast<T*>(Kbuf);
+            decode_rows(p, s, b, hk, false, j0, nc, d, Kt, d);
+            const T* kr[kBc];
+            for (int r = 0; r < nc; ++r) kr[r] = Kt + int64_t(r) * d;
+            dot_tile_bf16(M, nc, d, Qxt, d, kr, S, kBc);
+          }
+#endif
+        } else {
+          bool fused = false;
+          if constexpr (std::is_same_v<A, float>) {
+            fused = M <= kDotRows;  // each code is read once anyway: widened in the products
+            if (fused)
+              with_code(p.kv_code, [&](auto c) {
+                const decltype(c)* kc[kBc];
+                code_rows(p.k, p.k_head_stride, hk, koff, nc, kc);
+                dot_tile(M, nc, d, Qx, ldq, kc, S, kBc);
+              });
+          }
+          if (!fused) {  // more rows: the codes widened once, into Kbuf
+            decode_rows(p, s, b, hk, false, j0, nc, d, Kbuf, d);
+            const A* kr[kBc];
+            for (int r = 0; r < nc; ++r) kr[r] = Kbuf + int64_t(r) * d;
+            dot_tile(M, nc, d, Qx, ldq, kr, S, kBc);
+          }
         }
         scale_columns(S, M, nc, kBc, kscale);
       } else {
