@@ -314,18 +314,26 @@ inline void dot_block_bf16(const bf16_t* Q, int64_t ldq, const KT* const* k, int
                            float* S, int64_t ld) {
   const int full = d / 32 * 32;
   const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
+  // Unrolled before GCC scalarises acc, as in pv_block: left as loops (this function not
+  // inlined), acc stayed an array on the stack.
   __m512 acc[RB][4];
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int t = 0; t < d; t += 32) {
     const __mmask32 mask = t < full ? __mmask32(~0u) : tail;
     __m512bh kv[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) kv[j] = load_pairs(k[j] + t, mask);
+#pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(mask, Q + r * ldq + t);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], x, kv[j]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
     hsum4(VecF{acc[r][0]}, VecF{acc[r][1]}, VecF{acc[r][2]}, VecF{acc[r][3]}, S + r * ld);
 }
