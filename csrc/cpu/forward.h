@@ -93,20 +93,23 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
   const T* k = static_cast<const T*>(p.k) + hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + hk * p.v_head_stride;
-  // The one transpose of the task: Q's tile. The scale is applied to S after the GEMM, not
-  // folded into Q, so that the backward (which reads Q in place) rebuilds the very same S.
-  load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
+  // bfloat16 with AVX512-BF16: S and P V as pair dot products (twice the float FMA rate).
+  // K is read in place as pair words; Q and V are packed into pairs, P is rounded to
+  // bfloat16 for P V (as on a GPU); everything accumulates in float.
+  constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
+  // The one transpose of the task: Q's tile (as pair words for the pair products). The scale
+  // is applied to S after the GEMM, not folded into Q, so that the backward (which reads Q
+  // in place) rebuilds the very same S.
+  if constexpr (pairs)
+    pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
+  else
+    load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
   fill(m, kBr, neg_inf<A>());
   fill(l, kBr, A(0));
   fill(O, int64_t(kBr) * ldv, A(0));
 
   // Rows i0..i0+nr-1 together see keys [key_lo(i0), key_hi(last row)].
   const int j_begin = key_lo(p, s, i0), j_end = key_hi(p, s, i0 + nr - 1) + 1;
-  // bfloat16 with AVX512-BF16: S and P V as pair dot products (twice the float FMA rate).
-  // K is read in place as pair words; Q and V are packed into pairs, P is rounded to
-  // bfloat16 for P V (as on a GPU); everything accumulates in float.
-  constexpr bool pairs = std::is_same_v<T, bf16_t> && kBf16Dot;
-  if constexpr (pairs) pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
   const bool quant = p.kv_code != KvCode::kNone;
   A kscale[kBc], vscale[kBc];  // 8-bit caches: each key's factors (dequant.h)
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {

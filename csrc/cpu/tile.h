@@ -134,11 +134,65 @@ inline void load_rows(const T* src, int64_t stride, int n, int dim, A* dst, int 
   }
 }
 
+#if defined(FMHA_SIMD_AVX512)
+// Sixteen elements as floats (exact widening).
+inline __m512 floats16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 floats16(const bf16_t* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 floats16(const f16_t* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// Sixteen rows of sixteen floats transposed in registers: afterwards r[t] holds element t
+// of every row. Three stages of in-lane shuffles, then two of 128-bit lane shuffles.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+}
+#endif
+
 // Copies rows [0, n) of a (rows, dim) slice into the transposed dense buffer dst[t * ld + r]
 // (the B operand of S = Q Kᵀ and dP = dO Vᵀ).
 template <typename T, typename A>
 inline void load_rows_t(const T* src, int64_t stride, int n, int dim, A* dst, int ld) {
-  for (int r = 0; r < n; ++r) {
+  int r0 = 0;
+#if defined(FMHA_SIMD_AVX512)
+  if constexpr (std::is_same_v<A, float> && !std::is_same_v<T, double>) {
+    for (; r0 + 16 <= n; r0 += 16) {  // 16 x 16 blocks through registers
+      const T* s = src + r0 * stride;
+      int t = 0;
+      for (; t + 16 <= dim; t += 16) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) x[i] = floats16(s + i * stride + t);
+        transpose16(x);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + int64_t(t + i) * ld + r0, x[i]);
+      }
+      for (; t < dim; ++t)
+        for (int i = 0; i < 16; ++i) dst[int64_t(t) * ld + r0 + i] = to_acc<A>(s[i * stride + t]);
+    }
+  }
+#endif
+  for (int r = r0; r < n; ++r) {
     const T* s = src + r * stride;
     for (int t = 0; t < dim; ++t) dst[int64_t(t) * ld + r] = to_acc<A>(s[t]);
   }
