@@ -244,3 +244,23 @@ def test_dispatch_mode_sees_the_op_with_grad():
         fmha.attention(q, k, v).sum().backward()
     assert any("fmha.fwd" in op for op in log.ops), log.ops
     assert any("fmha.bwd" in op for op in log.ops), log.ops
+
+
+@pytest.mark.parametrize("sq,sk,heads", [(100, 150, (4, 4)),   # the tiled forward
+                                         (1, 5000, (8, 2)),    # decode rows, split into chunks
+                                         (2, 40, (4, 1)),      # decode rows, one chunk
+                                         (5, 0, (2, 2))])      # no key: out 0
+def test_out_without_lse_on_every_path(sq, sk, heads):
+    """A call that does not return lse leaves it to no one (the kernels skip it): the same
+    out, bit for bit, on each forward path, torch and NumPy."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv = heads
+    q = torch.randn(2, sq, hq, 32, generator=g)
+    k, v = (torch.randn(2, sk, hkv, 32, generator=g) for _ in range(2))
+    for causal in (False, True):
+        with torch.no_grad():
+            want, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+            assert torch.equal(fmha.attention(q, k, v, causal=causal), want)
+        got = fmha.attention(q.numpy(), k.numpy(), v.numpy(), causal=causal)
+        assert np.array_equal(got, want.numpy())
+        assert (sk > 0) == bool(torch.isfinite(lse).all())

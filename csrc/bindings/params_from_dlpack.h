@@ -180,7 +180,6 @@ struct Call {
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
   std::optional<View> block_index, block_masks;  // a block-sparse mask
   std::optional<View> dout, dq, dk, dv, dbias, dlse;  // backward only
-  std::unique_ptr<double[]> lse_scratch;  // lse, when a host forward leaves it out
 };
 
 inline std::optional<View> import_opt(const std::string& name, const py::object& obj,
@@ -281,10 +280,10 @@ void import_alibi(Call<Params>& c, const py::object& alibi) {
   }
 }
 
-// A forward on host arrays may leave lse out (None): the kernels then write it into a buffer
-// of the call, dense (batch, heads_q, seqlen_q) or, varlen, (heads_q, total_q), dropped after
-// the call. A small call saves the caller an allocation (fmha's plain torch and NumPy calls
-// that do not return lse).
+// A forward on host arrays may leave lse out (None): the CPU kernels then neither compute nor
+// store it (FwdParams::lse = nullptr). The view keeps lse's shape, dense (batch, heads_q,
+// seqlen_q) or, varlen, (heads_q, total_q), for the checks that read it. A small call saves
+// the caller an allocation (fmha's plain torch and NumPy calls that do not return lse).
 template <typename Params>
 void scratch_lse(Call<Params>& c, bool varlen) {
   const bool f64 = c.p.dtype == DType::kFloat64;
@@ -302,8 +301,7 @@ void scratch_lse(Call<Params>& c, bool varlen) {
     t.strides[size_t(i)] = n;
     n *= t.shape[size_t(i)];
   }
-  c.lse_scratch.reset(new double[size_t(std::max<int64_t>(n, 1))]);  // float or double rows
-  t.data = c.lse_scratch.get();
+  t.data = nullptr;
 }
 
 // Everything but the gradients: q, k, v, out, lse, bias, mask, ALiBi, varlen offsets and the

@@ -180,14 +180,12 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
   // NaN or Inf score) makes the row NaN.
   T* o = static_cast<T*>(p.o) + h * p.o_head_stride +
          row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i0);
-  A* lse = static_cast<A*>(p.lse) + h * p.lse_head_stride +
-           (p.cu_seqlens_q ? (s.q_first + i0) * p.lse_row_stride
-                           : b * p.lse_batch_stride + int64_t(i0) * p.lse_row_stride);
+  A* lse = p.lse ? lse_at<A>(p, s, b, h, i0) : nullptr;  // nullptr: not wanted
   for (int r = 0; r < nr; ++r) {
     A* Or = O + int64_t(r) * ldv;
     scale_rows(Or, 1, dv, ldv, l[r] != A(0) ? A(1) / l[r] : A(0));
     store_row(Or, dv, o + r * p.o_row_stride);
-    lse[r * p.lse_row_stride] = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
+    if (lse) lse[r * p.lse_row_stride] = l[r] != A(0) ? m[r] + std::log(l[r]) : neg_inf<A>();
   }
 }
 
@@ -702,7 +700,9 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       const int hk = hk0 + x, xr = x * M + r;
       A* Or = O + int64_t(xr) * ldv;
       scale_rows(Or, 1, dv, ldv, l[xr] != A(0) ? A(1) / l[xr] : A(0));
-      const A lse_r = l[xr] != A(0) ? m[xr] + std::log(l[xr]) : neg_inf<A>();
+      // The row's lse: for merge_chunks, and for the caller when wanted (p.lse).
+      const bool want_lse = part.n_chunks > 1 || p.lse;
+      const A lse_r = !want_lse ? A(0) : l[xr] != A(0) ? m[xr] + std::log(l[xr]) : neg_inf<A>();
       if (part.n_chunks > 1) {
         const int64_t slot = part.slot(b, hk, p.heads_kv, chunk);
         std::memcpy(part.o + (slot * part.rows + r) * part.ldv, Or, size_t(dv) * sizeof(A));
@@ -712,7 +712,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       const int h = hk * group + r / sq, i = r % sq;
       store_row(Or, dv, static_cast<T*>(p.o) + h * p.o_head_stride +
                             row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
-      *lse_at<A>(p, s, b, h, i) = lse_r;
+      if (p.lse) *lse_at<A>(p, s, b, h, i) = lse_r;
     }
 }
 
@@ -750,7 +750,7 @@ void merge_chunks(const FwdParams& p, int b, int hk, const Partials<acc_t<T>>& p
     const int h = hk * group + r / sq, i = r % sq;
     store_row(acc.data(), dv, static_cast<T*>(p.o) + h * p.o_head_stride +
                                   row_offset(p, b, p.o_batch_stride, p.o_row_stride, s.q_first, i));
-    *lse_at<A>(p, s, b, h, i) = lse_r;
+    if (p.lse) *lse_at<A>(p, s, b, h, i) = lse_r;
   }
 }
 

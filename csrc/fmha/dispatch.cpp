@@ -338,6 +338,7 @@ void forward_without_keys(const FwdParams& p) {
             p.o_head_stride);
   const Dim b{p.cu_seqlens_q ? 1 : p.batch, p.lse_batch_stride}, h{p.heads_q, p.lse_head_stride},
       r{rows_of(p, true), p.lse_row_stride}, one{1, 1};
+  if (!p.lse) return;
   if (p.dtype == DType::kFloat64)
     fill<double>(p.lse, b, h, r, one, -std::numeric_limits<double>::infinity());
   else

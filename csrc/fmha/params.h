@@ -61,6 +61,7 @@ struct FwdParams {
   void* o = nullptr;        // (b, seqlen_q, heads_q, head_dim_v), same dtype as q
   // (b, heads_q, seqlen_q), or (heads_q, total_q) when varlen: natural-log logsumexp of
   // each row; float32, float64 for float64 inputs (the backward recomputes P from it).
+  // The CPU forward takes nullptr for "not wanted" and then skips computing it.
   void* lse = nullptr;
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
   int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;

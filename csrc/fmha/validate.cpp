@@ -53,7 +53,9 @@ void check_params(const FwdParams& p, Backend backend) {
                    dtype_name(p.dtype), ": the CUDA kernels take float16/bfloat16");
   check_sizes(p, backend);
   if (has_query_rows(p)) {
-    FMHA_CHECK_ARG(p.q && p.o && p.lse, "q, out and lse must be non-null");
+    FMHA_CHECK_ARG(p.q && p.o, "q and out must be non-null");
+    FMHA_CHECK_ARG(p.lse || backend == Backend::kCpu,
+                   "lse must be non-null on CUDA (only the CPU forward may leave it out)");
     if (has_key_rows(p)) FMHA_CHECK_ARG(p.k && p.v, "k and v must be non-null");
   }
   FMHA_CHECK_ARG(!p.cu_seqlens_q == !p.cu_seqlens_k,
