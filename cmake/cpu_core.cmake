@@ -21,7 +21,7 @@ target_include_directories(fmha_validate PUBLIC ${FMHA_CORE_ROOT}/csrc)
 add_library(fmha_core STATIC ${FMHA_CORE_ROOT}/csrc/fmha/dispatch.cpp
             ${FMHA_CORE_ROOT}/csrc/fmha/kvcache.cpp ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp)
 target_include_directories(fmha_core PUBLIC ${FMHA_CORE_ROOT}/csrc ${FMHA_CORE_ROOT}/third_party)
-target_link_libraries(fmha_core PUBLIC fmha_validate Threads::Threads)
+target_link_libraries(fmha_core PUBLIC fmha_validate Threads::Threads ${CMAKE_DL_LIBS})
 
 # The flags of each level above scalar, and a probe that the compiler takes them: the
 # intrinsics of that level the kernels use (csrc/cpu/simd.h, numeric.h, bf16_pairs.h).

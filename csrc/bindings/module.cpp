@@ -112,6 +112,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("isa"), "Forces the CPU kernels' instruction set (scalar, avx2, avx512, "
         "avx512bf16); NotImplementedError when this CPU lacks it.");
   m.def("hardware_threads", &hardware_threads);
+  m.def("use_openmp_runtime", &use_openmp_runtime, py::arg("path"),
+        "Runs the CPU kernels' parallel regions on the OpenMP runtime the process loaded from "
+        "`path` (torch's libgomp); \"\" returns to fmha's own pool. False if none is loaded.");
+  m.def("using_openmp_runtime", &using_openmp_runtime);
   m.def("pool_helpers_for", &pool_helpers_for, py::arg("n_tasks"), py::arg("n_threads"),
         py::arg("work_ns"),
         "How many helper threads the CPU thread pool wakes for a region of n_tasks tasks and "

@@ -1,5 +1,6 @@
 #include "fmha/threads.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -157,6 +158,38 @@ class Pool {
   std::exception_ptr error_;
 };
 
+// An OpenMP runtime already loaded into the process by the host framework (torch's
+// libgomp), when the caller names one: fmha's regions then run as OpenMP parallel regions
+// on that runtime's threads -- the threads the framework's own operators use and keep
+// spinning between them -- instead of on helpers of the pool competing with those for the
+// cores. Tasks are handed out in the same way, so results do not change.
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+std::atomic<GompParallel> gomp_parallel{nullptr};
+std::mutex gomp_region_mu;  // one region at a time, as in the pool
+
+struct GompRegion {
+  const std::function<void(int64_t)>* fn;
+  int64_t n_tasks;
+  std::atomic<int64_t> next{0};
+  std::mutex err_mu;
+  std::exception_ptr error;
+};
+
+void gomp_body(void* data) {
+  GompRegion& r = *static_cast<GompRegion*>(data);
+  for (;;) {
+    const int64_t t = r.next.fetch_add(1);
+    if (t >= r.n_tasks) return;
+    try {
+      (*r.fn)(t);
+    } catch (...) {  // an exception must not leave an OpenMP thread
+      std::lock_guard<std::mutex> lk(r.err_mu);
+      if (!r.error) r.error = std::current_exception();
+      r.next.store(r.n_tasks);
+    }
+  }
+}
+
 // Leaked on purpose: destroying the pool at exit would join threads that may be parked.
 std::atomic<Pool*> the_pool{nullptr};
 
@@ -194,7 +227,35 @@ void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64
     for (int64_t t = 0; t < n_tasks; ++t) fn(t);
     return;
   }
+  if (const GompParallel run = gomp_parallel.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> region(gomp_region_mu);
+    GompRegion r;
+    r.fn = &fn;
+    r.n_tasks = n_tasks;
+    run(gomp_body, &r, unsigned(helpers + 1), 0);
+    if (r.error) std::rethrow_exception(r.error);
+    return;
+  }
   pool().run(n_tasks, helpers, fn);
 }
+
+bool use_openmp_runtime(const std::string& path) {
+  if (path.empty()) {
+    gomp_parallel.store(nullptr, std::memory_order_release);
+    return true;
+  }
+  // RTLD_NOLOAD: only a runtime the process has loaded already (never a second copy).
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (lib == nullptr) return false;
+  void* sym = dlsym(lib, "GOMP_parallel");
+  if (sym == nullptr) return false;
+  // A forked child has none of the runtime's threads: it goes back to the pool.
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { gomp_parallel.store(nullptr); }); });
+  gomp_parallel.store(reinterpret_cast<GompParallel>(sym), std::memory_order_release);
+  return true;
+}
+
+bool using_openmp_runtime() { return gomp_parallel.load(std::memory_order_acquire) != nullptr; }
 
 }  // namespace fmha

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <string>
 
 namespace fmha {
 
@@ -32,5 +33,11 @@ void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64
 int pool_helpers_for(int64_t n_tasks, int n_threads, int64_t work_ns);
 
 int hardware_threads();
+
+// Runs parallel regions on the OpenMP runtime at `path`, a shared library the process has
+// already loaded (torch's libgomp), instead of on fmha's own pool; "" returns to the pool.
+// Returns false, changing nothing, when no such runtime is loaded.
+bool use_openmp_runtime(const std::string& path);
+bool using_openmp_runtime();
 
 }  // namespace fmha

@@ -13,6 +13,7 @@ seed gives the same mask on CPU and GPU (it is a function of (seed, offset, b, h
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from typing import Optional, Tuple
 
@@ -20,9 +21,41 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from . import _core
+from . import _C, _core
 from ._core import core_args, dbias_shape, get_num_threads
 from ._validate import Spec
+
+
+def _torch_openmp_runtime() -> Optional[str]:
+    """The OpenMP runtime torch loaded into this process (its libgomp; Intel's libiomp5 also
+    serves GOMP_parallel), found in /proc/self/maps: a path, or None (not Linux, or none)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if ".so" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in paths
+                   if os.path.basename(p).startswith(("libgomp", "libiomp5")))
+    if not found:
+        return None
+    torch_dir = os.path.dirname(torch.__file__)  # torch's own copy first
+    return next((p for p in found if p.startswith(torch_dir)), found[0])
+
+
+def _share_torch_threads() -> None:
+    """Run the CPU kernels' parallel regions on torch's OpenMP threads rather than on fmha's
+    own pool. torch's threads spin for a while after each of torch's operators; on a
+    machine with as many threads as cores they took the cores from the pool's helpers, and
+    fmha's attention inside a model ran no faster than SDPA's
+    (benchmarks/vit_attention_share.py). FMHA_OWN_THREADS=1 keeps the pool."""
+    if os.environ.get("FMHA_OWN_THREADS", "") not in ("", "0"):
+        return
+    path = _torch_openmp_runtime()
+    if path is not None:
+        _C.use_openmp_runtime(path)
+
+
+_share_torch_threads()
 
 
 def _full(q: Tensor, k: Tensor, cu_q: Optional[Tensor], max_q: int, max_k: int):
