@@ -44,31 +44,52 @@ inline void pack_pairs_t(const bf16_t* src, int64_t stride, int n, int dim, uint
 inline uint16_t to_bf16_bits(bf16_t x) { return x.bits; }
 inline uint16_t to_bf16_bits(float x) { return bf16_round(x); }
 
-// Two rows at a time of a (rows, dim) slice into pair words along the rows: dst[kp * ld + t]
-// holds (src[2kp][t], src[2kp+1][t]) for t < dim, zero for t in [dim, ld) and for the
-// missing partner of an odd n. (The B operand of O += P V, dV += Pᵀ dO, ...)
-template <typename S>
-inline void pack_row_pairs(const S* src, int64_t stride, int n, int dim, uint32_t* dst, int ld) {
-  for (int kp = 0; kp < (n + 1) / 2; ++kp) {
-    const S* r0 = src + int64_t(2 * kp) * stride;
-    const S* r1 = 2 * kp + 1 < n ? r0 + stride : nullptr;
-    uint32_t* out = dst + int64_t(kp) * ld;
-    int t0 = 0;
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<S, bf16_t>) {
-      if (r1) {  // widen both rows' 16 elements to 32 bits and merge: one word per column
-        for (; t0 + 16 <= dim; t0 += 16) {
-          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + t0)));
-          const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + t0)));
-          _mm512_storeu_si512(out + t0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-      }
-    }
+// 32 bfloat16 as two halves of 16 (a, b) -> 16 pair words (a[i], b[i]).
+inline __m512i halves_interleaved(__m512i both) {
+  const __m512i order = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(order, both);
+}
 #endif
+
+// The vector part of a pair of rows' words (pack_pairs_of_rows): out[t] = (r0[t], r1[t]) for
+// t below the returned count. A type without one (float) leaves all to the scalar loop.
+template <typename S>
+inline int vector_pair_words(const S*, const S*, int, uint32_t*) { return 0; }
+#if defined(__AVX512BF16__)
+inline int vector_pair_words(const bf16_t* r0, const bf16_t* r1, int dim, uint32_t* out) {
+  int t = 0;  // widen both rows' 16 elements to 32 bits and merge: one word per column
+  for (; t + 16 <= dim; t += 16) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + t)));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + t)));
+    _mm512_storeu_si512(out + t, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+  return t;
+}
+#endif
+
+// Two rows at a time into pair words along the rows: dst[kp * ld + t] holds (row(2kp)[t],
+// row(2kp+1)[t]) for t < dim, zero for t in [dim, ld) and for the missing partner of an odd
+// n. row(i) is where row i starts. (The B operand of O += P V, dV += Pᵀ dO, ...)
+template <typename S, typename RowAt>
+inline void pack_pairs_of_rows(RowAt row, int n, int dim, uint32_t* dst, int ld) {
+  for (int kp = 0; kp < (n + 1) / 2; ++kp) {
+    const S* r0 = row(2 * kp);
+    const S* r1 = 2 * kp + 1 < n ? row(2 * kp + 1) : nullptr;
+    uint32_t* out = dst + int64_t(kp) * ld;
+    const int t0 = r1 ? vector_pair_words(r0, r1, dim, out) : 0;
     for (int t = t0; t < dim; ++t)
       out[t] = pair_word(to_bf16_bits(r0[t]), r1 ? to_bf16_bits(r1[t]) : uint16_t(0));
     for (int t = dim; t < ld; ++t) out[t] = 0;
   }
+}
+
+// pack_pairs_of_rows of a (rows, dim) slice with a row stride.
+template <typename S>
+inline void pack_row_pairs(const S* src, int64_t stride, int n, int dim, uint32_t* dst, int ld) {
+  pack_pairs_of_rows<S>([&](int i) { return src + int64_t(i) * stride; }, n, dim, dst, ld);
 }
 
 // A float tile P (element (i, c) at P[i * rs + c * cs]) rounded to bfloat16 pair words along c:
@@ -80,17 +101,13 @@ inline void pack_float_pairs(const float* P, int64_t rs, int64_t cs, int m, int 
   if (rs == 1) {
     // Columns c and c+1 are vectors along i: convert both at once (round to nearest even),
     // then interleave their 16-bit halves into pair words.
-    const __m512i interleave = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (; 2 * kp + 1 < n; ++kp) {
       const float* c0 = P + int64_t(2 * kp) * cs;
       int i = 0;
       for (; i + 16 <= m; i += 16) {
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(c0 + cs + i),
                                                            _mm512_loadu_ps(c0 + i));
-        _mm512_storeu_si512(dst + int64_t(kp) * ld + i,
-                            _mm512_permutexvar_epi16(interleave, both));
+        _mm512_storeu_si512(dst + int64_t(kp) * ld + i, halves_interleaved(both));
       }
       for (; i < m; ++i)
         dst[int64_t(kp) * ld + i] = pair_word(bf16_round(c0[i]), bf16_round(c0[i + cs]));

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/bf16_pairs.h"
 #include "cpu/simd.h"
 #include "cpu/tile.h"
 #include "fmha/kvquant.h"
@@ -30,6 +31,9 @@ struct Code {
 inline float load_one(const float* x) { return *x; }
 template <KvCode C>
 inline float load_one(const Code<C>* x) { return kvq::decode(C, x->bits); }
+// One element as bfloat16 bits (exact): the pair packing's scalar tails.
+template <KvCode C>
+inline uint16_t to_bf16_bits(Code<C> x) { return bf16_round(kvq::decode(C, x.bits)); }
 
 #if defined(__AVX2__) && defined(__F16C__)
 // Eight float8 codes (the low 8 bytes of `bytes`) as IEEE half bits: e5m2 is a half's top
@@ -91,6 +95,19 @@ inline __m512bh load_pairs(const Code<C>* x, __mmask32 mask) {
   const __m512 lo = decode16<C>(_mm256_castsi256_si128(bytes));
   const __m512 hi = decode16<C>(_mm256_extracti128_si256(bytes, 1));
   return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// Sixteen columns of two rows of codes as pair words (bf16_pairs.h, pack_pairs_of_rows): both
+// rows widened to floats, rounded to bfloat16 together (exactly), their halves interleaved.
+template <KvCode C>
+inline int vector_pair_words(const Code<C>* r0, const Code<C>* r1, int dim, uint32_t* out) {
+  int t = 0;
+  for (; t + 16 <= dim; t += 16) {
+    const __m512 lo = decode16<C>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + t)));
+    const __m512 hi = decode16<C>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + t)));
+    _mm512_storeu_si512(out + t, halves_interleaved((__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  return t;
 }
 #endif
 #elif defined(FMHA_SIMD_AVX2)
