@@ -168,6 +168,21 @@ FMHA_DEVICE void query_range(const FwdParams& p, const score::Seq& s, int n0, in
   m_end = hi / kBlockM + 1;
 }
 
+// x / d and x % d for a divisor fixed through a loop: a multiply-high, an add and a shift
+// instead of the ~20 instructions of a runtime integer division (Granlund & Montgomery's
+// round-up method; exact for 0 <= x < 2^31 and 1 <= d < 2^31).
+struct FastDivmod {
+  uint32_t d, mul, shift;
+  FMHA_DEVICE explicit FastDivmod(int divisor) : d(uint32_t(divisor < 1 ? 1 : divisor)), shift(0) {
+    while ((uint32_t(1) << shift) < d) ++shift;  // ceil(log2 d)
+    mul = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
+  }
+  FMHA_DEVICE int div(int x) const {
+    const uint32_t hi = uint32_t((uint64_t(uint32_t(x)) * mul) >> 32);
+    return int((hi + uint32_t(x)) >> shift);
+  }
+};
+
 // Whether the tile of query rows [m0, m0 + kBlockM) x keys [n0, n0 + kBlockN) of a plain call
 // (no extras) lies wholly inside both sequences and, by in_window, inside every row's window:
 // then no pair of it is excluded and the kernels skip the per-pair test (FlashAttention-2's
@@ -287,6 +302,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   int m_begin, m_end;
   bwd_detail::query_range<Cfg::kBlockM, Cfg::kBlockN>(p, s, n0, m_begin, m_end);
   const int blocks_per_head = m_end - m_begin, steps = group * blocks_per_head;
+  // Step x is query head head_of(x) of the group, query block m_begin + block_of(x, head):
+  // by a multiply-high in the plain kernels; by a division in the extras kernels, where the
+  // divisor's two more live registers spilled d = 256 (ptxas 13.0).
+  const bwd_detail::FastDivmod per_head(kExtras ? 1 : blocks_per_head);
+  auto head_of = [&](int x) { return kExtras ? x / blocks_per_head : per_head.div(x); };
+  auto block_of = [&](int x, int head) {
+    return x - head * (kExtras ? blocks_per_head : int(per_head.d));
+  };
 
   // The two key rows of this thread in the accumulator layout of S^T: key_lo, key_lo + 8
   // (computed, not an array: a runtime-indexed array would live in local memory).
@@ -307,8 +330,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
   // block m_begin + step % blocks_per_head. Loads its Qi, dOi (cp.async) and lse, D (plain).
   auto load_step = [&](int step, int stage) {
-    const int h = h_kv * group + step / blocks_per_head;
-    const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
+    const int hq = head_of(step);
+    const int h = h_kv * group + hq;
+    const int m0 = (m_begin + block_of(step, hq)) * Cfg::kBlockM;
     const T* Q = static_cast<const T*>(p.q) +
                  score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
     const T* dO = static_cast<const T*>(p.dout) +
@@ -383,8 +407,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     cp_async_commit();
     cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
 
-    const int h = h_kv * group + step / blocks_per_head;
-    const int m0 = (m_begin + step % blocks_per_head) * Cfg::kBlockM;
+    const int hq = head_of(step);
+    const int h = h_kv * group + hq;
+    const int m0 = (m_begin + block_of(step, hq)) * Cfg::kBlockM;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + stage * Cfg::kTileQ;
     const bool in_window = score::block_inside_window(s, p.window_left, p.window_right, m0,
