@@ -62,13 +62,15 @@ def _child(queue, q, k):
     # fmha only: no torch operator runs here (they would wait, see below)
     out = fmha.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(k))
     want = fmha.attention(q, k, k)
-    queue.put(bool(np.array_equal(out.numpy(), want) and np.isfinite(want).all()))
+    refused = not _C.use_openmp_runtime(RUNTIME) and not _C.using_openmp_runtime()
+    queue.put(bool(np.array_equal(out.numpy(), want) and np.isfinite(want).all() and refused))
 
 
 @needs_runtime
 def test_forked_child_runs_on_the_pool(own_pool_after):
     """A child forked after the parent ran regions on the OpenMP runtime has none of its
-    threads: fmha runs on a new pool there instead of waiting for them. (torch's own
+    threads: fmha runs on a new pool there instead of waiting for them, and the runtime
+    cannot be turned on again there. (torch's own
     parallel operators do wait in such a child, fmha or not: libgomp is not fork-safe, so
     the child here calls fmha only.)"""
     assert _C.use_openmp_runtime(RUNTIME)

@@ -165,6 +165,20 @@ class Pool {
 // cores. Tasks are handed out in the same way, so results do not change.
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 std::atomic<GompParallel> gomp_parallel{nullptr};
+// The thread that chose the runtime: libgomp keeps a team per calling thread, so regions
+// from other threads (several Python threads at once) stay on the pool instead of each
+// starting a team of its own.
+std::atomic<std::thread::id> gomp_owner{};
+// Set in a child forked after this library was loaded: the runtime's threads were not
+// copied, and a region there would wait for them, so the child never turns it on.
+std::atomic<bool> forked_child{false};
+const bool fork_watch = [] {
+  pthread_atfork(nullptr, nullptr, [] {
+    forked_child.store(true);
+    gomp_parallel.store(nullptr);
+  });
+  return true;
+}();
 std::mutex gomp_region_mu;  // one region at a time, as in the pool
 
 struct GompRegion {
@@ -227,7 +241,8 @@ void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64
     for (int64_t t = 0; t < n_tasks; ++t) fn(t);
     return;
   }
-  if (const GompParallel run = gomp_parallel.load(std::memory_order_acquire)) {
+  const GompParallel run = gomp_parallel.load(std::memory_order_acquire);
+  if (run != nullptr && gomp_owner.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
     std::lock_guard<std::mutex> region(gomp_region_mu);
     GompRegion r;
     r.fn = &fn;
@@ -244,14 +259,16 @@ bool use_openmp_runtime(const std::string& path) {
     gomp_parallel.store(nullptr, std::memory_order_release);
     return true;
   }
+  if (forked_child.load()) return false;
   // RTLD_NOLOAD: only a runtime the process has loaded already (never a second copy).
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
   if (lib == nullptr) return false;
   void* sym = dlsym(lib, "GOMP_parallel");
-  if (sym == nullptr) return false;
-  // A forked child has none of the runtime's threads: it goes back to the pool.
-  static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { gomp_parallel.store(nullptr); }); });
+  if (sym == nullptr) {
+    dlclose(lib);
+    return false;
+  }
+  gomp_owner.store(std::this_thread::get_id(), std::memory_order_relaxed);
   gomp_parallel.store(reinterpret_cast<GompParallel>(sym), std::memory_order_release);
   return true;
 }

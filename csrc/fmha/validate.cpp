@@ -127,6 +127,7 @@ void check_params(const FwdParams& p, Backend backend) {
 void check_params(const BwdParams& p, Backend backend) {
   check_params(static_cast<const FwdParams&>(p), backend);
   if (has_query_rows(p)) FMHA_CHECK_ARG(p.dout && p.dq, "dout and dq must be non-null");
+  if (has_query_rows(p)) FMHA_CHECK_ARG(p.lse, "lse must be non-null (the backward reads it)");
   if (has_key_rows(p))
     FMHA_CHECK_ARG(p.k && p.v && p.dk && p.dv, "k, v, dk and dv must be non-null");
   // An empty call reads no bias (whose empty view may well have a null pointer) and writes

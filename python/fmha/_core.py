@@ -28,8 +28,8 @@ _kernels = _C
 
 
 def lse_optional() -> bool:
-    """Whether a host forward may pass lse=None (the CPU kernels then keep it in a buffer of
-    the call): only fmha._C's CPU kernels may; the emulated CUDA kernels, like CUDA, need it."""
+    """Whether a host forward may pass lse=None (the CPU kernels then do not compute it):
+    only fmha._C's CPU kernels may; the emulated CUDA kernels, like CUDA, need it."""
     return _kernels is _C
 
 

@@ -30,8 +30,9 @@ def _torch_openmp_runtime() -> Optional[str]:
     """The OpenMP runtime torch loaded into this process (its libgomp; Intel's libiomp5 also
     serves GOMP_parallel), found in /proc/self/maps: a path, or None (not Linux, or none)."""
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if ".so" in line}
+        with open("/proc/self/maps") as maps:  # the path is the 6th field, spaces and all
+            paths = {f[5].strip() for f in (line.split(None, 5) for line in maps)
+                     if len(f) == 6 and ".so" in f[5] and not f[5].rstrip().endswith("(deleted)")}
     except OSError:
         return None
     found = sorted(p for p in paths
