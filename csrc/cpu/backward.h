@@ -326,6 +326,11 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
     }
     for (int i0 = i_begin; i0 < i_end; i0 += kBr) {
       const int nr = std::min(kBr, i_end - i0);
+      if (i0 + kBr < i_end) {  // the next tile's rows of Q and dO, while this one runs
+        const int nn = std::min(kBr, i_end - i0 - kBr);
+        prefetch_rows(head.q_at(i0 + kBr), p.q_row_stride, nn, p.head_dim * int(sizeof(T)));
+        prefetch_rows(head.do_at(i0 + kBr), p.do_row_stride, nn, p.head_dim_v * int(sizeof(T)));
+      }
       if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
       A* dQ = dQ_all ? dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq : nullptr;
       const auto x = head.query_rows(i0, nr, t);
@@ -479,6 +484,11 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   const int j_begin = key_lo(p, s, i0) & ~1, j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
+    if (j0 + kBc < j_end) {  // the next tile's rows of K and V, while this one runs
+      const int nn = std::min(kBc, j_end - j0 - kBc);
+      prefetch_rows(head.k_at(j0 + kBc), p.k_row_stride, nn, d * int(sizeof(T)));
+      prefetch_rows(head.v_at(j0 + kBc), p.v_row_stride, nn, p.head_dim_v * int(sizeof(T)));
+    }
     if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
     const auto x = head.key_rows(j0, nc, t);
     head.rebuild_T(i0, nr, j0, nc, x, t, true);

@@ -124,6 +124,11 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
     } else {
       kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
       vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
+      if (!p.block_table && j0 + kBc < j_end) {  // the next tile's rows, while this one runs
+        const int nn = std::min(kBc, j_end - j0 - kBc);
+        prefetch_rows(kj + kBc * ks, ks, nn, d * int(sizeof(T)));
+        prefetch_rows(vj + kBc * vs, vs, nn, dv * int(sizeof(T)));
+      }
     }
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;

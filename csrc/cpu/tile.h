@@ -88,6 +88,18 @@ inline const T* key_rows(const FwdParams& p, const Seq& s, int b, const T* base,
   return stage;
 }
 
+// Asks for every 64-byte line of n rows of `bytes` bytes, `stride` elements apart, to be
+// brought towards L2 ahead of use. One head's rows of a (batch, seq, heads, dim) tensor lie a
+// whole row of all heads apart, often a page or more: the hardware prefetchers, which stop at
+// page boundaries, do not follow them.
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int n, int bytes) {
+  for (int r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(src + r * stride);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+  }
+}
+
 // A per-thread bump allocator for tile buffers: no allocation inside the loops, memory
 // O(tile) per thread whatever the sequence length.
 class Workspace {
