@@ -32,7 +32,28 @@ inline void pack_pairs_t(const bf16_t* src, int64_t stride, int n, int dim, uint
   const int kp_n = (dim + 1) / 2;
   for (int kp = 0; kp < kp_n; ++kp)
     for (int r = n; r < ld; ++r) dst[int64_t(kp) * ld + r] = 0;
-  for (int r = 0; r < n; ++r) {
+  int r0 = 0;
+#if defined(FMHA_SIMD_AVX512)
+  // 16 rows x 16 whole pairs at a time: each pair is one 32-bit word, so the pair transpose
+  // is a 16 x 16 word transpose through registers.
+  for (; r0 + 16 <= n; r0 += 16) {
+    const bf16_t* s = src + r0 * stride;
+    int kp = 0;
+    for (; 2 * kp + 32 <= dim; kp += 16) {
+      __m512 x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(s + i * stride + 2 * kp);
+      transpose16(x);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + int64_t(kp + i) * ld + r0, x[i]);
+    }
+    for (; kp < kp_n; ++kp)
+      for (int i = 0; i < 16; ++i) {
+        const bf16_t* row = s + i * stride;
+        const uint16_t hi = 2 * kp + 1 < dim ? row[2 * kp + 1].bits : uint16_t(0);
+        dst[int64_t(kp) * ld + r0 + i] = pair_word(row[2 * kp].bits, hi);
+      }
+  }
+#endif
+  for (int r = r0; r < n; ++r) {
     const bf16_t* row = src + r * stride;
     for (int kp = 0; kp < kp_n; ++kp) {
       const uint16_t hi = 2 * kp + 1 < dim ? row[2 * kp + 1].bits : uint16_t(0);
