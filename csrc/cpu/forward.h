@@ -124,11 +124,6 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
     } else {
       kj = key_rows(p, s, b, k, p.k_batch_stride, p.k_row_stride, j0, nc, d, Kstage, &ks);
       vj = key_rows(p, s, b, v, p.v_batch_stride, p.v_row_stride, j0, nc, dv, Vstage, &vs);
-      if (!p.block_table && j0 + kBc < j_end) {  // the next tile's rows, while this one runs
-        const int nn = std::min(kBc, j_end - j0 - kBc);
-        prefetch_rows(kj + kBc * ks, ks, nn, d * int(sizeof(T)));
-        prefetch_rows(vj + kBc * vs, vs, nn, dv * int(sizeof(T)));
-      }
     }
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
@@ -143,6 +138,10 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
       Vj = rows_as_acc(vj, vs, nc, dv, Vbuf, ldv, &ldvj, true, dense_v);
       gemm<false>(nc, nrp, d, Kj, ldk, 1, QiT, kBr, ST, kBr);  // Sᵀ = K Qᵀ
     }
+    // The next tile's rows, asked for while this one computes: K's now, V's after P V (two
+    // bursts, so that each finds the miss buffers free).
+    const int n_next = quant || p.block_table ? 0 : std::min(kBc, j_end - j0 - kBc);
+    if (n_next > 0) prefetch_rows(kj + kBc * ks, ks, n_next, d * int(sizeof(T)));
     // A tile whose scores nothing else touches (no softcap, bias, ALiBi or mask; inside the
     // window) takes the scale inside the softmax: the same scores, one pass fewer over Sᵀ.
     const A scale = A(p.scale);  // finite as a double; may round to inf as a float
@@ -179,6 +178,7 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
     } else {
       gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
     }
+    if (n_next > 0) prefetch_rows(vj + kBc * vs, vs, n_next, dv * int(sizeof(T)));
   }
 
   // Normalise once; a row that saw no key (l = 0) gets out = 0 and lse = -inf. A NaN l (a
