@@ -94,9 +94,10 @@ inline const T* key_rows(const FwdParams& p, const Seq& s, int b, const T* base,
 // page boundaries, do not follow them.
 template <typename T>
 inline void prefetch_rows(const T* src, int64_t stride, int n, int bytes) {
-  for (int r = 0; r < n; ++r) {
-    const char* row = reinterpret_cast<const char*>(src + r * stride);
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+  for (int r = 0; r < n; ++r) {  // every line the row touches, wherever it starts
+    const uintptr_t row = reinterpret_cast<uintptr_t>(src + r * stride);
+    for (uintptr_t line = row & ~uintptr_t(63); line < row + uintptr_t(bytes); line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
   }
 }
 
