@@ -122,6 +122,17 @@ def _nan_v_decode_gqa(rng):
     return q, k, v, do, dict(window=(40, -1))
 
 
+def _nan_v_causal_d128(rng):
+    # The d = 128 forward keeps K and V XOR-swizzled in shared memory (csrc/cuda/flash_fwd.cuh):
+    # its strong zero reads V through that layout. Key 90 is in the diagonal block of rows
+    # 64-99, at a column (77) whose 16-byte chunk the swizzle moves.
+    q, k, v, do = _inputs(rng, sq=100, sk=100, d=128)
+    v[0, 90, 0, 77] = NAN  # head 0: rows >= 90 NaN, rows 64-89 (same tile) must not be
+    v[0, 70, 1, 3] = INF   # head 1: rows >= 70
+    k[0, 30, 1, 120] = NAN
+    return q, k, v, do, dict(causal=True)
+
+
 SCENARIOS = {
     "nan_q_row": _nan_q_row,
     "inf_q_causal": _inf_q_causal,
@@ -136,6 +147,7 @@ SCENARIOS = {
     "inf_k_softcap": _inf_k_softcap,
     "nan_v_dropout": _nan_v_dropout,
     "nan_v_decode_gqa": _nan_v_decode_gqa,
+    "nan_v_causal_d128": _nan_v_causal_d128,
 }
 
 

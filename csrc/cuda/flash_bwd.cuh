@@ -77,6 +77,7 @@ struct FlashBwdConfig {
   // cp.async, and the 8 rows one ldmatrix reads fall in distinct banks.
   static constexpr int kPad = 8;
   static constexpr int kStride = kHeadDim + kPad;
+  using Layout = tile::Padded<kStride>;
   static constexpr int kDsStride = kBlockM + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
   // Kj, Vj; kStages x (Qi, dOi); dS^T; kStages x (lse, D) of the query block.
@@ -112,6 +113,7 @@ struct FlashBwdDqConfig {
   static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
+  using Layout = tile::Padded<kStride>;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
   // Qi, dOi once; Kj, Vj (single stage: this path trades speed for reproducibility).
   static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;
@@ -132,6 +134,7 @@ struct FlashBwdDbiasConfig {
   static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
+  using Layout = tile::Padded<kStride>;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
   static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;
   static constexpr int kNTilesS = kBlockN / 8, kKStepsD = kHeadDim / 16;
@@ -321,9 +324,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.0f;
 
-  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
       sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
-  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+  tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
       sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
   cp_async_commit();
 
@@ -337,9 +340,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                  score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
     const T* dO = static_cast<const T*>(p.dout) +
                   score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
-    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
         sQ + stage * Cfg::kTileQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
-    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
         sdO + stage * Cfg::kTileQ, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
     if (tid < Cfg::kBlockM) {
       const int i = m0 + tid;
@@ -393,7 +396,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   bool k_nonfinite = false;
   if (kAtomicDq) {
     cp_async_wait<1>();  // all but the newest group (the first step): Kj, Vj
-    k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
+    k_nonfinite = strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout,
                                              Cfg::kThreads>(sK, vec, tid);
   }
 
@@ -421,10 +424,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const bool nonfinite = __syncthreads_or(
         may_zero &&
         (k_nonfinite ||
-         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-             tQ, vec, tid) ||
-         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
-             tdO, vec, tid)));
+         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
+                                    Cfg::kThreads>(tQ, vec, tid) ||
+         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
+                                    Cfg::kThreads>(tdO, vec, tid)));
     const float* tLse = sLse + stage * Cfg::kBlockM;
     const float* tD = sD + stage * Cfg::kBlockM;
 
@@ -485,14 +488,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         return score::included<kExtras>(p, s, b, h, i, key) &&
                !(dropout && !score::dropout_keep(p, threshold, b, h, i, key));
       };
-      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, Cfg::kStride>(
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
           acc_dv, tdO, c_base, t,
           [&](int r, int k) { return takes_part(r, k, kExtras && p.dropout_p > 0.0); });
-      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, Cfg::kStride>(
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
           acc_dk, tQ, c_base, t, [&](int r, int k) { return takes_part(r, k, false); });
       __syncthreads();  // every warp has read the raw Qi, dOi
-      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tQ, tid);
-      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tdO, tid);
+      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
+                            Cfg::kThreads>(tQ, tid);
+      strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
+                            Cfg::kThreads>(tdO, tid);
       __syncthreads();
     }
 
@@ -548,7 +553,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
           if constexpr (kStrongZero)
-            strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, Cfg::kStride>(
+            strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
                 acc_q, sK, c_base + c0 * 8, t, [&](int r, int k) {
                   return score::included<kExtras>(p, s, b, h, m0 + q0 + g + 8 * r, n0 + k);
                 });
@@ -669,9 +674,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.0f;
 
-  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
       sQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
-  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+  tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
       sdO, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
   cp_async_commit();
 
@@ -693,9 +698,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
     const int n0 = n_block * Cfg::kBlockN;
     // Empty under the block-sparse mask: nothing to load or add (uniform over the CTA).
     if (kExtras && score::tile_skipped(p, s, b, h, m0, Cfg::kBlockM, n0, Cfg::kBlockN)) continue;
-    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
         sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
-    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+    tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
         sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
     cp_async_commit();
     cp_async_wait<0>();
@@ -746,14 +751,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
     // dQ becomes NaN where a pair that takes part (dropped pairs do, in dQ) meets one, and
     // Kj's NaN and Inf become 0.
     if (n_block >= *n_edge_slot &&
-        __syncthreads_or(strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
-                                                    Cfg::kThreads>(sK, vec, tid))) {
-      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockN, Cfg::kStride>(
+        __syncthreads_or(strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim,
+                                                    typename Cfg::Layout, Cfg::kThreads>(sK, vec,
+                                                                                         tid))) {
+      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockN, typename Cfg::Layout>(
           acc_dq, sK, c_base, t, [&](int r, int k) {
             return score::included<kExtras>(p, s, b, h, row_lo + 8 * r, n0 + k);
           });
       __syncthreads();  // every warp has read the raw Kj
-      strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(sK, tid);
+      strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout,
+                            Cfg::kThreads>(sK, tid);
       __syncthreads();
     }
 
@@ -900,16 +907,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2)
                          score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
       const float slope = float(score::alibi_slope(p, b, h));
       // Every warp finished with the previous (b, h)'s tiles at the loop's trailing barrier.
-      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
           sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
-      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+      tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
           sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
 
       for (int m_block = m_begin; m_block < m_end; ++m_block) {
         const int m0 = m_block * Cfg::kBlockM;
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
             sQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
             sdO, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
         cp_async_commit();
 

@@ -54,6 +54,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/flash_fwd.h"
 #include "cuda/head_dims.h"
@@ -73,7 +74,8 @@ namespace gpu {
 // plus ~60-90 for addresses, softmax statistics, the K/V fragments in flight and indices.
 // kColSplit = 2: two warps share each 16 rows, one half of O's columns each (8 warps): both
 // compute the rows' S and softmax, each accumulates P V for its own half.
-template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_, int kColSplit_ = 1>
+template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_, int kColSplit_ = 1,
+          bool kSwizzled_ = false>
 struct FlashFwdConfigBase {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64, kBlockN = kBlockN_;
@@ -91,12 +93,14 @@ struct FlashFwdConfigBase {
   static constexpr int kMinBlocks = 0;
   // Whole key blocks copied without bounds tests (tile::load's FullBlock path).
   static constexpr bool kWholeBlocks = true;
-  // Rows padded by 8 elements (16 bytes): row starts stay 16-byte aligned (ldmatrix,
-  // cp.async) and the 8 rows one ldmatrix reads fall in distinct banks (row strides of
-  // 80, 144, 208, 272 and 528 bytes all step through the 32 banks without repeating).
-  static constexpr int kPad = 8;
-  static constexpr int kStride = kHeadDim + kPad;
-  static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
+  // The tiles' rows in shared memory (cuda/tile_io.cuh). Qi's are padded by 8 elements (16
+  // bytes), where the kernel also keeps a few ints; Kj's and Vj's too, or packed and
+  // XOR-swizzled where their padding would cost a CTA per SM.
+  using QLayout = tile::Padded<kHeadDim + 8>;
+  using KVLayout = std::conditional_t<kSwizzled_, tile::Swizzled<kHeadDim>, QLayout>;
+  static constexpr int kPad = QLayout::kStride - kHeadDim;  // Qi's
+  static constexpr int kTileQ = kBlockM * QLayout::kStride;
+  static constexpr int kTileKV = kBlockN * KVLayout::kStride;
   // Qi once, then kStages x (Kj, Vj).
   static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2;
 
@@ -115,10 +119,13 @@ struct FlashFwdConfigBase {
   static_assert(kNTilesS % 2 == 0 && kNTilesO % 2 == 0, "B fragments load two n-tiles per x4");
   static_assert((kBlockM * kHeadDim / 8) % kThreads == 0 && (kBlockN * kHeadDim / 8) % kThreads == 0,
                 "whole 16-byte chunks per thread");
-  static_assert((kStride * 2) % 16 == 0, "16-byte aligned shared rows");
+  static_assert(kTileQ % 64 == 0, "Kj, Vj start on 128-byte boundaries (Layout::at)");
   static_assert(kTileRegs <= 176, "leave >= ~80 registers for addresses and softmax state");
-  // 163 KiB: the most dynamic shared memory one CTA may opt into on sm_80 (A100).
+  // 163 KiB: the most dynamic shared memory one CTA may opt into on sm_80 (A100); and
+  // kCtasPerSm CTAs in its 164 KiB, 1 KiB of which each CTA leaves to the system.
   static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 SM");
+  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 164 * 1024,
+                "kCtasPerSm CTAs fit an sm_80 SM");
 };
 
 // Configs per head-dim tile and kExtras (the score pipeline's per-element work -- bias/mask
@@ -156,11 +163,12 @@ template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3
 // d = 96: 48 + 32 + 24 registers of tiles, 67 KiB: two CTAs per SM on sm_80.
 template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 64, true, 2> {};
 template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2> {};
-// d = 128: 87 KiB, one CTA per SM on sm_80 by shared memory (two on sm_90's 227 KiB).
-// Plain: Q from shared memory, as FlashAttention-2 does -- with Q in registers (+32) the
-// varlen/split bookkeeping pushed ptxas to 255 and 24-byte spills on sm_90. Extras: Q in
-// registers but kBlockN = 32 (S 16 registers).
-template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 64, false, 2> {};
+// d = 128. Plain: Q from shared memory, as FlashAttention-2 does -- with Q in registers (+32)
+// the varlen/split bookkeeping pushed ptxas to 255 and 24-byte spills on sm_90. Its K and V
+// tiles are swizzled, not padded: 81 KiB instead of 85, so that two CTAs fit an sm_80
+// SM (each may have 81 of its 164 KiB), as on sm_90. Extras: Q in registers but kBlockN = 32
+// (S 16 registers), 51 KiB.
+template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 64, false, 2, 1, true> {};
 template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true, 2> {};
 // d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
 // (S 8 registers); kBlockN = 32 spilled 8-48 bytes. So the rescale of O (128 multiplies
@@ -202,11 +210,11 @@ struct FwdLaunch {
 
 namespace flash_detail {
 
-// tile::load (cuda/tile_io.cuh) with this config's tile width, shared row stride and threads.
-template <typename T, typename Cfg, int kRows>
+// tile::load (cuda/tile_io.cuh) with this config's tile width and threads.
+template <typename T, typename Cfg, typename Layout, int kRows>
 FMHA_DEVICE void load_tile(T* smem, const T* g, int64_t ld, int rows, int cols, int row0,
                            bool vec, int tid) {
-  tile::load<T, kRows, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads, Cfg::kWholeBlocks>(
+  tile::load<T, kRows, Cfg::kHeadDim, Layout, Cfg::kThreads, Cfg::kWholeBlocks>(
       smem, g, ld, rows, cols, row0, vec, tid);
 }
 
@@ -216,9 +224,11 @@ template <typename T, typename Cfg, bool kExtras>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     flash_fwd_kernel(FwdParams p, FwdLaunch launch) {
   FMHA_DYNAMIC_SHARED(T, smem);
-  T* sQ = smem;                       // [kBlockM][kStride]
-  T* sK = sQ + Cfg::kTileQ;           // [kStages][kBlockN][kStride]
-  T* sV = sK + Cfg::kStages * Cfg::kTileKV;  // [kStages][kBlockN][kStride]
+  using QLayout = typename Cfg::QLayout;
+  using KVLayout = typename Cfg::KVLayout;
+  T* sQ = smem;                              // [kBlockM] rows, QLayout
+  T* sK = sQ + Cfg::kTileQ;                  // [kStages][kBlockN] rows, KVLayout
+  T* sV = sK + Cfg::kStages * Cfg::kTileKV;  // [kStages][kBlockN] rows, KVLayout
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
@@ -299,7 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     constexpr int kListPerRow = Cfg::kPad * int(sizeof(T)) / int(sizeof(uint16_t));
     constexpr int kListMax = (Cfg::kBlockM - 1) * kListPerRow;
     auto list_entry = [&](int k) {
-      return reinterpret_cast<uint16_t*>(sQ + (1 + k / kListPerRow) * Cfg::kStride +
+      return reinterpret_cast<uint16_t*>(sQ + (1 + k / kListPerRow) * QLayout::kStride +
                                          Cfg::kHeadDim) + k % kListPerRow;
     };
     int n_count = n_end - n_begin;  // blocks the loop takes
@@ -332,10 +342,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
     auto load_kv = [&](int n_block, int stage) {
       const int row0 = n_block * Cfg::kBlockN;
-      flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sK + stage * Cfg::kTileKV, K,
-                                                    p.k_row_stride, sk, d, row0, launch.vec, tid);
-      flash_detail::load_tile<T, Cfg, Cfg::kBlockN>(sV + stage * Cfg::kTileKV, V,
-                                                    p.v_row_stride, sk, dv, row0, launch.vec, tid);
+      flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
+          sK + stage * Cfg::kTileKV, K, p.k_row_stride, sk, d, row0, launch.vec, tid);
+      flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
+          sV + stage * Cfg::kTileKV, V, p.v_row_stride, sk, dv, row0, launch.vec, tid);
     };
     // Plain attention: the blocks [inner_lo, inner_hi) lie inside the sequence and inside
     // every row's window (rows past seqlen_q aside: never stored), so their scores need no
@@ -344,8 +354,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                           Cfg::kBlockN - 1) / Cfg::kBlockN;
     const int inner_hi = (score::key_hi(seq, right, m0) + 1) / Cfg::kBlockN;
 
-    flash_detail::load_tile<T, Cfg, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0, launch.vec,
-                                                  tid);
+    flash_detail::load_tile<T, Cfg, QLayout, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0,
+                                                           launch.vec, tid);
     cp_async_commit();
     if (k_begin < k_end) load_kv(block_at(k_begin), 0);
     cp_async_commit();
@@ -356,12 +366,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // Qi as A fragments: matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15) addressed by lanes
     // 0-7, 8-15, 16-23, 24-31 are registers a0..a3 of the mma A layout. sQ is never
     // overwritten, so where registers are short the fragments are re-read per k-step.
-    const T* sQ_warp = sQ + (row_warp * 16 + lane % 16) * Cfg::kStride + (lane / 16) * 8;
+    // (Offsets from smem: Layout::at, cuda/tile_io.cuh.)
+    const int q_lane = QLayout::offset(row_warp * 16 + lane % 16, (lane / 16) * 8);
     uint32_t q_frag[Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
     if constexpr (Cfg::kQInRegs) {
 #pragma unroll
-      for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) ldmatrix<4>(q_frag[kk], sQ_warp + kk * 16);
+      for (int kk = 0; kk < Cfg::kKStepsQK; ++kk)
+        ldmatrix<4>(q_frag[kk], smem + QLayout::at(q_lane, 0, kk * 16));
     }
+    // The lanes' rows and columns of the K (x4: keys 0-7 | 8-15 x dims 0-7 | 8-15) and V
+    // (.trans: keys 0-7 | 8-15 x dims 0-7 | 8-15, in the B fragments' order) ldmatrix sweeps.
+    const int k_lane = KVLayout::offset(lane % 8 + (lane / 16) * 8, ((lane / 8) % 2) * 8);
+    const int v_lane = KVLayout::offset(lane % 8 + ((lane / 8) % 2) * 8, (lane / 16) * 8);
 
     for (int k = k_begin; k < k_end; ++k) {
       const int stage = (k - k_begin) % Cfg::kStages;
@@ -371,20 +387,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       cp_async_commit();
       cp_async_wait<1>();  // all but the newest group (the next block) retired: this one landed
       const int n_block = block_at(k);
-      const T* tK = sK + stage * Cfg::kTileKV;
       T* tV = sV + stage * Cfg::kTileKV;
+      const int k_base = Cfg::kTileQ + stage * Cfg::kTileKV + k_lane;
+      const int v_base = Cfg::kTileQ + (Cfg::kStages + stage) * Cfg::kTileKV + v_lane;
       const int n0 = n_block * Cfg::kBlockN;
       // ... for every thread: Kj and Vj are complete in shared memory; and whether Vj holds a
       // NaN or Inf that a zero-weight pair must not pass on (rare).
       const bool v_nonfinite = __syncthreads_or(
-          n_block >= *n_edge_slot && strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride,
-                                                 Cfg::kThreads>(tV, launch.vec, tid));
+          n_block >= *n_edge_slot &&
+          strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(
+              tV, launch.vec, tid));
 
       // ---- the strong zero, when Vj holds NaN or Inf: O becomes NaN where a pair that takes
       // part (neither excluded nor dropped) meets one, then Vj's NaN and Inf become 0. Here,
       // before S exists, the registers are the loop's fewest (NaN survives the rescale).
       if (v_nonfinite) {
-        strong_zero::poison<T, Cfg::kNTilesO, Cfg::kBlockN, Cfg::kStride>(
+        strong_zero::poison<T, Cfg::kNTilesO, Cfg::kBlockN, KVLayout>(
             acc_o, tV, c_base, t, [&](int r, int k) {
               const int i = row_lo + 8 * r, key = n0 + k;
               return score::included<kExtras>(p, seq, b, h, i, key) &&
@@ -392,7 +410,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                        !score::dropout_keep(p, dropout_threshold(p.dropout_p), b, h, i, key));
             });
         __syncthreads();  // every warp has read the raw Vj
-        strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, Cfg::kStride, Cfg::kThreads>(tV, tid);
+        strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(tV, tid);
         __syncthreads();
       }
 
@@ -406,13 +424,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) {
         uint32_t (&a)[4] = q_frag[Cfg::kQInRegs ? kk : 0];
-        if constexpr (!Cfg::kQInRegs) ldmatrix<4>(a, sQ_warp + kk * 16);
+        if constexpr (!Cfg::kQInRegs) ldmatrix<4>(a, smem + QLayout::at(q_lane, 0, kk * 16));
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; j += 2) {
           uint32_t k4[4];
-          const int key = j * 8 + (lane % 8) + (lane / 16) * 8;
-          const int dim = kk * 16 + ((lane / 8) % 2) * 8;
-          ldmatrix<4>(k4, tK + key * Cfg::kStride + dim);
+          ldmatrix<4>(k4, smem + KVLayout::at(k_base, j * 8, kk * 16));
           mma_pair<T>(acc_s[j], acc_s[j + 1], a, k4);
         }
       }
@@ -516,9 +532,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; j += 2) {
           uint32_t v4[4];
-          const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-          const int dim = c_base + j * 8 + (lane / 16) * 8;
-          ldmatrix<4, true>(v4, tV + key * Cfg::kStride + dim);
+          ldmatrix<4, true>(v4, smem + KVLayout::at(v_base, kk * 16, c_base + j * 8));
           mma_pair<T>(acc_o[j], acc_o[j + 1], p_frag, v4);
         }
       }

@@ -83,11 +83,16 @@ inline void check_launch(const char* kernel) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string(kernel) + ": " + cudaGetErrorString(err));
 }
-// Kernels that use more than 48 KiB of dynamic shared memory must opt in first.
+// Kernels that use more than 48 KiB of dynamic shared memory must opt in first. They also
+// ask for the SM's whole shared memory as the L1/shared carveout (a hint the driver may
+// override): the CTAs per SM the configs are sized for (two of 81 KiB on sm_80's 164) need it.
 template <typename Kernel>
 void set_max_dynamic_smem(Kernel kernel, size_t bytes) {
-  const cudaError_t err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes));
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err));
 }

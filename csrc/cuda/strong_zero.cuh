@@ -60,7 +60,7 @@ FMHA_DEVICE uint32_t finite_pair(uint32_t x) {
 // once its cp_async_wait retired them -- the check needs no barrier of its own. Two integer
 // operations per 32-bit word: adding the exponent's lowest bit to the exponent bits carries
 // into the half's sign bit exactly when they are all ones.
-template <typename T, int kRows, int kCols, int kStride, int kThreads>
+template <typename T, int kRows, int kCols, typename Layout, int kThreads>
 FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
@@ -71,16 +71,18 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
     struct alignas(16) Chunk {
       uint32_t w[4];
     };
-    // Chunk tid + i kThreads; when a pass of the threads covers whole rows, it lies a fixed
-    // number of rows below chunk tid: constant offsets from one address.
-    constexpr bool kWholeRows = kThreads % kChunksPerRow == 0;
-    const T* first = smem + (tid / kChunksPerRow) * kStride + (tid % kChunksPerRow) * 8;
+    // Chunk tid + i kThreads; when a pass of the threads covers whole rows (8 of them when
+    // swizzled), it lies a fixed number of rows below chunk tid: constant offsets from one
+    // address.
+    constexpr bool kWholeRows = kThreads % kChunksPerRow == 0 &&
+                                (Layout::kPadded || (kThreads / kChunksPerRow) % 8 == 0);
+    const T* first = smem + Layout::offset(tid / kChunksPerRow, (tid % kChunksPerRow) * 8);
 #pragma unroll 4
     for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
       const int chunk = tid + i * kThreads;
       if (kChunks % kThreads != 0 && chunk >= kChunks) break;
-      const T* at = kWholeRows ? first + i * (kThreads / kChunksPerRow) * kStride
-                               : smem + (chunk / kChunksPerRow) * kStride + (chunk % kChunksPerRow) * 8;
+      const T* at = kWholeRows ? first + i * (kThreads / kChunksPerRow) * Layout::kStride
+                               : smem + Layout::offset(chunk / kChunksPerRow, (chunk % kChunksPerRow) * 8);
       const Chunk x = *reinterpret_cast<const Chunk*>(at);
       carry |= ((x.w[0] & kExp2) + kOne2) | ((x.w[1] & kExp2) + kOne2) |
                ((x.w[2] & kExp2) + kOne2) | ((x.w[3] & kExp2) + kOne2);
@@ -88,15 +90,15 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
   } else {
 #pragma unroll 1
     for (int i = tid; i < kRows * kCols; i += kThreads)
-      carry |= (bits_of<T>(smem[(i / kCols) * kStride + i % kCols]) & kExp) + (kOne2 & 0xFFFFu);
+      carry |= (bits_of<T>(smem[Layout::offset(i / kCols, i % kCols)]) & kExp) + (kOne2 & 0xFFFFu);
   }
   return (carry & 0x80008000u) != 0;
 }
 
 // Step 2. A warp's accumulator tile of D += A B: acc[j][2r + e] is row r (the thread's rows
 // g and g + 8 of the warp's 16), column c_base + 8j + 2t + e; B is kK rows of shared memory
-// (row stride kStride). takes_part(r, k): the pair (row r, k) contributes to D.
-template <typename T, int kNTiles, int kK, int kStride, typename TakesPart>
+// (laid out as Layout). takes_part(r, k): the pair (row r, k) contributes to D.
+template <typename T, int kNTiles, int kK, typename Layout, typename TakesPart>
 FMHA_DEVICE void poison(float (&acc)[kNTiles][4], const T* b_tile, int c_base, int t,
                         TakesPart takes_part) {
   // n-tiles in groups of 16: two bits each (the thread's two columns) in one word.
@@ -106,11 +108,14 @@ FMHA_DEVICE void poison(float (&acc)[kNTiles][4], const T* b_tile, int c_base, i
   for (int j0 = 0; j0 < kNTiles; j0 += kGroup) {
 #pragma unroll 1
     for (int k = 0; k < kK; ++k) {
-      const T* row = b_tile + k * kStride + c_base + 2 * t;
+      // (c_base + 2t's chunk bits are 0: Layout::at applies, cuda/tile_io.cuh.)
+      const int row = Layout::offset(k, c_base + 2 * t);
       uint32_t bad = 0;
 #pragma unroll
-      for (int jj = 0; jj < kGroup; ++jj)
-        bad |= nonfinite_bits<T>(*reinterpret_cast<const uint32_t*>(row + (j0 + jj) * 8)) << (2 * jj);
+      for (int jj = 0; jj < kGroup; ++jj) {
+        const T* pair = b_tile + Layout::at(row, 0, (j0 + jj) * 8);
+        bad |= nonfinite_bits<T>(*reinterpret_cast<const uint32_t*>(pair)) << (2 * jj);
+      }
       if (bad == 0) continue;
       // One row at a time (not unrolled: takes_part may draw dropout's Philox, whose
       // registers must not double), then the accumulator by constant indices.
@@ -130,15 +135,15 @@ FMHA_DEVICE void poison(float (&acc)[kNTiles][4], const T* b_tile, int c_base, i
   }
 }
 
-// Step 3: the non-finite entries of a kRows x kCols tile (row stride kStride) become +0.
+// Step 3: the non-finite entries of a kRows x kCols tile (laid out as Layout) become +0.
 // Between two barriers: any thread may own any entry.
-template <typename T, int kRows, int kCols, int kStride, int kThreads>
+template <typename T, int kRows, int kCols, typename Layout, int kThreads>
 FMHA_DEVICE void sanitise(T* tile, int tid) {
   constexpr int kPairsPerRow = kCols / 2;
 #pragma unroll 1
   for (int i = tid; i < kRows * kPairsPerRow; i += kThreads) {
-    uint32_t* w = reinterpret_cast<uint32_t*>(tile + (i / kPairsPerRow) * kStride +
-                                              (i % kPairsPerRow) * 2);
+    uint32_t* w = reinterpret_cast<uint32_t*>(
+        tile + Layout::offset(i / kPairsPerRow, (i % kPairsPerRow) * 2));
     *w = finite_pair<T>(*w);
   }
 }

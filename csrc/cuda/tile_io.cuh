@@ -31,28 +31,65 @@ FMHA_DEVICE void store_acc(T* g, int64_t ld, const float (&acc)[kNTiles][4], int
   }
 }
 
+// How a tile's rows lie in shared memory: element (r, c) at offset(r, c). Both layouts keep
+// every 16-byte chunk of 8 elements whole and 16-byte aligned (cp.async, ldmatrix), and put
+// the 8 rows one ldmatrix matrix reads -- one chunk column of 8 consecutive rows -- in the 8
+// different 16-byte bank groups of 128 bytes, as well as the 8 chunks one cp.async phase
+// stores when they are 128 bytes of one row:
+//  - Padded<kStride>: rows kStride elements apart, the rest of each row padding (8 elements:
+//    row strides of 80, 144, 208, 272 and 528 bytes step through the 32 banks);
+//  - Swizzled<kCols>: rows packed, chunk c of row r stored as chunk c ^ (r % 8) (CUTLASS's
+//    XOR swizzle). No padding: the d = 128 forward's K and V tiles take 64 KiB, not 68, and
+//    two of its CTAs fit an sm_80 SM. Needs rows of whole 8-chunk groups (kCols % 64 == 0).
+// Row r + 8i of a column lies 8i rows of kStride below row r in both (offset(r + 8i, c) ==
+// offset(r, c) + 8i kStride): the constant offsets the copies use.
+//
+// ldmatrix sweeps take base = (the tile's offset) + offset(r, c) once, for the lane's row r and
+// column c < 64, then element (r + R, c + C) at at(base, R, C), R a multiple of 8 and C one of
+// 8 whose chunk bits miss c's ((c & C) == 0): a constant added, and in the swizzled layout one
+// XOR of the base by a constant. Tile offsets must be multiples of 64 elements.
+template <int kStride_>
+struct Padded {
+  static constexpr int kStride = kStride_;
+  static constexpr bool kPadded = true;
+  FMHA_DEVICE static constexpr int offset(int r, int c) { return r * kStride + c; }
+  FMHA_DEVICE static constexpr int at(int base, int R, int C) { return base + R * kStride + C; }
+};
+template <int kCols>
+struct Swizzled {
+  static constexpr int kStride = kCols;
+  static constexpr bool kPadded = false;
+  static_assert(kCols % 64 == 0, "rows of whole 8-chunk groups");
+  // Bits 3-5 of c are its chunk within an 8-chunk group of 128 bytes.
+  FMHA_DEVICE static constexpr int offset(int r, int c) { return r * kCols + (c ^ ((r & 7) << 3)); }
+  FMHA_DEVICE static constexpr int at(int base, int R, int C) {
+    return (base ^ (C & 56)) + R * kCols + (C & ~63);
+  }
+};
+
 // The steady-state copy of `load` below: rows [row0, row0 + kRows) all inside the matrix,
 // cols == kCols and 16-byte aligned rows (`load` checks), so every chunk is whole. A thread
 // copies chunk column tid % kChunksPerRow of rows tid / kChunksPerRow + i * kRowsPerPass: one
 // pointer add and one cp.async per chunk, no bounds test, and the shared offsets constant.
 // kUsable is false where the threads do not tile the block that way (96-wide rows): those
 // configs keep `load` for every block.
-template <typename T, int kRows, int kCols, int kStride, int kThreads>
+template <typename T, int kRows, int kCols, typename Layout, int kThreads>
 struct FullBlock {
   static constexpr int kChunksPerRow = kCols / 8;
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static constexpr bool kUsable = kThreads % kChunksPerRow == 0 && kRowsPerPass > 0 &&
-                                  kRows % kRowsPerPass == 0;
+                                  kRows % kRowsPerPass == 0 &&
+                                  (Layout::kPadded || kRowsPerPass % 8 == 0);
 
   FMHA_DEVICE static void load(T* smem, const T* g, int64_t ld, int row0, int tid) {
     if constexpr (kUsable) {
       const int r = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
       const T* src = g + (int64_t(row0) + r) * ld + c;
-      T* dst = smem + r * kStride + c;
+      T* dst = smem + Layout::offset(r, c);
       const int64_t step = int64_t(kRowsPerPass) * ld;
 #pragma unroll
       for (int i = 0; i < kRows / kRowsPerPass; ++i) {
-        cp_async_16(dst + i * kRowsPerPass * kStride, src);
+        cp_async_16(dst + i * kRowsPerPass * Layout::kStride, src);
         src += step;
       }
     }
@@ -60,19 +97,19 @@ struct FullBlock {
 };
 
 // Copies rows [row0, row0 + kRows) x columns [0, kCols) of a (rows x cols) matrix with row
-// stride ld into shared memory (row stride kStride), zero outside the matrix. The zero rows of
+// stride ld into shared memory (laid out as Layout), zero outside the matrix. The zero rows of
 // a tail block keep NaN/garbage out of the products (0 * NaN is NaN); the zero columns pad
 // head_dim up to the tile width. vec: every row start is 16-byte aligned, so whole 16-byte
 // chunks move by cp.async (a partial chunk reads only its valid bytes), and a block wholly
 // inside the matrix by FullBlock (unless kWholeBlocks is false: a kernel whose registers do
 // not fit the second path); otherwise element by element with plain loads and stores.
-template <typename T, int kRows, int kCols, int kStride, int kThreads, bool kWholeBlocks = true>
+template <typename T, int kRows, int kCols, typename Layout, int kThreads, bool kWholeBlocks = true>
 FMHA_DEVICE void load(T* smem, const T* g, int64_t ld, int rows, int cols, int row0, bool vec,
                       int tid) {
   constexpr int kChunksPerRow = kCols / 8;  // 16-byte chunks of 8 elements
   constexpr int kChunks = kRows * kChunksPerRow;
   static_assert(kCols % 8 == 0, "whole 16-byte chunks per row");
-  using Full = FullBlock<T, kRows, kCols, kStride, kThreads>;
+  using Full = FullBlock<T, kRows, kCols, Layout, kThreads>;
   if (kWholeBlocks && Full::kUsable && vec && cols == kCols && row0 + kRows <= rows) {
     Full::load(smem, g, ld, row0, tid);
   } else if (vec) {
@@ -85,7 +122,7 @@ FMHA_DEVICE void load(T* smem, const T* g, int64_t ld, int rows, int cols, int r
       const int valid = (gr < rows && c < cols) ? min(cols - c, 8) : 0;
       // A chunk with nothing to read still needs a valid source address: the matrix base.
       const T* src = valid > 0 ? g + gr * ld + c : g;
-      cp_async_16(smem + r * kStride + c, src, valid * 2);
+      cp_async_16(smem + Layout::offset(r, c), src, valid * 2);
     }
   } else {
     const T zero = from_bits<T>(0);
@@ -93,7 +130,7 @@ FMHA_DEVICE void load(T* smem, const T* g, int64_t ld, int rows, int cols, int r
     for (int i = tid; i < kRows * kCols; i += kThreads) {
       const int r = i / kCols, c = i % kCols;
       const int gr = row0 + r;
-      smem[r * kStride + c] = (gr < rows && c < cols) ? g[gr * ld + c] : zero;
+      smem[Layout::offset(r, c)] = (gr < rows && c < cols) ? g[gr * ld + c] : zero;
     }
   }
 }
