@@ -124,12 +124,13 @@ def _nan_v_decode_gqa(rng):
 
 def _nan_v_causal_d128(rng):
     # The d = 128 forward keeps K and V XOR-swizzled in shared memory (csrc/cuda/flash_fwd.cuh):
-    # its strong zero reads V through that layout. Key 90 is in the diagonal block of rows
-    # 64-99, at a column (77) whose 16-byte chunk the swizzle moves.
+    # its strong zero reads V through that layout. Keys 91 and 70 are in the diagonal block of
+    # rows 64-99; row 91's swizzle (chunk ^ 3) moves column 77's chunk (9) to 10, where adding
+    # 3 instead would give 12.
     q, k, v, do = _inputs(rng, sq=100, sk=100, d=128)
-    v[0, 90, 0, 77] = NAN  # head 0: rows >= 90 NaN, rows 64-89 (same tile) must not be
-    v[0, 70, 1, 3] = INF   # head 1: rows >= 70
-    k[0, 30, 1, 120] = NAN
+    v[0, 91, 0, 77] = NAN  # head 0: rows >= 91 NaN, rows 64-90 (same tile) must not be
+    v[0, 70, 1, 3] = INF   # head 1: rows >= 70 non-finite, rows 64-69 finite
+    k[0, 97, 1, 120] = NAN  # and rows >= 97 NaN
     return q, k, v, do, dict(causal=True)
 
 

@@ -88,3 +88,23 @@ def test_natural_loop_takes_a_block_placed_above_its_head():
     assert loop.path_count() == 6
     # The address-range finder sees only 0x40-0x58 and misses the prefetch.
     assert sr.main_loop(blocks).path_count("LDGSTS") == 0
+
+
+# The launch-shape table: a kernel's config read from its mangled name, and the CTAs per SM
+# its threads, registers and shared memory allow.
+def test_config_of_mangled_kernel_names():
+    fwd = ("_ZN4fmha3gpu16flash_fwd_kernelI6__halfNS0_14FlashFwdConfigILi128ELb0EEELb0EEEvNS_"
+           "9FwdParamsENS0_9FwdLaunchE")
+    dq = ("_ZN4fmha3gpu19flash_bwd_dq_kernelI13__nv_bfloat16NS0_16FlashBwdDqConfigILi64EEELb1EEE"
+          "vNS_9BwdParamsENS0_7BwdWorkEb")
+    assert sr.config_of(fwd) == "FlashFwdConfig<128, false>"
+    assert sr.config_of(dq) == "FlashBwdDqConfig<64>"
+    assert sr.config_of("_Z6kernelv") is None
+
+
+def test_ctas_per_sm_limits():
+    # 81 KiB + 1 KiB reserved, twice, is exactly an sm_80 SM's 164 KiB; 85 KiB fits once.
+    assert sr.ctas_per_sm("80", 248, 128, 82944) == (2, "regs+smem")
+    assert sr.ctas_per_sm("80", 246, 128, 87040) == (1, "smem")
+    assert sr.ctas_per_sm("90", 246, 128, 87040) == (2, "regs+smem")  # 228 KiB
+    assert sr.ctas_per_sm("80", 128, 128, 0) == (4, "regs")

@@ -15,6 +15,10 @@ pass of it:
   body   every instruction inside the loop (static size, rare paths included).
 and the path's HMMA, LDSM (ldmatrix), LDS/STS, LDGSTS (cp.async), BAR, MUFU, SHFL counts, and
 non-HMMA instructions per HMMA. Registers from the cubin's resource usage (cuobjdump -res-usage).
+A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
+Cfg::kThreads and Cfg::kSmemBytes its launcher passes, read by compiling and running a small
+host program against the same sources), registers, and the CTAs per SM these allow (as for
+flash-attn's kernels below).
 
     python tools/sass_report.py                                   # the default kernels, sm_80
     python tools/sass_report.py --arch 90 csrc/cuda/instantiations/flash_fwd_hdim128_fp16.cu
@@ -375,6 +379,44 @@ def short_name(mangled: str) -> str:
     return f"{label} {dtype}"
 
 
+# A kernel's config in its mangled name: fmha::gpu::FlashFwdConfig<128, false> is
+# N4fmha3gpu14FlashFwdConfigILi128ELb0EEE.
+_CFG = re.compile(r"\d+(Flash\w*Config)I((?:L[ib]\d+E)+)E")
+
+
+def config_of(mangled: str) -> str | None:
+    """The config a kernel is instantiated with, as C++ (`FlashFwdConfig<128, false>`)."""
+    m = _CFG.search(mangled)
+    if not m:
+        return None
+    args = [("true" if v == "1" else "false") if kind == "b" else v
+            for kind, v in re.findall(r"L([ib])(\d+)E", m.group(2))]
+    return f"{m.group(1)}<{', '.join(args)}>"
+
+
+def launch_shapes(configs: set[str], src_root: Path, nvcc: str) -> dict[str, tuple[int, int]]:
+    """(threads, dynamic shared-memory bytes) per CTA of each config, as its launcher passes
+    them: a host program printing Cfg::kThreads and Cfg::kSmemBytes, compiled against src_root
+    and run here (host code only: no GPU needed)."""
+    order = sorted(configs)
+    lines = ["#include <cstdio>", '#include "cuda/flash_fwd.cuh"', '#include "cuda/flash_bwd.cuh"',
+             "int main() {"]
+    for c in order:
+        lines.append(f'  std::printf("%d %zu\\n", int(fmha::gpu::{c}::kThreads), '
+                     f"size_t(fmha::gpu::{c}::kSmemBytes));")
+    lines += ["  return 0;", "}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "shapes.cu", Path(tmp) / "shapes"
+        src.write_text("\n".join(lines) + "\n")
+        subprocess.run([nvcc, "-std", "c++17", "-DNDEBUG", f"-I{src_root / 'csrc'}",
+                        f"-I{src_root / 'third_party'}", "-gencode", "arch=compute_80,code=sm_80",
+                        "-o", str(exe), str(src)],
+                       check=True, capture_output=True, text=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    shapes = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+    return dict(zip(order, shapes))
+
+
 def _disasm_env() -> dict:
     env = dict(os.environ)
     nvd = find_tool("nvdisasm")
@@ -405,10 +447,17 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 if loop is None:
                     continue
                 row = dict(file=f, kernel=short_name(name), mangled=name, arch=f"sm_{arch}",
-                           regs=regs.get(name, -1), body=loop.body, path=loop.path_count())
+                           regs=regs.get(name, -1), body=loop.body, path=loop.path_count(),
+                           config=config_of(name))
                 for c in COUNTED:
                     row[c] = loop.path_count(c)
                 rows.append(row)
+    configs = {r["config"] for r in rows if r["config"]}
+    shapes = launch_shapes(configs, src_root, nvcc) if configs else {}
+    for r in rows:
+        r["threads"], r["smem"] = shapes.get(r["config"], (0, 0))
+        r["ctas"], r["ctas_limit"] = (ctas_per_sm(arch, r["regs"], r["threads"], r["smem"])
+                                      if r["threads"] else (0, "?"))
     return rows
 
 
@@ -640,6 +689,17 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
+def print_launch_table(rows: list[dict]) -> None:
+    head = ["kernel", "arch", "config", "threads", "smem/CTA", "regs", "CTAs/SM"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [r["kernel"], r["arch"], f"`{r['config']}`", r["threads"],
+                 f"{r['smem']} ({r['smem'] / 1024:g} KiB)", r["regs"],
+                 f"{r['ctas']} ({r['ctas_limit']})"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="instantiation files, relative to --src-root")
@@ -695,6 +755,8 @@ def main() -> int:
         rows += report(a.files or DEFAULT_FILES, arch, a.src_root.resolve(), nvcc, cuobjdump,
                        a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also))
     print_table(rows)
+    print()
+    print_launch_table(rows)
     return 0
 
 

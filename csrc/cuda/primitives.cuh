@@ -84,8 +84,9 @@ inline void check_launch(const char* kernel) {
     throw std::runtime_error(std::string(kernel) + ": " + cudaGetErrorString(err));
 }
 // Kernels that use more than 48 KiB of dynamic shared memory must opt in first. They also
-// ask for the SM's whole shared memory as the L1/shared carveout (a hint the driver may
-// override): the CTAs per SM the configs are sized for (two of 81 KiB on sm_80's 164) need it.
+// ask for the SM's whole shared memory as the L1/shared carveout (a hint; the driver's own
+// choice may already be that): the CTAs per SM the configs are sized for need the full 164
+// KiB of an sm_80 SM (two forward CTAs of 81 KiB at d = 128, two backward ones of 73.5).
 template <typename Kernel>
 void set_max_dynamic_smem(Kernel kernel, size_t bytes) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -108,7 +108,8 @@ FMHA_DEVICE void poison(float (&acc)[kNTiles][4], const T* b_tile, int c_base, i
   for (int j0 = 0; j0 < kNTiles; j0 += kGroup) {
 #pragma unroll 1
     for (int k = 0; k < kK; ++k) {
-      // (c_base + 2t's chunk bits are 0: Layout::at applies, cuda/tile_io.cuh.)
+      // (Layout::at, cuda/tile_io.cuh: needs c_base's chunk bits clear of those of 8 (j0 + jj),
+      // true for the padded layout always and for a swizzled one when c_base % 64 == 0.)
       const int row = Layout::offset(k, c_base + 2 * t);
       uint32_t bad = 0;
 #pragma unroll

@@ -45,9 +45,10 @@ FMHA_DEVICE void store_acc(T* g, int64_t ld, const float (&acc)[kNTiles][4], int
 // offset(r, c) + 8i kStride): the constant offsets the copies use.
 //
 // ldmatrix sweeps take base = (the tile's offset) + offset(r, c) once, for the lane's row r and
-// column c < 64, then element (r + R, c + C) at at(base, R, C), R a multiple of 8 and C one of
-// 8 whose chunk bits miss c's ((c & C) == 0): a constant added, and in the swizzled layout one
-// XOR of the base by a constant. Tile offsets must be multiples of 64 elements.
+// column c, then element (r + R, c + C) at at(base, R, C): a constant added, and in the swizzled
+// layout one XOR of the base by a constant. Preconditions: the tile's offset, R and C are
+// multiples of 64 elements, 8 and 8 (C % 8 is dropped), and c and C share no chunk bit
+// (c & C & 56 == 0, e.g. c < 8 or C a multiple of 64).
 template <int kStride_>
 struct Padded {
   static constexpr int kStride = kStride_;
