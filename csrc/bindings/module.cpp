@@ -126,15 +126,16 @@ PYBIND11_MODULE(_C, m) {
     return std::array<uint32_t, 4>{r.x[0], r.x[1], r.x[2], r.x[3]};
   }, py::arg("counter"), py::arg("key"));
   m.def("dropout_threshold", &dropout_threshold, py::arg("p"));
-  m.def("cpu_exp", [](py::object x, py::object y) {
+  m.def("cpu_exp", [](py::object x, py::object y, bool lean) {
     View vx = import("x", x, false), vy = import("y", y, true);
     FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
                        vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.code == kDLFloat &&
                        vx.dtype.bits == 32 && vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
                        vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
                    "x, y: expected contiguous 1-D float32 host arrays of one length");
-    cpu_exp(static_cast<const float*>(vx.data), static_cast<float*>(vy.data), vx.size(0));
-  }, py::arg("x"), py::arg("y"), "y = exp(x) as the CPU kernels' softmax computes it");
+    cpu_exp(static_cast<const float*>(vx.data), static_cast<float*>(vy.data), vx.size(0), lean);
+  }, py::arg("x"), py::arg("y"), py::arg("lean") = false,
+        "y = exp(x) as the CPU kernels' softmax computes it (lean: for 16-bit inputs, x <= 0)");
   m.def("cpu_decode_kv_codes", [](int code, py::object x, py::object y) {
     View vx = import("x", x, false), vy = import("y", y, true);
     FMHA_CHECK_ARG(code >= 1 && code <= 3, "code: expected 1 (int8), 2 (float8_e4m3fn) or 3 "

@@ -145,23 +145,26 @@ inline double row_max(const double* x, int n) {
   return m;
 }
 
-// x <- exp(x - m); returns the sum of the new x.
+// x <- exp(x - m) (kLean: exp_lean, vexp.h); returns the sum of the new x.
+template <bool kLean = false>
 inline float exp_sub_sum(float* x, int n, float m) {
   const VecF vm = VecF::set1(m);
   VecF acc = VecF::zero();
   int c = 0;
   for (; c + kW <= n; c += kW) {
-    const VecF e = vexp(VecF::load(x + c) - vm);
+    const VecF x_m = VecF::load(x + c) - vm;
+    const VecF e = kLean ? vexp_lean(x_m) : vexp(x_m);
     e.store(x + c);
     acc = acc + e;
   }
   float sum = hsum(acc);
   for (; c < n; ++c) {
-    x[c] = exp_approx(x[c] - m);
+    x[c] = softmax_exp<kLean>(x[c] - m);
     sum += x[c];
   }
   return sum;
 }
+template <bool kLean = false>
 inline double exp_sub_sum(double* x, int n, double m) {
   double sum = 0;
   for (int c = 0; c < n; ++c) {

@@ -14,7 +14,7 @@ namespace fmha::cpu {
   double fma_peak_gflops(int threads);      \
   double bf16_dot_peak_gflops(int threads); \
   double read_bandwidth_gbs(int threads, int64_t bytes); \
-  void exp_array(const float* x, float* y, int64_t n); \
+  void exp_array(const float* x, float* y, int64_t n, bool lean); \
   void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n); \
   }
 // Whether the forward copies V's tile dense before P V when its rows lie at another stride

@@ -97,10 +97,13 @@ double read_bandwidth_gbs(int threads, int64_t bytes) {
   return best_rate(threads, double(n) * sizeof(float) / threads, body);
 }
 
-void exp_array(const float* x, float* y, int64_t n) {
+void exp_array(const float* x, float* y, int64_t n, bool lean) {
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) vexp(VecF::load(x + i)).store(y + i);
-  for (; i < n; ++i) y[i] = exp_approx(x[i]);
+  for (; i + kW <= n; i += kW) {
+    const VecF v = VecF::load(x + i);
+    (lean ? vexp_lean(v) : vexp(v)).store(y + i);
+  }
+  for (; i < n; ++i) y[i] = lean ? exp_lean(x[i]) : exp_approx(x[i]);
 }
 
 void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n) {

@@ -212,6 +212,21 @@ inline VecF vexp(VecF x) {
   return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
 }
 
+// exp_lean (vexp.h) on a vector, lane by lane bit-identical to it: x <= 0 only.
+inline VecF vexp_lean(VecF x) {
+  const VecF lo = VecF::set1(-87.0f);
+  const VecF xc = max(lo, x);
+  const VecF magic = VecF::set1(12582912.f);
+  const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
+  const VecF r = fma(n, VecF::set1(-0.693147182464599609375f), xc);
+  VecF p = VecF::set1(4.151384532e-2f);
+  p = fma(p, r, VecF::set1(1.678747386e-1f));
+  p = fma(p, r, VecF::set1(5.000301600e-1f));
+  p = fma(p, r, VecF::set1(9.999668598e-1f));
+  p = fma(p, r, VecF::set1(1.f));
+  return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
+}
+
 inline int round_up_w(int n) { return (n + kW - 1) / kW * kW; }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

@@ -19,7 +19,8 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 // already holds the final scores. Only a scale > 0 may be folded: it keeps every column's
 // maximum where it was, so max(scale * s) = scale * max(s) exactly (rounding is monotonic),
 // and every exponent sees the same float scale * s as an unfolded pass would compute.
-template <bool kScale>
+// kLean: exp_lean (vexp.h), for 16-bit inputs.
+template <bool kScale, bool kLean>
 inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
                                   float* alpha, float scale) {
   const VecF neg_inf = VecF::set1(-__builtin_huge_valf()), lowest = VecF::set1(-3.4e38f);
@@ -30,11 +31,12 @@ inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* 
     for (int c = 0; c < nc; ++c) mx = max(mx, VecF::load(S + c * ld + r0));
     const VecF m_new = max(m_old, kScale ? mx * c_scale : mx);
     const VecF m_ref = m_new.select_lt(m_new, lowest, VecF::zero());  // -inf -> 0
-    const VecF a = vexp(m_old - m_ref);
+    const VecF a = kLean ? vexp_lean(m_old - m_ref) : vexp(m_old - m_ref);
     VecF sum = VecF::zero();
     for (int c = 0; c < nc; ++c) {
       const VecF x = VecF::load(S + c * ld + r0);
-      const VecF e = vexp((kScale ? (x * c_scale).unfused() : x) - m_ref);
+      const VecF x_m = (kScale ? (x * c_scale).unfused() : x) - m_ref;
+      const VecF e = kLean ? vexp_lean(x_m) : vexp(x_m);
       e.store(S + c * ld + r0);
       sum = sum + e;
     }
@@ -44,12 +46,15 @@ inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* 
   }
 }
 
+template <bool kLean = false>
 inline void online_softmax_T(float* S, int64_t ld, int nc, int nrp, float* m, float* l,
                              float* alpha, float scale = 1.0f) {
-  if (scale == 1.0f) return online_softmax_T_impl<false>(S, ld, nc, nrp, m, l, alpha, scale);
-  online_softmax_T_impl<true>(S, ld, nc, nrp, m, l, alpha, scale);
+  if (scale == 1.0f)
+    return online_softmax_T_impl<false, kLean>(S, ld, nc, nrp, m, l, alpha, scale);
+  online_softmax_T_impl<true, kLean>(S, ld, nc, nrp, m, l, alpha, scale);
 }
 
+template <bool kLean = false>
 inline void online_softmax_T(double* S, int64_t ld, int nc, int nrp, double* m, double* l,
                              double* alpha, double scale = 1.0) {
   for (int r = 0; r < nrp; ++r) {

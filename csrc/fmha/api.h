@@ -41,8 +41,9 @@ double cpu_bf16_dot_peak_gflops(int threads);
 // The read bandwidth of `threads` threads summing a `bytes` buffer, measured (GB/s, 1e9 B/s):
 // the limit decode is judged against.
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes);
-// y = exp(x) as the active ISA's softmax computes it (for accuracy tests).
-void cpu_exp(const float* x, float* y, int64_t n);
+// y = exp(x) as the active ISA's softmax computes it (for accuracy tests); lean: the forward's
+// exp for 16-bit inputs (x <= 0).
+void cpu_exp(const float* x, float* y, int64_t n, bool lean = false);
 // y = the values of the one-byte codes x of an 8-bit cache (code: fmha::KvCode 1..3), as the
 // CPU kernels' dequantisation computes them (for the exhaustive test of the conversions).
 void cpu_decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n);

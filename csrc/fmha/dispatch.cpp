@@ -42,7 +42,7 @@ struct IsaKernels {
   double (*fma_peak_gflops)(int);
   double (*bf16_dot_peak_gflops)(int);
   double (*read_bandwidth_gbs)(int, int64_t);
-  void (*exp_array)(const float*, float*, int64_t);
+  void (*exp_array)(const float*, float*, int64_t, bool);
   void (*decode_kv_codes)(int, const uint8_t*, float*, int64_t);
 };
 #define FMHA_ISA_KERNELS(ns) \
@@ -407,7 +407,9 @@ double cpu_read_bandwidth_gbs(int threads, int64_t bytes) {
   return active_kernels().read_bandwidth_gbs(threads, bytes);
 }
 
-void cpu_exp(const float* x, float* y, int64_t n) { active_kernels().exp_array(x, y, n); }
+void cpu_exp(const float* x, float* y, int64_t n, bool lean) {
+  active_kernels().exp_array(x, y, n, lean);
+}
 void cpu_decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n) {
   active_kernels().decode_kv_codes(code, x, y, n);
 }
