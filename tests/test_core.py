@@ -254,11 +254,14 @@ def test_kernel_lean_exp_accuracy():
     fused = _C.cpu_isa() != "scalar"
     assert rel.max() < (4e-6 if fused else 1e-5), float(rel.max())
     assert rel.max() > 4e-7  # the lean exp, not the default one
-    zero = np.float32([0.0, -0.0])
-    one = np.empty_like(zero)
-    _C.cpu_exp(zero, one, lean=True)
-    assert np.array_equal(one, np.ones_like(one))
-    odd = np.float32([-87.5, -1e30, -np.inf, np.nan])
-    out = np.empty_like(odd)
-    _C.cpu_exp(odd, out, lean=True)
-    assert np.array_equal(out[:3], np.zeros(3, np.float32)) and np.isnan(out[3])
+    # The edge values, in 40-element arrays at two offsets: through the vector path
+    # (vexp_lean) and the scalar tail (exp_lean) both. x > 0 (only a NaN row's softmax passes
+    # one) is clamped to 0: a defined 1, never an overflowing conversion.
+    edges = np.float32([0.0, -0.0, -87.5, -1e30, -np.inf, np.nan, 1.0, 300.0, 1e30, np.inf])
+    want = np.float32([1, 1, 0, 0, 0, np.nan, 1, 1, 1, 1])
+    for shift in (0, 30):
+        x = np.full(40, -1.0, np.float32)
+        x[shift:shift + len(edges)] = edges
+        out = np.empty_like(x)
+        _C.cpu_exp(x, out, lean=True)
+        np.testing.assert_array_equal(out[shift:shift + len(edges)], want)

@@ -212,10 +212,11 @@ inline VecF vexp(VecF x) {
   return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
 }
 
-// exp_lean (vexp.h) on a vector, lane by lane bit-identical to it: x <= 0 only.
+// exp_lean (vexp.h) on a vector, lane by lane bit-identical to it (x > 0 clamped to 0; NaN
+// passes both clamps as their second operand).
 inline VecF vexp_lean(VecF x) {
   const VecF lo = VecF::set1(-87.0f);
-  const VecF xc = max(lo, x);
+  const VecF xc = min(VecF::zero(), max(lo, x));
   const VecF magic = VecF::set1(12582912.f);
   const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
   const VecF r = fma(n, VecF::set1(-0.693147182464599609375f), xc);

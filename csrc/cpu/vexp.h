@@ -43,18 +43,19 @@ inline float exp_approx(float x) {
   return x < -87.0f ? 0.f : p * scale;
 }
 
-// The softmax's exp for 16-bit inputs, x <= 0 only (the softmax's arguments, S - max and
-// m_old - m_new): one ln 2 constant in the reduction (|n| <= 126: r off by < 2.4e-7), no upper
-// clamp, and a degree-4 polynomial with exp(0) = 1 exact, its other coefficients fitted for
+// The softmax's exp for 16-bit inputs, for x <= 0 (the softmax's arguments, S - max and
+// m_old - m_new; a row with a NaN score, whose max skips the NaN, can pass x > 0: clamped to
+// 0, a defined 1 in a row that is NaN anyway): one ln 2 constant in the reduction (|n| <= 126:
+// r off by < 2.4e-7), the upper clamp at 0 rather than 88, and a degree-4 polynomial with exp(0) = 1 exact, its other coefficients fitted for
 // the least maximum relative error on [-ln2/2, ln2/2]. Relative error over [-87, 0] below
 // 4e-6 where a*b+c is fused, 7e-6 where not (the scalar build rounds n ln 2 before the
 // subtraction): tests/test_core.py::test_kernel_lean_exp_accuracy. Against the 2^-9
 // (bfloat16) or 2^-11 (float16) of the inputs' and the output's rounding, nothing; it saves
-// four vector instructions of exp_approx's 18 in the step that bounds the 16-bit forward
+// three vector instructions of exp_approx's 18 in the step that bounds the 16-bit forward
 // after its products (benchmarks/NOTES.md, "Where the forward's time goes on Zen 4").
 // -inf and x < -87 give 0; NaN gives NaN.
 inline float exp_lean(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
+  const float xc = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);  // NaN passes
   const float n = madd(xc, 1.44269504088896341f, 12582912.f) - 12582912.f;
   const float r = madd(n, -0.693147182464599609375f, xc);
   float p = 4.151384532e-2f;
