@@ -6,8 +6,8 @@ path is exercised by tests/test_bench_sparse.py). Times are only checked to be p
 speed is never asserted by tests."""
 
 import csv
-import functools
 import json
+import statistics
 
 import pytest
 
@@ -27,10 +27,10 @@ def restore_torch_threads():
 
 @pytest.fixture
 def fast_and_eager(monkeypatch):
-    """One timed call per cell, and FlexAttention uncompiled."""
+    """Two rounds of one timed call per cell, and FlexAttention uncompiled."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    monkeypatch.setattr(bench, "_time", functools.partial(bench._time, min_reps=1,
-                                                          min_seconds=0.0))
+    monkeypatch.setattr(bench, "ROUNDS", 2)
+    monkeypatch.setattr(bench, "ROUND_SECONDS", 0.0)
     monkeypatch.setattr(bench, "compiled_flex", lambda torch: (flex_attention,
                                                                create_block_mask, ""))
 
@@ -59,16 +59,26 @@ def test_suite_rows_peaks_and_flex_column(tmp_path, capsys, fast_and_eager):
             bwd = {i for (c, d, p, i) in cells if (c, d, p) == (name, dtype, "fwd+bwd")}
             assert fwd == {"fmha", "torch_sdpa", "flex", "naive", "fmha+keypad"}, fwd
             assert bwd == {"fmha", "torch_sdpa", "naive"}, bwd
-            peak = meta["peak_gflops_of_dtype"][dtype]
+            # Every ratio and fraction is the median of its per-round values: each round's
+            # time against the same round's peak probe, or the other implementation's time.
             for (c, d, p, i), r in cells.items():
                 if (c, d) != (name, dtype):
                     continue
                 assert r["median_s"] > 0 and r["gflops"] > 0
+                assert len(r["round_s"]) == len(r["round_peak_gflops"]) == 2
+                assert r["median_s"] == pytest.approx(statistics.median(r["round_s"]))
                 if i != "fmha+keypad":
-                    assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / peak)
+                    flop = r["gflops"] * r["median_s"]
+                    assert r["fraction_of_peak"] == pytest.approx(statistics.median(
+                        flop / t / pk for t, pk in zip(r["round_s"], r["round_peak_gflops"])))
+                if i != "torch_sdpa":
+                    base = cells[(c, d, p, "fmha" if i == "fmha+keypad" else "torch_sdpa")]
+                    assert r["ratio_vs_sdpa"] == pytest.approx(statistics.median(
+                        x / y for x, y in zip(base["round_s"], r["round_s"])))
             f = cells[(name, dtype, "fwd", "fmha")]
             flex = cells[(name, dtype, "fwd", "flex")]
-            assert f["ratio_vs_flex"] == pytest.approx(flex["median_s"] / f["median_s"])
+            assert f["ratio_vs_flex"] == pytest.approx(statistics.median(
+                x / y for x, y in zip(flex["round_s"], f["round_s"])))
             assert cells[(name, dtype, "fwd+bwd", "fmha")]["ratio_vs_flex"] is None
 
     with open(out.with_suffix(".csv")) as fh:

@@ -16,11 +16,14 @@ torch.compile(flex_attention, dynamic=False, fullgraph=True), a causal BlockMask
 causal cases; forward only, since FlexAttention has no CPU backward in torch 2.13 -- the
 reason is printed and recorded in the JSON's meta) and the naive formula. It reports the
 median GFLOP/s (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5× forward), the ratios
-to torch SDPA and to Flex, and the fraction of the hardware's peak measured in the same run:
-float32 rows against the fp32 FMA peak, bfloat16 rows against the bf16 dot-product peak
-(vdpbf16ps) where the CPU has it, else against the fp32 FMA peak (the JSON says which). The
-rows go to a JSON file (and a CSV beside it). Speed is only ever reported here, never
-asserted by tests.
+to torch SDPA and to Flex, and the fraction of the hardware's peak: float32 rows against the
+fp32 FMA peak, bfloat16 rows against the bf16 dot-product peak (vdpbf16ps) where the CPU has
+it, else against the fp32 FMA peak (the JSON says which). The implementations are timed in
+turn, ROUNDS times over, and each round opens with a probe of that peak; every ratio and
+fraction is the median of its per-round values, so that a host whose speed drifts (a shared
+VM) moves both sides of each ratio together. The rows go to a JSON file (per-round times and
+probes included; a CSV beside it). Speed is only ever reported here, never asserted by
+tests.
 
 --latency times something else: the per-call cost of small calls (decode steps, short
 sequences), where the overhead around the kernel dominates. It reports µs per call for
@@ -60,7 +63,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from ._flex import compiled_flex, dynamo_compiles_allowed
@@ -80,6 +83,9 @@ QUICK_SUITE = [
     ("b1h4s512d64-causal", 1, 4, 4, 512, 512, 64, True),
 ]
 NAIVE_MAX_SCORES = 2**28  # skip the naive formula when b·h·sq·sk floats exceed 1 GiB
+# Timing: each implementation gets at least ROUND_SECONDS (and one call) per round.
+ROUNDS = 5
+ROUND_SECONDS = 0.2
 
 
 @dataclass
@@ -91,8 +97,10 @@ class Row:
     median_s: float
     gflops: float
     ratio_vs_sdpa: Optional[float]  # for "fmha+keypad": time without mask / time with
-    fraction_of_peak: Optional[float] = None  # gflops / the dtype's measured peak
+    fraction_of_peak: Optional[float] = None  # this GFLOP/s / the round's peak probe
     ratio_vs_flex: Optional[float] = None     # flex time / this time (fmha rows)
+    round_s: List[float] = field(default_factory=list)  # seconds per call, per round
+    round_peak_gflops: List[float] = field(default_factory=list)  # the rounds' peak probes
 
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
@@ -102,8 +110,9 @@ def flops(b, h, sq, sk, d, causal, with_bwd):
     return f * (3.5 if with_bwd else 1.0)
 
 
-def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20):
-    fn()  # warm-up: thread pools, allocations, first-touch
+def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20, warm_up=True):
+    if warm_up:
+        fn()  # thread pools, allocations, first-touch
     times = []
     start = time.perf_counter()
     while len(times) < min_reps or (time.perf_counter() - start < min_seconds and
@@ -112,6 +121,25 @@ def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _time_rounds(steps: dict, probe) -> tuple:
+    """The steps (name -> callable) timed in turn, ROUNDS times over, each round opened by
+    probe() (the peak, GFLOP/s): per step its seconds per call in each round (a step that
+    raises is left out, with its exception), and the probes."""
+    times, errors, probes = {}, {}, []
+    for name, fn in steps.items():  # warm-up: thread pools, allocations, first-touch
+        try:
+            fn()
+            times[name] = []
+        except Exception as e:  # noqa: BLE001 - the caller decides which may fail
+            errors[name] = e
+    for _ in range(ROUNDS):
+        probes.append(probe())
+        for name in times:
+            times[name].append(_time(steps[name], min_reps=1, min_seconds=ROUND_SECONDS,
+                                     max_reps=50, warm_up=False))
+    return times, errors, probes
 
 
 def measured_peaks(fmha, nthreads: int) -> dict:
@@ -175,6 +203,14 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
 def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
                flex_block_mask, flex_error, flex_errors):
     done = 0
+    nthreads = fmha.get_num_threads()
+
+    def probe_of(dtype_name):
+        """The probe of the peak this dtype's rows are judged against (best of two)."""
+        bf16 = peaks["peak_of_dtype"].get(dtype_name) == "bf16_dot"
+        f = fmha._C.cpu_bf16_dot_peak_gflops if bf16 else fmha._C.cpu_fma_peak_gflops
+        return lambda: max(f(nthreads), f(nthreads))
+
     for (name, b, hq, hkv, sq, sk, d, causal) in cases:
         flex_mask = None
         if flex_fn is not None and causal:
@@ -224,7 +260,7 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                 done += 1
                 print(f"[{done}/{total}] {name} {dtype_name} {pass_}", end="", flush=True)
                 f = flops(b, hq, sq, sk, d, causal, pass_ == "fwd+bwd")
-                secs = {}
+                steps = {}
                 for impl, fn in impls.items():
                     if impl == "fmha+keypad" and pass_ != "fwd":
                         continue
@@ -237,39 +273,45 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                             with torch.no_grad():
                                 fn()
                     else:
-                        for x in (q, k, v):
-                            x.requires_grad_(True)
-
                         def step(fn=fn):
                             for x in (q, k, v):
                                 x.grad = None
                             fn().sum().backward()
-                    try:
-                        secs[impl] = _time(step)
-                    except Exception as e:  # noqa: BLE001 - a Flex failure is recorded
-                        if impl != "flex":
-                            raise
-                        flex_errors[f"{name} {dtype_name} {pass_}"] = f"{type(e).__name__}: {e}"
+                    steps[impl] = step
+                if pass_ != "fwd":
                     for x in (q, k, v):
-                        x.requires_grad_(False)
-                peak = peaks["peak_gflops_of_dtype"].get(dtype_name)
+                        x.requires_grad_(True)
+                times, errors, probes = _time_rounds(steps, probe_of(dtype_name))
+                for x in (q, k, v):
+                    x.requires_grad_(False)
+                for impl, e in errors.items():
+                    if impl != "flex":
+                        raise e
+                    flex_errors[f"{name} {dtype_name} {pass_}"] = f"{type(e).__name__}: {e}"
+                med = lambda xs: statistics.median(xs)  # noqa: E731
+                # Per-round ratios: a ratio's two sides come from the same round.
+                per = lambda a, b: med([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
+                secs = {impl: med(ts) for impl, ts in times.items()}
                 for impl, s in secs.items():
+                    ts = times[impl]
                     if impl == "fmha+keypad":  # ratio to the unmasked fmha call
                         rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9,
-                                        secs["fmha"] / s))
+                                        per("fmha", impl), round_s=ts,
+                                        round_peak_gflops=probes))
                         continue
-                    ratio = secs["torch_sdpa"] / s if impl != "torch_sdpa" else None
-                    rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9, ratio,
-                                    f / s / 1e9 / peak if peak else None,
-                                    secs["flex"] / s if impl == "fmha" and "flex" in secs
-                                    else None))
+                    rows.append(Row(
+                        name, dtype_name, pass_, impl, s, f / s / 1e9,
+                        per("torch_sdpa", impl) if impl != "torch_sdpa" else None,
+                        med([f / t / 1e9 / pk for t, pk in zip(ts, probes)]),
+                        per("flex", impl) if impl == "fmha" and "flex" in secs else None,
+                        round_s=ts, round_peak_gflops=probes))
+                fm = rows[-len(secs):][list(secs).index("fmha")]
                 print("  " + "  ".join(f"{i} {f / s / 1e9:7.1f} GFLOP/s" for i, s in
                                        secs.items()) +
-                      f"  | fmha/sdpa {secs['torch_sdpa'] / secs['fmha']:.2f}x" +
-                      (f"  fmha/flex {secs['flex'] / secs['fmha']:.2f}x" if "flex" in secs
-                       else "") +
-                      (f"  fmha {100 * f / secs['fmha'] / 1e9 / peak:.0f}% of peak" if peak
-                       else ""), flush=True)
+                      f"  | fmha/sdpa {fm.ratio_vs_sdpa:.2f}x" +
+                      (f"  fmha/flex {fm.ratio_vs_flex:.2f}x" if fm.ratio_vs_flex else "") +
+                      f"  fmha {100 * fm.fraction_of_peak:.0f}% of peak (probes "
+                      f"{min(probes):.0f}-{max(probes):.0f} GFLOP/s)", flush=True)
 
 
 def _print_table(rows: List[Row]):
@@ -285,8 +327,7 @@ def _print_table(rows: List[Row]):
         by = {r.impl: r for r in rows if (r.case, r.dtype, r.pass_) == key}
         naive = f"{by['naive'].gflops:.1f}" if "naive" in by else "—"
         flex = f"{by['flex'].gflops:.1f}" if "flex" in by else "—"
-        keypad = (f"{by['fmha+keypad'].median_s / by['fmha'].median_s:.2f}"
-                  if "fmha+keypad" in by else "—")
+        keypad = f"{1 / by['fmha+keypad'].ratio_vs_sdpa:.2f}" if "fmha+keypad" in by else "—"
         fm = by["fmha"]
         pct = f"{100 * fm.fraction_of_peak:.0f}%" if fm.fraction_of_peak else "—"
         vs_flex = f"{fm.ratio_vs_flex:.2f}×" if fm.ratio_vs_flex else "—"
