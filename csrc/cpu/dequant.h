@@ -110,6 +110,127 @@ inline int vector_pair_words(const Code<C>* r0, const Code<C>* r1, int dim, uint
   return t;
 }
 #endif
+
+// ---- An int8 cache's scores as integer products (docs/semantics.md, "8-bit KV caches") ----
+// K's codes are integers, so a score can be an integer sum, exact in int32, once q is put on
+// an integer grid: each query row is rounded to q16 = nearest(q * 32767 / max|q|), and
+// q . decode(k) is read as (q16 . k) * (max|q| / 32767). The grid's step is 2^-15 of the
+// row's largest |q|, 2^7 times finer than the int8 codes' own step relative to theirs. The
+// codes are sign-extended to 16 bits (one instruction per 32) and vpdpwssd multiplies and
+// adds them in pairs (32 products per instruction): widening 32 codes to bfloat16 pairs for
+// vdpbf16ps takes five instructions, and the products 16 of their scores four times as long.
+// Without VNNI, vpmaddwd and vpaddd give the same int32 sums.
+constexpr int kGridMax = 32767;
+constexpr int kGridMaxDim = 256;  // |sum| <= 256 * 32767 * 128 < 2^31
+
+// Rows [0, M) of Q (float, row stride ldq, d columns) onto the grid: Q16 (row stride ld16, a
+// multiple of 32, zero past d) and each row's factor max|q| / 32767. False when a row cannot
+// be (a NaN or Inf, or a largest |q| below 2^-100, whose factor would lose precision): the
+// caller then takes the float products.
+inline bool grid_rows(const float* Q, int64_t ldq, int M, int d, int16_t* Q16, int ld16,
+                      float* factor) {
+  for (int m = 0; m < M; ++m) {
+    const float* q = Q + m * ldq;
+    __m512 top = _mm512_setzero_ps();
+    for (int t = 0; t < d; t += 16) {
+      const __mmask16 in = d - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - t)) - 1);
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(in, q + t)));
+    }
+    const float mx = _mm512_reduce_max_ps(top);  // max skips NaN: checked below
+    if (!(mx <= std::numeric_limits<float>::max()) || (mx != 0.0f && mx < 0x1p-100f)) return false;
+    const __m512 inv = _mm512_set1_ps(mx == 0.0f ? 0.0f : float(kGridMax) / mx);
+    int16_t* row = Q16 + int64_t(m) * ld16;
+    for (int t = 0; t < ld16; t += 16) {
+      const int left = d - t;
+      const __mmask16 in = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(in, q + t);
+      if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)) return false;
+      // nearest, ties to even (the default rounding), saturated to int16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + t),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv))));
+    }
+    factor[m] = mx / float(kGridMax);
+  }
+  return true;
+}
+
+// The four int32 sums of a, b, c, d's lanes (the integer form of VecF's hsum4).
+inline __m128i hsum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i y = _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+}
+
+inline __m512i dot_pairs_i16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// 32 int8 codes of a K row sign-extended to int16, lanes past `mask` zero.
+inline __m512i load_i16(const Code<KvCode::kInt8>* x, __mmask32 mask) {
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, x));
+}
+
+// Scores of RB grid rows against four keys, as dot_block_bf16 (forward.h) arranges them:
+// S[r][j] = float(q16_r . k_j) * factor[r].
+template <int RB>
+inline void dot_block_i16(const int16_t* Q16, int ld16, const Code<KvCode::kInt8>* const* k,
+                          int d, const float* factor, float* S, int64_t ld) {
+  const int full = d / 32 * 32;
+  const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
+  __m512i acc[RB][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int t = 0; t < d; t += 32) {
+    const __mmask32 mask = t < full ? __mmask32(~0u) : tail;
+    __m512i kv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) kv[j] = load_i16(k[j] + t, mask);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m512i x = _mm512_loadu_si512(Q16 + r * ld16 + t);  // zero past d
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = dot_pairs_i16(acc[r][j], x, kv[j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) {
+    const __m128 s = _mm_cvtepi32_ps(hsum4_epi32(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    _mm_storeu_ps(S + r * ld, _mm_mul_ps(s, _mm_set1_ps(factor[r])));
+  }
+}
+
+// S[m][c] = float(q16_m . k_c) * factor[m] for m < M, c < nc, K's rows by pointer.
+inline void dot_tile_i16(int M, int nc, int d, const int16_t* Q16, int ld16,
+                         const Code<KvCode::kInt8>* const* K, const float* factor, float* S,
+                         int64_t ld) {
+  int c = 0;
+  for (; c + 4 <= nc; c += 4) {
+    const Code<KvCode::kInt8>* k[4] = {K[c], K[c + 1], K[c + 2], K[c + 3]};
+    int m = 0;
+    for (; m + 4 <= M; m += 4)
+      dot_block_i16<4>(Q16 + int64_t(m) * ld16, ld16, k, d, factor + m, S + m * ld + c, ld);
+    for (; m < M; ++m)
+      dot_block_i16<1>(Q16 + int64_t(m) * ld16, ld16, k, d, factor + m, S + m * ld + c, ld);
+  }
+  const int full = d / 32 * 32;
+  const __mmask32 tail = d % 32 ? __mmask32((1u << (d % 32)) - 1) : 0;
+  for (; c < nc; ++c)
+    for (int m = 0; m < M; ++m) {
+      __m512i a = _mm512_setzero_si512();
+      for (int t = 0; t < d; t += 32)
+        a = dot_pairs_i16(a, _mm512_loadu_si512(Q16 + int64_t(m) * ld16 + t),
+                          load_i16(K[c] + t, t < full ? __mmask32(~0u) : tail));
+      S[m * ld + c] = float(_mm512_reduce_add_epi32(a)) * factor[m];
+    }
+}
 #elif defined(FMHA_SIMD_AVX2)
 template <KvCode C>
 inline VecF load_vec(const Code<C>* x) {
