@@ -30,9 +30,8 @@ set(FMHA_CPU_PROBE_avx2 "__m256 f(__m256 a) { return _mm256_fmadd_ps(a, a, _mm25
 set(FMHA_CPU_FLAGS_avx512 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
     -mprefer-vector-width=512)
 set(FMHA_CPU_PROBE_avx512 "float f(__m512 a) { return _mm512_reduce_add_ps(_mm512_fmadd_ps(a, a, a)); }")
-# Every CPU with AVX512-BF16 has AVX512-VNNI too (the int8 cache's integer scores, dequant.h).
-set(FMHA_CPU_FLAGS_avx512bf16 ${FMHA_CPU_FLAGS_avx512} -mavx512bf16 -mavx512vnni)
-set(FMHA_CPU_PROBE_avx512bf16 "__m512 f(__m512 a, __m512i b) { return _mm512_dpbf16_ps(a, (__m512bh)_mm512_dpwssd_epi32(b, b, b), (__m512bh)b); }")
+set(FMHA_CPU_FLAGS_avx512bf16 ${FMHA_CPU_FLAGS_avx512} -mavx512bf16)
+set(FMHA_CPU_PROBE_avx512bf16 "__m512 f(__m512 a, __m512i b) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)b); }")
 
 # Optimisation of the kernels; the sanitizer build of tests/cpu_core may lower it.
 if(NOT DEFINED FMHA_CPU_OPT_FLAGS)

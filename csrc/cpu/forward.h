@@ -512,7 +512,6 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   if (sq == 0) return;
   if (part.n_chunks > 1 && chunk > 0 && chunk * kSplitKeys >= s.sk) return;  // past the keys
   const int d = p.head_dim, dv = p.head_dim_v, ldq = padded<A>(d), ldv = padded<A>(dv);
-  const int ld16 = (d + 31) / 32 * 32;  // the grid rows of an int8 cache's scores
   const int j_begin = std::max(key_lo(p, s, 0), chunk * kSplitKeys);
   const int j_end = std::min(key_hi(p, s, sq - 1) + 1, (chunk + 1) * kSplitKeys);
   const int R = hb * M;  // rows of the task: kv head x, row r is row x * M + r
@@ -524,8 +523,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
            Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv) +
            Workspace::bytes<T>(int64_t(R) * d) + 2 * Workspace::bytes<A>(kBc) +
            Workspace::bytes<uint32_t>(kSmallRows * kBc / 2) +
-           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv) +
-           Workspace::bytes<int16_t>(int64_t(R) * ld16) + Workspace::bytes<float>(R));
+           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -544,8 +542,6 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   const bool quant = p.kv_code != KvCode::kNone;
   A* kscale = ws.take<A>(kBc);
   A* vscale = ws.take<A>(kBc);
-  int16_t* Q16 = ws.take<int16_t>(int64_t(R) * ld16);
-  float* qfactor = ws.take<float>(R);
 
   for (int x = 0; x < hb; ++x)
     for (int g = 0; g < group; ++g) {
@@ -557,14 +553,6 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
           std::memcpy(Qt + (int64_t(x) * M + g * sq + i) * d, q + i * p.q_row_stride,
                       size_t(d) * sizeof(T));
     }
-  // An int8 cache on AVX-512: its scores are integer products of the codes and q on a
-  // 16-bit grid per row (dequant.h, grid_rows), unless a row cannot be put on it.
-  bool int_scores = false;
-#if defined(FMHA_SIMD_AVX512)
-  if constexpr (std::is_same_v<A, float>)
-    int_scores = p.kv_code == KvCode::kInt8 && d <= kGridMaxDim &&
-                 grid_rows(Qr, ldq, R, d, Q16, ld16, qfactor);
-#endif
   fill(m, R, neg_inf<A>());
   fill(l, R, A(0));
   fill(O, int64_t(R) * ldv, A(0));
@@ -604,15 +592,6 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
       const A* Qx = Qr + int64_t(x) * M * ldq;
       if (quant) {  // 8-bit caches: S from the codes, scaled per key (dequant.h)
         key_scales(p, b, hk, false, j0, nc, kscale);
-#if defined(FMHA_SIMD_AVX512)
-        if (int_scores) {
-          if constexpr (std::is_same_v<A, float>) {
-            const Code<KvCode::kInt8>* kc[kBc];
-            code_rows(p.k, p.k_head_stride, hk, koff, nc, kc);
-            dot_tile_i16(M, nc, d, Q16 + int64_t(x) * M * ld16, ld16, kc, qfactor + x * M, S, kBc);
-          }
-        } else
-#endif
         if constexpr (pairs) {  // bfloat16 q: pair products, as for a bfloat16 cache
 #if defined(__AVX512BF16__)
           const T* Qxt = Qt + int64_t(x) * M * d;

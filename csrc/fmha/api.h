@@ -11,8 +11,7 @@
 namespace fmha {
 
 // ---- CPU ----
-// kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs, and
-// AVX512-VNNI (every such CPU has it), used for an int8 cache's integer scores.
+// kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs.
 enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 const char* isa_name(CpuIsa isa);
 // The best level this CPU (and OS) supports among those this build has: scalar always; the

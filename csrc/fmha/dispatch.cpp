@@ -130,7 +130,6 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512vl")) f.push_back("avx512vl");
   if (__builtin_cpu_supports("avx512dq")) f.push_back("avx512dq");
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
-  if (__builtin_cpu_supports("avx512vnni")) f.push_back("avx512vnni");
 #endif
   return f;
 }
@@ -208,7 +207,7 @@ CpuIsa best_cpu_isa() {
   CpuIsa cpu = CpuIsa::kScalar;
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    cpu = has(f, "avx512bf16") && has(f, "avx512vnni") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+    cpu = has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
   else if (has(f, "avx2") && has(f, "fma") && has(f, "f16c"))
     cpu = CpuIsa::kAvx2;
   // The compiled levels are a prefix of kCpuIsas: step down to the highest one built.
