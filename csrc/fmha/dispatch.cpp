@@ -96,8 +96,8 @@ namespace cpu {
 
 // Measured with tools/cpu_ab.py, fp32 forward (benchmarks/NOTES.md, "B operands are copied"):
 // the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other from L1)
-// and loses 3-6% on Zen 4 (AMD family 25), where reading them in place is faster. Other
-// cores keep the copy, the choice measured first.
+// and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where reading them
+// in place is faster. Other cores keep the copy, the choice measured first.
 bool forward_copies_v_dense() {
   static const bool copy = [] {
 #if defined(__x86_64__) || defined(__i386__)
@@ -107,7 +107,7 @@ bool forward_copies_v_dense() {
     if (!__get_cpuid(1, &a, &b, &c, &d)) return true;
     const unsigned base = (a >> 8) & 0xfu;
     const unsigned family = base == 0xfu ? base + ((a >> 20) & 0xffu) : base;
-    return !(amd && family == 25);
+    return !(amd && (family == 25 || family == 26));
 #else
     return true;
 #endif
