@@ -2,14 +2,15 @@
 (key, kv head) split into arithmetic and memory, per cache, and what the issue's 1.7x would
 need of each (benchmarks/NOTES.md, "8-bit KV caches on the CPU").
 
-    python benchmarks/decode_bound.py [threads ...]        (default: 1 2)
+    python benchmarks/decode_bound.py [threads ...]        (default: 1 2; each a divisor of 16)
 
 One query, 32 query heads over 8 kv heads, head_dim 128, bfloat16 q; a bfloat16 cache and an
 int8 cache (unit static scales), timed alternately, 7 rounds, medians. Per thread count:
 - C, the arithmetic: the slope of the per-call time from 32 to 192 keys with b = threads
   (one sequence per thread; each thread's caches, at most 768 KiB, stay in its L2; the slope
   drops the per-call cost), ns per (key, kv head) per thread;
-- T, the streamed cost: b = 8, 4096 keys (134 MB of bfloat16, 67 MB of int8), same unit;
+- T, the streamed cost: b = 8, 4096 keys (134 MB of bfloat16, 67 MB of int8; 16 tasks of 8
+  kv heads x 2048 keys, shared evenly by a thread count that divides 16), same unit;
 - M = T - C, what reading the cache from memory adds;
 - the products' floor: the scores' 4 x 128 multiply-adds per (key, kv head) at the measured
   bfloat16 dot-product peak (the fp32 FMA peak below the avx512bf16 level) and P V's 4 x 128
@@ -78,8 +79,8 @@ def measure(threads: int) -> None:
         c = (t[(*hi, name)] - t[(*lo, name)]) * 1e3 / ((hi[1] - lo[1]) * HKV)
         tt = t[(8, 4096, name)] * 1e3 / (8 * 4096 * HKV) * threads
         cost[name] = (c, tt, tt - c)
-        print(f"  {name:9s}{c:32.1f}{tt:15.1f}{tt - c:12.1f}   "
-              f"{nbytes / (tt - c) * threads:6.1f} GB/s (all threads)")
+        rate = f"{nbytes / (tt - c) * threads:6.1f} GB/s (all threads)" if tt > c else "--"
+        print(f"  {name:9s}{c:32.1f}{tt:15.1f}{tt - c:12.1f}   {rate}")
     (_, tb, _), (ci, ti, _) = cost["bfloat16"], cost["int8"]
     print(f"  measured T(bfloat16) / T(int8): {tb / ti:.2f}x")
     print(f"  the products at the measured peaks: {floor:.1f} ns per (key, kv head) per thread")

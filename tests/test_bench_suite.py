@@ -92,3 +92,49 @@ def test_no_flex_leaves_the_column_out(tmp_path, fast_and_eager):
     assert {r.impl for r in rows} == {"fmha", "torch_sdpa", "naive", "fmha+keypad"}
     meta = json.loads((tmp_path / "s.json").read_text())["meta"]
     assert meta["flex"]["errors"] == {"tiny": "not requested"}
+
+
+def test_rounds_rotate_and_record_a_flex_failure(monkeypatch):
+    """_time_rounds: each round opens with the probe and starts one step further along the
+    order; a step allowed to fail (flex) that raises in a later round is dropped with its
+    error, the others keep one time per round; any other step's error propagates."""
+    monkeypatch.setattr(bench, "ROUNDS", 3)
+    monkeypatch.setattr(bench, "ROUND_SECONDS", 0.0)
+    log, calls = [], {"flex": 0}
+
+    def flex():
+        calls["flex"] += 1
+        if calls["flex"] == 3:  # the warm-up and round 0 pass; round 1 fails
+            raise RuntimeError("compiled kernel failed")
+        log.append("flex")
+
+    steps = {"a": lambda: log.append("a"), "flex": flex, "b": lambda: log.append("b")}
+    times, errors, probes = bench._time_rounds(
+        steps, lambda: log.append("probe") or 1.0)
+    assert set(times) == {"a", "b"} and len(times["a"]) == len(times["b"]) == 3
+    assert probes == [1.0] * 3 and list(errors) == ["flex"]
+    # warm-up a, flex, b; round 0 from a; round 1 from flex (which fails), then b, a;
+    # round 2 over what is left (a, b), from position 2 % 2 = 0
+    assert log == ["a", "flex", "b", "probe", "a", "flex", "b", "probe", "b", "a",
+                   "probe", "a", "b"]
+    with pytest.raises(ZeroDivisionError):
+        bench._time_rounds({"fmha": lambda: 1 / 0, "flex": lambda: None}, None)
+
+
+def test_a_flex_failure_mid_run_is_recorded(tmp_path, monkeypatch, fast_and_eager):
+    """Flex failing after its warm-up: the suite goes on, the case has no Flex row, and the
+    error is in the JSON's meta."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("flaky flex")
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "compiled_flex", lambda torch: (flaky, create_block_mask, ""))
+    rows = bench.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1)
+    assert {r.impl for r in rows} == {"fmha", "torch_sdpa", "naive", "fmha+keypad"}
+    errors = json.loads((tmp_path / "s.json").read_text())["meta"]["flex"]["errors"]
+    assert errors == {"tiny float32 fwd": "RuntimeError: flaky flex"}

@@ -97,7 +97,8 @@ namespace cpu {
 // Measured with tools/cpu_ab.py, fp32 forward (benchmarks/NOTES.md, "B operands are copied"):
 // the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other from L1)
 // and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where reading them
-// in place is faster. Other cores keep the copy, the choice measured first.
+// in place is faster; the families' other members are taken as measured with them. Other
+// cores keep the copy, the choice measured first.
 bool forward_copies_v_dense() {
   static const bool copy = [] {
 #if defined(__x86_64__) || defined(__i386__)

@@ -21,9 +21,11 @@ fp32 FMA peak, bfloat16 rows against the bf16 dot-product peak (vdpbf16ps) where
 it, else against the fp32 FMA peak (the JSON says which). The implementations are timed in
 turn, ROUNDS times over, and each round opens with a probe of that peak; every ratio and
 fraction is the median of its per-round values, so that a host whose speed drifts (a shared
-VM) moves both sides of each ratio together. The rows go to a JSON file (per-round times and
-probes included; a CSV beside it). Speed is only ever reported here, never asserted by
-tests.
+VM) moves both sides of each ratio together (the peaks in the JSON's meta, probed once at
+the start, are for reference: fraction_of_peak divides by each round's own probe). The
+implementations' order rotates from round to round. The rows go to a JSON file (with each
+row's per-round times and probes) and a CSV beside it (without them). Speed is only ever
+reported here, never asserted by tests.
 
 --latency times something else: the per-call cost of small calls (decode steps, short
 sequences), where the overhead around the kernel dominates. It reports µs per call for
@@ -123,22 +125,35 @@ def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20, warm_up=True):
     return statistics.median(times)
 
 
-def _time_rounds(steps: dict, probe) -> tuple:
+def _time_rounds(steps: dict, probe, may_fail=("flex",)) -> tuple:
     """The steps (name -> callable) timed in turn, ROUNDS times over, each round opened by
-    probe() (the peak, GFLOP/s): per step its seconds per call in each round (a step that
-    raises is left out, with its exception), and the probes."""
+    probe() (the peak, GFLOP/s; None: no probe) and starting one step further along the
+    order, so that no step always runs first: per step its seconds per call in each round,
+    and the probes. A step named in may_fail that raises is left out, its exception returned;
+    any other step's exception propagates at once."""
     times, errors, probes = {}, {}, []
     for name, fn in steps.items():  # warm-up: thread pools, allocations, first-touch
         try:
             fn()
             times[name] = []
-        except Exception as e:  # noqa: BLE001 - the caller decides which may fail
+        except Exception as e:  # noqa: BLE001 - recorded for the steps that may fail
+            if name not in may_fail:
+                raise
             errors[name] = e
-    for _ in range(ROUNDS):
-        probes.append(probe())
-        for name in times:
-            times[name].append(_time(steps[name], min_reps=1, min_seconds=ROUND_SECONDS,
-                                     max_reps=50, warm_up=False))
+    for r in range(ROUNDS):
+        if probe is not None:
+            probes.append(probe())
+        order = list(times)
+        first = r % len(order) if order else 0
+        for name in order[first:] + order[:first]:
+            try:
+                times[name].append(_time(steps[name], min_reps=1, min_seconds=ROUND_SECONDS,
+                                         max_reps=50, warm_up=False))
+            except Exception as e:  # noqa: BLE001
+                if name not in may_fail:
+                    raise
+                errors[name] = e
+                del times[name]
     return times, errors, probes
 
 
@@ -206,8 +221,11 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
     nthreads = fmha.get_num_threads()
 
     def probe_of(dtype_name):
-        """The probe of the peak this dtype's rows are judged against (best of two)."""
-        bf16 = peaks["peak_of_dtype"].get(dtype_name) == "bf16_dot"
+        """The probe of the peak this dtype's rows are judged against (best of two); None for
+        a dtype without one (its rows then have no fraction of peak)."""
+        if dtype_name not in peaks["peak_of_dtype"]:
+            return None
+        bf16 = peaks["peak_of_dtype"][dtype_name] == "bf16_dot"
         f = fmha._C.cpu_bf16_dot_peak_gflops if bf16 else fmha._C.cpu_fma_peak_gflops
         return lambda: max(f(nthreads), f(nthreads))
 
@@ -278,15 +296,14 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                                 x.grad = None
                             fn().sum().backward()
                     steps[impl] = step
-                if pass_ != "fwd":
+                try:
                     for x in (q, k, v):
-                        x.requires_grad_(True)
-                times, errors, probes = _time_rounds(steps, probe_of(dtype_name))
-                for x in (q, k, v):
-                    x.requires_grad_(False)
-                for impl, e in errors.items():
-                    if impl != "flex":
-                        raise e
+                        x.requires_grad_(pass_ != "fwd")
+                    times, errors, probes = _time_rounds(steps, probe_of(dtype_name))
+                finally:
+                    for x in (q, k, v):
+                        x.requires_grad_(False)
+                for impl, e in errors.items():  # only flex may fail
                     flex_errors[f"{name} {dtype_name} {pass_}"] = f"{type(e).__name__}: {e}"
                 med = lambda xs: statistics.median(xs)  # noqa: E731
                 # Per-round ratios: a ratio's two sides come from the same round.
@@ -302,7 +319,8 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                     rows.append(Row(
                         name, dtype_name, pass_, impl, s, f / s / 1e9,
                         per("torch_sdpa", impl) if impl != "torch_sdpa" else None,
-                        med([f / t / 1e9 / pk for t, pk in zip(ts, probes)]),
+                        med([f / t / 1e9 / pk for t, pk in zip(ts, probes)]) if probes
+                        else None,
                         per("flex", impl) if impl == "fmha" and "flex" in secs else None,
                         round_s=ts, round_peak_gflops=probes))
                 fm = rows[-len(secs):][list(secs).index("fmha")]
@@ -310,8 +328,9 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                                        secs.items()) +
                       f"  | fmha/sdpa {fm.ratio_vs_sdpa:.2f}x" +
                       (f"  fmha/flex {fm.ratio_vs_flex:.2f}x" if fm.ratio_vs_flex else "") +
-                      f"  fmha {100 * fm.fraction_of_peak:.0f}% of peak (probes "
-                      f"{min(probes):.0f}-{max(probes):.0f} GFLOP/s)", flush=True)
+                      (f"  fmha {100 * fm.fraction_of_peak:.0f}% of peak (probes "
+                       f"{min(probes):.0f}-{max(probes):.0f} GFLOP/s)" if probes else ""),
+                      flush=True)
 
 
 def _print_table(rows: List[Row]):
@@ -327,7 +346,10 @@ def _print_table(rows: List[Row]):
         by = {r.impl: r for r in rows if (r.case, r.dtype, r.pass_) == key}
         naive = f"{by['naive'].gflops:.1f}" if "naive" in by else "—"
         flex = f"{by['flex'].gflops:.1f}" if "flex" in by else "—"
-        keypad = f"{1 / by['fmha+keypad'].ratio_vs_sdpa:.2f}" if "fmha+keypad" in by else "—"
+        keypad = "—"
+        if "fmha+keypad" in by:  # per round: time with the mask / without
+            pairs = zip(by["fmha+keypad"].round_s, by["fmha"].round_s)
+            keypad = f"{statistics.median(x / y for x, y in pairs):.2f}"
         fm = by["fmha"]
         pct = f"{100 * fm.fraction_of_peak:.0f}%" if fm.fraction_of_peak else "—"
         vs_flex = f"{fm.ratio_vs_flex:.2f}×" if fm.ratio_vs_flex else "—"
