@@ -2,6 +2,7 @@
 benchmark's 8-bit rows (--decode --kv-dtypes), on tiny inputs."""
 
 import json
+import statistics
 
 import pytest
 
@@ -93,9 +94,18 @@ def test_decode_8bit_rows():
     kv8 = [r for r in rows if "cache_dtype" in r]
     assert {r["entry"] for r in kv8} == set(bench_decode.KV8_ENTRIES.values())
     assert len(kv8) == 3 * len(bench_decode.SEQLEN_Q)
+    by = {(r["seqlen_q"], r["entry"]): r for r in rows}
     for r in kv8:
         assert r["kv_bytes"] == 2 * 1 * 256 * 2 * 32 + 2 * 1 * 256 * 2 * 4
         assert r["speedup_vs_16bit_cache"] > 0 and r["tokens_per_s"] > 0
+        # Each ratio is the median of per-round ratios, both sides from the same round.
+        base = by[(r["seqlen_q"], "kvcache")]
+        assert len(r["round_ms"]) == len(base["round_ms"]) == bench_decode.ROUNDS
+        assert r["speedup_vs_16bit_cache"] == pytest.approx(statistics.median(
+            x / y for x, y in zip(base["round_ms"], r["round_ms"])))
+        assert r["fraction_of_bandwidth"] == pytest.approx(statistics.median(
+            r["kv_bytes"] / (t * 1e6) / bw for t, bw in zip(r["round_ms"],
+                                                           r["round_bandwidth"])))
     # The 16-bit rows keep their fields.
     plain = [r for r in rows if "cache_dtype" not in r]
     assert {r["entry"] for r in plain} >= {"kvcache", "attention", "torch_sdpa"}

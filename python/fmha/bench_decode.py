@@ -15,9 +15,13 @@ speculative verification), this mode times in one run, on the same cache content
 Pages are assigned in a shuffled order, as a pool serving many sequences hands them out. The
 reported bandwidth is the bytes of K and V read once (batch · seqlen_k · heads_kv ·
 (head_dim + head_dim_v) · element size) divided by the median call time; the limit it is
-judged against is measured in the same run by fmha's read probe (``fmha._C.
-cpu_read_bandwidth_gbs``: the same threads summing a buffer of the same size, best of
-five). No new rows are appended (the cache is full), so every call reads the same bytes.
+judged against is fmha's read probe (``fmha._C.cpu_read_bandwidth_gbs``: the same threads
+summing a buffer of the same size, best of five). On the CPU the entries of a case take
+turns ROUNDS (5) times over, each round opened by that probe and starting one entry further
+along, and every fraction of the bandwidth and every ratio (to SDPA, to the 16-bit cache) is
+the median of its per-round values (rows keep ``round_ms`` and ``round_bandwidth``): a
+shared VM's speed drifts within seconds, and both sides of a ratio then drift together. No
+new rows are appended (the cache is full), so every call reads the same bytes.
 
 On a GPU (``python -m fmha.bench_cuda --decode``, float16/bfloat16) the same entries run on
 CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth measured in the
@@ -109,6 +113,27 @@ def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> floa
     return statistics.median(times)
 
 
+#: CPU timing: the entries take turns ROUNDS times over, each round opened by the read
+#: probes (the host's speed drifts on shared VMs); a GPU run times each entry once.
+ROUNDS = 5
+
+
+def _timed_rounds(calls: dict, timer, probes: dict, rounds: int):
+    """Each call timed in turn (seconds per call), `rounds` times over, each round opened by
+    the probes (name -> GB/s) and starting one entry further along: per call and per probe,
+    its value in each round."""
+    order = list(calls)
+    times = {e: [] for e in order}
+    measured = {k: [] for k in probes}
+    for r in range(rounds):
+        for k, probe in probes.items():
+            measured[k].append(probe())
+        first = r % len(order)
+        for e in order[first:] + order[:first]:
+            times[e].append(timer(calls[e]))
+    return times, measured
+
+
 def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
         min_seconds: float = 0.5, device: str = "cpu", kv_dtypes=()) -> list:
     import torch
@@ -135,8 +160,11 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
     if on_gpu:
         from ._host import median_seconds_on
         timer = lambda fn: median_seconds_on(fn, 20, torch.device(device))  # noqa: E731
+        rounds = 1
     else:
-        timer = lambda fn: _time(fn, min_seconds)  # noqa: E731
+        timer = lambda fn: _time(fn, min_seconds / ROUNDS, min_reps=2)  # noqa: E731
+        rounds = ROUNDS
+    med = statistics.median
     print(f"{'case':24s} {'dtype':9s} {'sq':>2s} {'entry':17s} {'ms':>9s} {'GB/s':>7s} "
           f"{'% bw':>6s} {'x sdpa':>7s}")
     for dtype_name in dtypes:
@@ -155,13 +183,17 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     kp, vp, table = kp.to(device), vp.to(device), table.to(device)
                     pools[bs] = ((kp, table), (vp, table))
             kc, vc = kc.to(device), vc.to(device)
-            bandwidth = (cuda_read_bandwidth_gbs(nbytes, device) if on_gpu else
-                         fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes))
+            # The read probes: on the CPU once per round, on the GPU once per case.
+            probes = {"bw": (lambda bw=cuda_read_bandwidth_gbs(nbytes, device): bw) if on_gpu
+                      else (lambda: fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes))}
             quantized = {fmt: _quantized_cache(kc, vc, fmt) for fmt in kv8}
             if kv8:
                 kc8, _, ks8, _ = quantized[kv8[0]]
                 nbytes8 = 2 * kc8.numel() + 2 * ks8.numel() * 4
-                bandwidth8 = fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes8)
+                probes["bw8"] = ((lambda bw=cuda_read_bandwidth_gbs(nbytes8, device): bw)
+                                 if on_gpu else
+                                 (lambda: fmha._C.cpu_read_bandwidth_gbs(nthreads, nbytes8)))
+            case_bw = {k: [] for k in probes}
             for sq in SEQLEN_Q:
                 q = torch.randn(b, sq, hq, d, generator=g).to(dtype).to(device)
                 calls = {
@@ -176,49 +208,47 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     calls[f"kvcache-paged{bs}"] = (
                         lambda kp=kp, vp=vp, table=table: attention_with_kvcache(
                             q, kp, vp, cache_seqlens=lens, block_table=table, causal=True))
-                times = {}
-                with torch.no_grad():
-                    for entry in ENTRIES:
-                        if entry in calls:
-                            times[entry] = timer(calls[entry])
-                for entry, secs in times.items():
-                    gbs = nbytes / secs / 1e9
-                    row = dict(case=name, dtype=dtype_name, batch=b, heads_q=hq, heads_kv=hkv,
-                               seqlen_k=sk, head_dim=d, seqlen_q=sq, entry=entry,
-                               ms=secs * 1e3, gb_per_s=gbs, kv_bytes=nbytes,
-                               read_bandwidth_gb_per_s=bandwidth,
-                               fraction_of_bandwidth=gbs / bandwidth,
-                               ratio_vs_sdpa=times["torch_sdpa"] / secs)
-                    rows.append(row)
-                    print(f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
-                          f"{gbs:7.1f} {100 * gbs / bandwidth:5.0f}% "
-                          f"{times['torch_sdpa'] / secs:7.2f}", flush=True)
                 for fmt in kv8:
                     kc8, vc8, ks8, vs8 = quantized[fmt]
-                    with torch.no_grad():
-                        secs = timer(lambda: attention_with_kvcache(
+                    calls[KV8_ENTRIES[fmt]] = (
+                        lambda kc8=kc8, vc8=vc8, ks8=ks8, vs8=vs8: attention_with_kvcache(
                             q, kc8, vc8, cache_seqlens=lens, causal=True, k_scale=ks8,
                             v_scale=vs8))
-                    gbs = nbytes8 / secs / 1e9
-                    entry = KV8_ENTRIES[fmt]
-                    rows.append(dict(case=name, dtype=dtype_name, batch=b, heads_q=hq,
-                                     heads_kv=hkv, seqlen_k=sk, head_dim=d, seqlen_q=sq,
-                                     entry=entry, cache_dtype=fmt, scales="dynamic",
-                                     ms=secs * 1e3, gb_per_s=gbs, kv_bytes=nbytes8,
-                                     read_bandwidth_gb_per_s=bandwidth8,
-                                     fraction_of_bandwidth=gbs / bandwidth8,
-                                     ratio_vs_sdpa=times["torch_sdpa"] / secs,
-                                     speedup_vs_16bit_cache=times["kvcache"] / secs,
-                                     tokens_per_s=b * sq / secs))
-                    print(f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
-                          f"{gbs:7.1f} {100 * gbs / bandwidth8:5.0f}% "
-                          f"{times['torch_sdpa'] / secs:7.2f}  {times['kvcache'] / secs:.2f}x "
-                          f"the {dtype_name} cache", flush=True)
-            print(f"{'':24s} {dtype_name:9s}    read bandwidth {bandwidth:.1f} GB/s "
-                  f"({nbytes / 1e6:.0f} MB)")
-            if kv8:
-                print(f"{'':24s} {'8-bit':9s}    read bandwidth {bandwidth8:.1f} GB/s "
-                      f"({nbytes8 / 1e6:.0f} MB)")
+                with torch.no_grad():
+                    rt, bw = _timed_rounds(
+                        {e: calls[e] for e in ENTRIES if e in calls} |
+                        {KV8_ENTRIES[f]: calls[KV8_ENTRIES[f]] for f in kv8}, timer, probes,
+                        rounds)
+                for k, v in bw.items():
+                    case_bw[k] += v
+                # Every ratio and fraction: the median of its per-round values.
+                per = lambda a, e: med([x / y for x, y in zip(rt[a], rt[e])])  # noqa: E731
+                for entry, ts in rt.items():
+                    fmt = next((f for f in kv8 if KV8_ENTRIES[f] == entry), None)
+                    nb, probe = (nbytes, "bw") if fmt is None else (nbytes8, "bw8")
+                    secs = med(ts)
+                    gbs = nb / secs / 1e9
+                    frac = med([nb / t / 1e9 / x for t, x in zip(ts, bw[probe])])
+                    row = dict(case=name, dtype=dtype_name, batch=b, heads_q=hq, heads_kv=hkv,
+                               seqlen_k=sk, head_dim=d, seqlen_q=sq, entry=entry,
+                               ms=secs * 1e3, gb_per_s=gbs, kv_bytes=nb,
+                               read_bandwidth_gb_per_s=med(bw[probe]),
+                               fraction_of_bandwidth=frac,
+                               ratio_vs_sdpa=per("torch_sdpa", entry),
+                               round_ms=[t * 1e3 for t in ts], round_bandwidth=bw[probe])
+                    line = (f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
+                            f"{gbs:7.1f} {100 * frac:5.0f}% {per('torch_sdpa', entry):7.2f}")
+                    if fmt is not None:
+                        row.update(cache_dtype=fmt, scales="dynamic",
+                                   speedup_vs_16bit_cache=per("kvcache", entry),
+                                   tokens_per_s=b * sq / secs)
+                        line += f"  {per('kvcache', entry):.2f}x the {dtype_name} cache"
+                    rows.append(row)
+                    print(line, flush=True)
+            for k, label, nb in (("bw", dtype_name, nbytes), ("bw8", "8-bit", kv8 and nbytes8)):
+                if k in case_bw:
+                    print(f"{'':24s} {label:9s}    read bandwidth {min(case_bw[k]):.1f}-"
+                          f"{max(case_bw[k]):.1f} GB/s ({nb / 1e6:.0f} MB)")
     if out_path:
         meta = host_meta(torch, fmha, "fmha.bench_cuda" if on_gpu else "fmha.bench")
         if on_gpu:
