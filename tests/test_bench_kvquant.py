@@ -106,6 +106,17 @@ def test_decode_8bit_rows():
         assert r["fraction_of_bandwidth"] == pytest.approx(statistics.median(
             r["kv_bytes"] / (t * 1e6) / bw for t, bw in zip(r["round_ms"],
                                                            r["round_bandwidth"])))
+    # The 8-bit rows are judged against the probe at the 8-bit cache's size: one per round
+    # for every format, not the 16-bit cache's.
+    for sq in bench_decode.SEQLEN_Q:
+        probes = {tuple(r["round_bandwidth"]) for r in kv8 if r["seqlen_q"] == sq}
+        assert len(probes) == 1
+        assert probes != {tuple(by[(sq, "kvcache")]["round_bandwidth"])}
+    for r in rows:
+        assert len(r["round_ms"]) == bench_decode.ROUNDS
+        sdpa = by[(r["seqlen_q"], "torch_sdpa")]
+        assert r["ratio_vs_sdpa"] == pytest.approx(statistics.median(
+            x / y for x, y in zip(sdpa["round_ms"], r["round_ms"])))
     # The 16-bit rows keep their fields.
     plain = [r for r in rows if "cache_dtype" not in r]
     assert {r["entry"] for r in plain} >= {"kvcache", "attention", "torch_sdpa"}

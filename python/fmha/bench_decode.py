@@ -16,17 +16,20 @@ Pages are assigned in a shuffled order, as a pool serving many sequences hands t
 reported bandwidth is the bytes of K and V read once (batch · seqlen_k · heads_kv ·
 (head_dim + head_dim_v) · element size) divided by the median call time; the limit it is
 judged against is fmha's read probe (``fmha._C.cpu_read_bandwidth_gbs``: the same threads
-summing a buffer of the same size, best of five). On the CPU the entries of a case take
-turns ROUNDS (5) times over, each round opened by that probe and starting one entry further
-along, and every fraction of the bandwidth and every ratio (to SDPA, to the 16-bit cache) is
-the median of its per-round values (rows keep ``round_ms`` and ``round_bandwidth``): a
-shared VM's speed drifts within seconds, and both sides of a ratio then drift together. No
-new rows are appended (the cache is full), so every call reads the same bytes.
+summing a buffer of the same size, best of five). On the CPU the entries of a (case,
+seqlen_q) take turns ROUNDS (5) times over, each round opened by the probes (one at the
+16-bit cache's size, one at the 8-bit cache's) and starting one entry further along, and
+every fraction of the bandwidth and every ratio (to SDPA, to the 16-bit cache) is the median
+of its per-round values, so not the ratio of the rows' ``ms`` (rows keep ``round_ms`` and
+``round_bandwidth``): a shared VM's speed drifts within seconds, and both sides of a ratio
+then drift together. No new rows are appended (the cache is full), so every call reads the
+same bytes.
 
 On a GPU (``python -m fmha.bench_cuda --decode``, float16/bfloat16) the same entries run on
 CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth measured in the
 same run: ``torch.sum`` over a float32 buffer of the same size as K+V, median of 20 (so a
-cache that fits the L2 cache is judged against the L2-fed read, as it should be).
+cache that fits the L2 cache is judged against the L2-fed read, as it should be); one round,
+the probe once per case (8-bit rows at their own size).
 
 8-bit caches (``--kv-dtypes int8,float8_e4m3fn,float8_e5m2``; default: none): for
 each listed encoding, one more entry per case and seqlen_q, ``kvcache-int8`` /
@@ -235,7 +238,8 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                                read_bandwidth_gb_per_s=med(bw[probe]),
                                fraction_of_bandwidth=frac,
                                ratio_vs_sdpa=per("torch_sdpa", entry),
-                               round_ms=[t * 1e3 for t in ts], round_bandwidth=bw[probe])
+                               round_ms=[t * 1e3 for t in ts],
+                               round_bandwidth=list(bw[probe]))
                     line = (f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
                             f"{gbs:7.1f} {100 * frac:5.0f}% {per('torch_sdpa', entry):7.2f}")
                     if fmt is not None:
@@ -247,8 +251,10 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     print(line, flush=True)
             for k, label, nb in (("bw", dtype_name, nbytes), ("bw8", "8-bit", kv8 and nbytes8)):
                 if k in case_bw:
-                    print(f"{'':24s} {label:9s}    read bandwidth {min(case_bw[k]):.1f}-"
-                          f"{max(case_bw[k]):.1f} GB/s ({nb / 1e6:.0f} MB)")
+                    lo, hi = min(case_bw[k]), max(case_bw[k])
+                    span = f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
+                    print(f"{'':24s} {label:9s}    read bandwidth {span} GB/s "
+                          f"({nb / 1e6:.0f} MB)")
     if out_path:
         meta = host_meta(torch, fmha, "fmha.bench_cuda" if on_gpu else "fmha.bench")
         if on_gpu:
