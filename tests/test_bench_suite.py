@@ -94,12 +94,12 @@ def test_no_flex_leaves_the_column_out(tmp_path, fast_and_eager):
     assert meta["flex"]["errors"] == {"tiny": "not requested"}
 
 
-def test_rounds_rotate_and_record_a_flex_failure(monkeypatch):
-    """_time_rounds: each round opens with the probe and starts one step further along the
-    order; a step allowed to fail (flex) that raises in a later round is dropped with its
-    error, the others keep one time per round; any other step's error propagates."""
-    monkeypatch.setattr(bench, "ROUNDS", 3)
-    monkeypatch.setattr(bench, "ROUND_SECONDS", 0.0)
+def test_rounds_rotate_and_record_a_flex_failure():
+    """timed_rounds (both benchmark modes' timer): each round opens with the probes and
+    starts one call further along the order; a call allowed to fail (flex) that raises in a
+    later round is dropped with its error, the others keep one time per round; any other
+    call's error propagates."""
+    from fmha._host import timed_rounds
     log, calls = [], {"flex": 0}
 
     def flex():
@@ -108,17 +108,22 @@ def test_rounds_rotate_and_record_a_flex_failure(monkeypatch):
             raise RuntimeError("compiled kernel failed")
         log.append("flex")
 
+    def timer(fn):
+        fn()
+        return 1e-3
+
     steps = {"a": lambda: log.append("a"), "flex": flex, "b": lambda: log.append("b")}
-    times, errors, probes = bench._time_rounds(
-        steps, lambda: log.append("probe") or 1.0)
-    assert set(times) == {"a", "b"} and len(times["a"]) == len(times["b"]) == 3
-    assert probes == [1.0] * 3 and list(errors) == ["flex"]
+    times, errors, measured = timed_rounds(
+        steps, timer, {"peak": lambda: log.append("probe") or 1.0}, 3, may_fail=("flex",))
+    assert set(times) == {"a", "b"} and times["a"] == times["b"] == [1e-3] * 3
+    assert measured == {"peak": [1.0] * 3} and list(errors) == ["flex"]
     # warm-up a, flex, b; round 0 from a; round 1 from flex (which fails), then b, a;
     # round 2 over what is left (a, b), from position 2 % 2 = 0
     assert log == ["a", "flex", "b", "probe", "a", "flex", "b", "probe", "b", "a",
                    "probe", "a", "b"]
     with pytest.raises(ZeroDivisionError):
-        bench._time_rounds({"fmha": lambda: 1 / 0, "flex": lambda: None}, None)
+        timed_rounds({"fmha": lambda: 1 / 0, "flex": lambda: None}, timer, {}, 1,
+                     may_fail=("flex",))
 
 
 def test_a_flex_failure_mid_run_is_recorded(tmp_path, monkeypatch, fast_and_eager):

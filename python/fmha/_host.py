@@ -1,4 +1,5 @@
-"""The host and versions a benchmark result file records (python -m fmha.bench, both modes)."""
+"""The host and versions a benchmark result file records (python -m fmha.bench, both modes),
+and the timing helpers the benchmark modes share."""
 
 from __future__ import annotations
 
@@ -64,6 +65,41 @@ def median_seconds_on(fn, reps: int, device, warmup: int = 3) -> float:
         stop.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(stop) for start, stop in events) / 1e3
+
+
+def timed_rounds(calls: dict, timer, probes: dict, rounds: int, may_fail=()) -> tuple:
+    """The calls (name -> callable) timed in turn by timer(call) (seconds per call), `rounds`
+    times over, each round opened by the probes (name -> callable returning a limit: GFLOP/s,
+    GB/s) and starting one call further along the order, so that no call always runs first:
+    a shared VM's speed drifts within seconds, and a ratio of two calls' times (or of a time
+    to a probe) from the same round drifts on both sides alike. Each call first runs once
+    untimed. Returns (times, errors, measured): per call its value in each round, per probe
+    its value in each round, and the exception of each call named in may_fail that raised
+    (it is then left out); any other call's exception propagates at once."""
+    times, errors = {}, {}
+    measured = {k: [] for k in probes}
+    for name, fn in calls.items():  # warm-up: thread pools, allocations, first-touch
+        try:
+            fn()
+            times[name] = []
+        except Exception as e:  # noqa: BLE001 - recorded for the calls that may fail
+            if name not in may_fail:
+                raise
+            errors[name] = e
+    for r in range(rounds):
+        for k, probe in probes.items():
+            measured[k].append(probe())
+        order = list(times)
+        first = r % len(order) if order else 0
+        for name in order[first:] + order[:first]:
+            try:
+                times[name].append(timer(calls[name]))
+            except Exception as e:  # noqa: BLE001
+                if name not in may_fail:
+                    raise
+                errors[name] = e
+                del times[name]
+    return times, errors, measured
 
 
 def write_json(path: str, result: dict) -> None:

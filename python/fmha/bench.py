@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from ._flex import compiled_flex, dynamo_compiles_allowed
-from ._host import host_meta
+from ._host import host_meta, timed_rounds
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 STANDARD_SUITE = [
@@ -123,38 +123,6 @@ def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20, warm_up=True):
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _time_rounds(steps: dict, probe, may_fail=("flex",)) -> tuple:
-    """The steps (name -> callable) timed in turn, ROUNDS times over, each round opened by
-    probe() (the peak, GFLOP/s; None: no probe) and starting one step further along the
-    order, so that no step always runs first: per step its seconds per call in each round,
-    and the probes. A step named in may_fail that raises is left out, its exception returned;
-    any other step's exception propagates at once."""
-    times, errors, probes = {}, {}, []
-    for name, fn in steps.items():  # warm-up: thread pools, allocations, first-touch
-        try:
-            fn()
-            times[name] = []
-        except Exception as e:  # noqa: BLE001 - recorded for the steps that may fail
-            if name not in may_fail:
-                raise
-            errors[name] = e
-    for r in range(ROUNDS):
-        if probe is not None:
-            probes.append(probe())
-        order = list(times)
-        first = r % len(order) if order else 0
-        for name in order[first:] + order[:first]:
-            try:
-                times[name].append(_time(steps[name], min_reps=1, min_seconds=ROUND_SECONDS,
-                                         max_reps=50, warm_up=False))
-            except Exception as e:  # noqa: BLE001
-                if name not in may_fail:
-                    raise
-                errors[name] = e
-                del times[name]
-    return times, errors, probes
 
 
 def measured_peaks(fmha, nthreads: int) -> dict:
@@ -299,7 +267,12 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                 try:
                     for x in (q, k, v):
                         x.requires_grad_(pass_ != "fwd")
-                    times, errors, probes = _time_rounds(steps, probe_of(dtype_name))
+                    probe = probe_of(dtype_name)
+                    times, errors, measured = timed_rounds(
+                        steps, lambda fn: _time(fn, min_reps=1, min_seconds=ROUND_SECONDS,
+                                                max_reps=50, warm_up=False),
+                        {"peak": probe} if probe else {}, ROUNDS, may_fail=("flex",))
+                    probes = measured.get("peak", [])
                 finally:
                     for x in (q, k, v):
                         x.requires_grad_(False)

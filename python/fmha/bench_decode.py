@@ -121,22 +121,6 @@ def _time(fn, min_seconds: float, min_reps: int = 3, max_reps: int = 50) -> floa
 ROUNDS = 5
 
 
-def _timed_rounds(calls: dict, timer, probes: dict, rounds: int):
-    """Each call timed in turn (seconds per call), `rounds` times over, each round opened by
-    the probes (name -> GB/s) and starting one entry further along: per call and per probe,
-    its value in each round."""
-    order = list(calls)
-    times = {e: [] for e in order}
-    measured = {k: [] for k in probes}
-    for r in range(rounds):
-        for k, probe in probes.items():
-            measured[k].append(probe())
-        first = r % len(order)
-        for e in order[first:] + order[:first]:
-            times[e].append(timer(calls[e]))
-    return times, measured
-
-
 def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
         min_seconds: float = 0.5, device: str = "cpu", kv_dtypes=()) -> list:
     import torch
@@ -144,7 +128,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
     import fmha
     from fmha.kvcache import attention_with_kvcache
 
-    from ._host import host_meta, write_json
+    from ._host import host_meta, timed_rounds, write_json
 
     on_gpu = device != "cpu"
     if threads:
@@ -218,7 +202,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                             q, kc8, vc8, cache_seqlens=lens, causal=True, k_scale=ks8,
                             v_scale=vs8))
                 with torch.no_grad():
-                    rt, bw = _timed_rounds(
+                    rt, _, bw = timed_rounds(
                         {e: calls[e] for e in ENTRIES if e in calls} |
                         {KV8_ENTRIES[f]: calls[KV8_ENTRIES[f]] for f in kv8}, timer, probes,
                         rounds)
