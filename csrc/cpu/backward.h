@@ -113,6 +113,9 @@ struct BwdHead {
   // bfloat16 for the three gradient products, as on a GPU; accumulation stays float. The
   // same for every pass and every call, so results stay independent of the thread count.
   bool pairs = false;  // (set for bfloat16 at the avx512bf16 level, whatever the layout)
+  // Q's and dO's rows, the B operands of dK and dV, read in place or copied dense per query
+  // tile: a choice per microarchitecture (kernels.h), the same bits either way.
+  bool dense_b = copies_b_rows_dense();
 
   BwdHead(const BwdParams& p_, int b_, int h_, const A* D_all)
       : p(p_), s(seq_of(p_, b_)), b(b_), h(h_), hk(h_ / (p_.heads_q / p_.heads_kv)) {
@@ -175,9 +178,10 @@ struct BwdHead {
         return x;
       }
     }
-    x.q = rows_as_acc(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, t.ldq, &x.ldq, true);
+    x.q = rows_as_acc(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, t.ldq, &x.ldq, true,
+                      dense_b);
     x.dout = rows_as_acc(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.do_rows, t.ldv, &x.ldo,
-                         true);
+                         true, dense_b);
     return x;
   }
   // S <- P ∘ Z (feeds dV), dP <- dS (through the softcap: feeds dK), row-major.

@@ -838,7 +838,7 @@ void forward_typed(const FwdParams& p) {
   }
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
-  const bool dense_v = forward_copies_v_dense();  // per microarchitecture (kernels.h)
+  const bool dense_v = copies_b_rows_dense();  // per microarchitecture (kernels.h)
   parallel_for(n_tasks, p.num_threads,
                [&](int64_t t) { forward_task<T>(p, t, dense_v); }, work);
 }

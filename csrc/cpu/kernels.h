@@ -17,10 +17,11 @@ namespace fmha::cpu {
   void exp_array(const float* x, float* y, int64_t n, bool lean); \
   void decode_kv_codes(int code, const uint8_t* x, float* y, int64_t n); \
   }
-// Whether the forward copies V's tile dense before P V when its rows lie at another stride
-// (forward.h, rows_as_acc): a choice per microarchitecture, measured, with the same results
-// either way. Defined in fmha/dispatch.cpp.
-bool forward_copies_v_dense();
+// Whether a GEMM's B operand whose rows lie at another stride (the forward's V, the
+// backward's Q and dO) is copied into a dense tile first (forward.h, rows_as_acc): a choice
+// per microarchitecture, measured, with the same results either way. Defined in
+// fmha/dispatch.cpp.
+bool copies_b_rows_dense();
 
 FMHA_DECLARE_ISA(scalar)
 FMHA_DECLARE_ISA(avx2)

@@ -94,12 +94,13 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* source) {
 
 namespace cpu {
 
-// Measured with tools/cpu_ab.py, fp32 forward (benchmarks/NOTES.md, "B operands are copied"):
-// the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other from L1)
-// and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where reading them
-// in place is faster; the families' other members are taken as measured with them. Other
-// cores keep the copy, the choice measured first.
-bool forward_copies_v_dense() {
+// Measured with tools/cpu_ab.py, fp32 (benchmarks/NOTES.md, "B operands are copied"): in the
+// forward (V) the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other
+// from L1) and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where
+// reading them in place is faster; in the backward (Q and dO) it gains 5-10% on Ice Lake, is
+// neutral on Zen 4 and loses ~3.5% on Zen 5. The families' other members are taken as
+// measured with them. Other cores keep the copy, the choice measured first.
+bool copies_b_rows_dense() {
   static const bool copy = [] {
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a = 0, b = 0, c = 0, d = 0;
