@@ -334,6 +334,9 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
         const int nn = std::min(kBr, i_end - i0 - kBr);
         prefetch_rows(head.q_at(i0 + kBr), p.q_row_stride, nn, p.head_dim * int(sizeof(T)));
         prefetch_rows(head.do_at(i0 + kBr), p.do_row_stride, nn, p.head_dim_v * int(sizeof(T)));
+        if (dQ_all)  // and its dQ rows, which dQ += dS K reads and writes (the sequence's)
+          prefetch_rows(dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0 + kBr) * ldq, ldq, nn,
+                        p.head_dim * int(sizeof(A)));
       }
       if (tile_skipped(p, b, h, i0, nr, j0, nc)) continue;
       A* dQ = dQ_all ? dQ_all + (int64_t(h - hk * group) * p.seqlen_q + i0) * ldq : nullptr;
