@@ -113,8 +113,8 @@ struct BwdHead {
   // bfloat16 for the three gradient products, as on a GPU; accumulation stays float. The
   // same for every pass and every call, so results stay independent of the thread count.
   bool pairs = false;  // (set for bfloat16 at the avx512bf16 level, whatever the layout)
-  // Q's and dO's rows, the B operands of dK and dV, read in place or copied dense per query
-  // tile: a choice per microarchitecture (kernels.h), the same bits either way.
+  // Q's and dO's rows (A of S = Q Kᵀ and dP = dO Vᵀ, B of dK and dV) read in place or copied
+  // dense per query tile: a choice per microarchitecture (kernels.h), the same bits either way.
   bool dense_b = copies_b_rows_dense();
 
   BwdHead(const BwdParams& p_, int b_, int h_, const A* D_all)

@@ -97,9 +97,10 @@ namespace cpu {
 // Measured with tools/cpu_ab.py, fp32 (benchmarks/NOTES.md, "B operands are copied"): in the
 // forward (V) the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other
 // from L1) and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where
-// reading them in place is faster; in the backward (Q and dO) it gains 5-10% on Ice Lake, is
-// neutral on Zen 4 and loses ~3.5% on Zen 5. The families' other members are taken as
-// measured with them. Other cores keep the copy, the choice measured first.
+// reading them in place is faster. In the backward (Q and dO) copying them with K gained
+// 5-10% on Ice Lake and was neutral on Zen 4; on Zen 5 reading Q and dO in place is 0.9-4.8%
+// faster (0.986-0.990 on one long causal d 64 case). The families' other members are taken
+// as measured with them. Other cores keep the copy, the choice measured first.
 bool copies_b_rows_dense() {
   static const bool copy = [] {
 #if defined(__x86_64__) || defined(__i386__)
