@@ -226,6 +226,21 @@ def test_self_attention_same_tensor(rng, dtype):
     assert_close("dx", x.grad, ref["dq"] + ref["dk"] + ref["dv"], dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_sees_v_changed_in_place_between_calls(rng, causal):
+    """The bfloat16 forward keeps V's pair tiles per thread across one call's query tiles
+    (cpu/forward.h, PackedVTiles). A second call over the same V memory, changed in place
+    (as a KV cache is), must read the new values: with V times -2 (exact in bfloat16), the
+    output is exactly -2 times the first, where stale tiles would repeat the first."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (make_array(rng, (2, 300, 4, 64), "bfloat16", "torch") for _ in range(3))
+    first = fmha.attention(q, k, v, causal=causal)
+    v.mul_(-2)
+    second = fmha.attention(q, k, v, causal=causal)
+    assert torch.equal(second, -2 * first)
+    assert torch.equal(second, fmha.attention(q, k, v.clone(), causal=causal))
+
+
 # ============================================================================ bias
 
 

@@ -7,6 +7,7 @@
 // thread; no seqlen_q x seqlen_k buffer exists.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -59,8 +60,56 @@ inline A* lse_at(const FwdParams& p, const Seq& s, int b, int h, int i) {
 template <typename T>
 constexpr bool kLeanExp = sizeof(T) == 2;
 
+// V's key tiles as pair words (the bfloat16 pair path's B of O += P V), kept by each thread
+// across the query tiles of one (call, batch, kv head): packed once per key tile instead of
+// once per (query tile, key tile), which cost the bfloat16 forward ~5% (benchmarks/NOTES.md,
+// "Where the backward's time goes on Zen 5"). A tile is the very words pack_row_pairs gives
+// it, looked up by its start (a multiple of kBc) and its key count; V's of more than
+// kPackedVBytes per thread are packed per tile as before.
+struct PackedVTiles {
+  uint64_t call = 0;
+  int b = -1, hk = -1;
+  std::vector<uint32_t> words;  // tile t at t * (kBc / 2) * ldv
+  std::vector<int> keys;        // key count tile t was packed with; 0: not packed
+};
+constexpr int64_t kPackedVBytes = int64_t(8) << 20;
+// Each call's tag for PackedVTiles: V may change between calls at the same address.
+inline std::atomic<uint64_t> g_forward_calls{0};
+
+// The pair words of V's key tile [j0, j0 + nc) of (b, hk) (rows vj, stride vs): from this
+// thread's PackedVTiles when the tile can be kept there (V read where it lies, not an 8-bit
+// or paged cache's staged rows; a tile-aligned start; V small enough), else packed into
+// `scratch` as every tile was before.
 template <typename T>
-void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
+inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int hk, uint64_t call,
+                                   int j0, int nc, const T* vj, int64_t vs, uint32_t* scratch,
+                                   int ldv) {
+  const int64_t tile_words = int64_t(kBc / 2) * ldv;
+  const int64_t n_tiles = (int64_t(s.sk) + kBc - 1) / kBc;
+  if (p.kv_code != KvCode::kNone || p.block_table || j0 % kBc != 0 ||
+      n_tiles * tile_words * int64_t(sizeof(uint32_t)) > kPackedVBytes) {
+    pack_row_pairs(vj, vs, nc, p.head_dim_v, scratch, ldv);
+    return scratch;
+  }
+  thread_local PackedVTiles cache;
+  if (cache.call != call || cache.b != b || cache.hk != hk) {
+    cache.call = call;
+    cache.b = b;
+    cache.hk = hk;
+    cache.keys.assign(size_t(n_tiles), 0);
+    if (cache.words.size() < size_t(n_tiles * tile_words)) cache.words.resize(size_t(n_tiles * tile_words));
+  }
+  uint32_t* words = cache.words.data() + int64_t(j0 / kBc) * tile_words;
+  int& packed = cache.keys[size_t(j0 / kBc)];
+  if (packed != nc) {  // a tile is packed for one key count; another count packs it anew
+    pack_row_pairs(vj, vs, nc, p.head_dim_v, words, ldv);
+    packed = nc;
+  }
+  return words;
+}
+
+template <typename T>
+void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call) {
   using A = acc_t<T>;
   const int n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int b = int(task / (int64_t(p.heads_q) * n_qblocks));
@@ -132,11 +181,12 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
     }
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
+    [[maybe_unused]] const uint32_t* V2j = V2;  // V's pair words for this tile
     if constexpr (pairs) {
       int64_t ldkw;
       const uint32_t* Kw = pair_rows(kj, ks, nc, d, Kbuf, &ldkw);
       gemm<false>(nc, nrp, (d + 1) / 2, Kw, ldkw, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
-      pack_row_pairs(vj, vs, nc, dv, V2, ldv);
+      V2j = v_pair_tile(p, s, b, hk, call, j0, nc, vj, vs, V2, ldv);
     } else {
       int64_t ldk;
       const A* Kj = rows_as_acc(kj, ks, nc, d, Kbuf, d, &ldk, false);
@@ -179,7 +229,7 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v) {
       gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, excluded);  // O += P V
     } else if constexpr (pairs) {
       pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
-      gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2, ldv, O, ldv);  // O += P V
+      gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2j, ldv, O, ldv);  // O += P V
     } else {
       gemm<true>(nr, ldv, nc, ST, 1, kBr, Vj, ldvj, O, ldv);  // O += P V
     }
@@ -839,8 +889,9 @@ void forward_typed(const FwdParams& p) {
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
   const bool dense_v = copies_b_rows_dense();  // per microarchitecture (kernels.h)
+  const uint64_t call = ++g_forward_calls;
   parallel_for(n_tasks, p.num_threads,
-               [&](int64_t t) { forward_task<T>(p, t, dense_v); }, work);
+               [&](int64_t t) { forward_task<T>(p, t, dense_v, call); }, work);
 }
 
 void forward(const FwdParams& p) {
