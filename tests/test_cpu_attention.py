@@ -227,13 +227,16 @@ def test_self_attention_same_tensor(rng, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_bfloat16_sees_v_changed_in_place_between_calls(rng, causal):
+@pytest.mark.parametrize("shape", [(1, 300, 1, 64), (2, 300, 4, 64)])
+def test_bfloat16_sees_v_changed_in_place_between_calls(rng, shape, causal):
     """The bfloat16 forward keeps V's pair tiles per thread across one call's query tiles
     (cpu/forward.h, PackedVTiles). A second call over the same V memory, changed in place
     (as a KV cache is), must read the new values: with V times -2 (exact in bfloat16), the
-    output is exactly -2 times the first, where stale tiles would repeat the first."""
+    output is exactly -2 times the first, where stale tiles would repeat the first. With one
+    (batch, kv head), every thread's first task of the second call is the head its last task
+    of the first call was: stale tiles would be hit whatever the thread count."""
     torch = pytest.importorskip("torch")
-    q, k, v = (make_array(rng, (2, 300, 4, 64), "bfloat16", "torch") for _ in range(3))
+    q, k, v = (make_array(rng, shape, "bfloat16", "torch") for _ in range(3))
     first = fmha.attention(q, k, v, causal=causal)
     v.mul_(-2)
     second = fmha.attention(q, k, v, causal=causal)

@@ -61,25 +61,27 @@ template <typename T>
 constexpr bool kLeanExp = sizeof(T) == 2;
 
 // V's key tiles as pair words (the bfloat16 pair path's B of O += P V), kept by each thread
-// across the query tiles of one (call, batch, kv head): packed once per key tile instead of
-// once per (query tile, key tile), which cost the bfloat16 forward ~5% (benchmarks/NOTES.md,
-// "Where the backward's time goes on Zen 5"). A tile is the very words pack_row_pairs gives
-// it, looked up by its start (a multiple of kBc) and its key count; V's of more than
-// kPackedVBytes per thread are packed per tile as before.
+// across the query tiles of one (call, batch, kv head) that it runs back to back (a head's
+// tasks are adjacent): packed once per key tile and thread instead of once per (query tile,
+// key tile), which cost the bfloat16 forward ~5% (benchmarks/NOTES.md, "Where the backward's
+// time goes on Zen 5"). A tile is the very words pack_row_pairs gives it, looked up by its
+// start (a multiple of kBc) and its key count. A head whose tiles take more than
+// kPackedVBytes is packed per tile as before; up to that much stays allocated per thread
+// between calls, as the thread's workspace does.
 struct PackedVTiles {
   uint64_t call = 0;
   int b = -1, hk = -1;
   std::vector<uint32_t> words;  // tile t at t * (kBc / 2) * ldv
   std::vector<int> keys;        // key count tile t was packed with; 0: not packed
 };
-constexpr int64_t kPackedVBytes = int64_t(8) << 20;
+constexpr int64_t kPackedVBytes = int64_t(4) << 20;
 // Each call's tag for PackedVTiles: V may change between calls at the same address.
 inline std::atomic<uint64_t> g_forward_calls{0};
 
 // The pair words of V's key tile [j0, j0 + nc) of (b, hk) (rows vj, stride vs): from this
-// thread's PackedVTiles when the tile can be kept there (V read where it lies, not an 8-bit
-// or paged cache's staged rows; a tile-aligned start; V small enough), else packed into
-// `scratch` as every tile was before.
+// thread's PackedVTiles when the tile can be kept there (V read where it lies: not an 8-bit
+// cache's decoded rows, not a paged cache; a tile-aligned start; V small enough), else
+// packed into `scratch` as every tile was before.
 template <typename T>
 inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int hk, uint64_t call,
                                    int j0, int nc, const T* vj, int64_t vs, uint32_t* scratch,
