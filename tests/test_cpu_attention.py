@@ -216,7 +216,7 @@ def test_expanded_bias_view_grad(rng):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_self_attention_same_tensor(rng, dtype):
     """q, k and v the very same tensor: its grad is dq + dk + dv of the reference."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     x = make_array(rng, (2, 17, 2, 16), dtype, "torch").requires_grad_(True)
     do = make_array(rng, (2, 17, 2, 16), dtype, "torch")
     out = fmha.attention(x, x, x, causal=True)
