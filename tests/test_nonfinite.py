@@ -134,6 +134,16 @@ def _nan_v_causal_d128(rng):
     return q, k, v, do, dict(causal=True)
 
 
+def _nan_v_causal_d64(rng):
+    # The plain d = 64 forward gives each warp 32 query rows, two m16 tiles, and checks Vj after
+    # S (csrc/cuda/flash_fwd.cuh, kMTiles = 2): warp 0 holds rows 0-15 and 16-31, warp 2 rows
+    # 64-79 and 80-95. Keys 20 and 91 split the second tile of each.
+    q, k, v, do = _inputs(rng, sq=100, sk=100, d=64)
+    v[0, 20, 0, 33] = NAN  # head 0: rows >= 20 NaN, rows 16-19 (same m16 tile) must not be
+    v[0, 91, 1, 2] = -INF  # head 1: rows >= 91 non-finite, rows 80-90 finite
+    return q, k, v, do, dict(causal=True)
+
+
 SCENARIOS = {
     "nan_q_row": _nan_q_row,
     "inf_q_causal": _inf_q_causal,
@@ -149,6 +159,7 @@ SCENARIOS = {
     "nan_v_dropout": _nan_v_dropout,
     "nan_v_decode_gqa": _nan_v_decode_gqa,
     "nan_v_causal_d128": _nan_v_causal_d128,
+    "nan_v_causal_d64": _nan_v_causal_d64,
 }
 
 

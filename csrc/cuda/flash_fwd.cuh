@@ -2,11 +2,14 @@
 // Parallelism and Work Partitioning", 2023, Algorithm 1), written only with the wrappers of
 // cuda/primitives.cuh so that it runs on sm_80+ GPUs and, in CI, under the SIMT emulator.
 //
-// Work decomposition: one CTA per (query block Qi of kBlockM = 64 rows, query head, batch
-// [, key split]); 4 warps, each owning 16 rows of Qi, so the softmax statistics of a row
+// Work decomposition: one CTA per (query block Qi of kBlockM rows, query head, batch
+// [, key split]); 4 warps, each owning 32 rows of Qi (two m16 tiles, kBlockM = 128; 16 rows
+// where registers are short: d = 128, 256 and the extras), so the softmax statistics of a row
 // never leave its warp (no shared-memory reduction). Key/value blocks Kj, Vj of kBlockN keys
-// stream through shared memory with cp.async, two stages deep: the copy of block j+1 is in
-// flight while the tensor cores work on block j.
+// stream through shared memory with cp.async: with 16 rows two stages deep, the copy of block
+// j+1 in flight while the tensor cores work on block j; with 32 rows single-buffered, as in
+// FlashAttention-2, the copy of Vj under S = Qi Kj^T and that of Kj+1 under the softmax and
+// P Vj.
 //
 // Per key block, per warp (names from the paper):
 //   S  = Qi Kj^T                 mma.sync m16n8k16, f32 accumulate; Qi as A fragments, held
@@ -49,7 +52,7 @@
 // exp2's FFMA.
 //
 // Not yet here: output staged through shared memory for coalesced stores; 32 query rows per
-// warp (a 128-row tile). Performance reasoning: cuda/NOTES.md.
+// warp at d = 128 (registers). Performance reasoning: cuda/NOTES.md.
 #pragma once
 
 #include <cmath>
@@ -67,23 +70,32 @@ namespace fmha {
 namespace gpu {
 
 // The shape of one forward kernel. Register budget per thread (255 max, no spills) is what
-// decides the tiles: a warp owns 16 rows, so per thread
-//   O accumulator  kHeadDim / 8 n-tiles x 4 floats  = kHeadDim / 2 registers
-//   S accumulator  kBlockN / 8 n-tiles x 4 floats   = kBlockN / 2
-//   Q fragments    kHeadDim / 16 k-steps x 4        = kHeadDim / 4   (only when kQInRegs)
-// plus ~60-90 for addresses, softmax statistics, the K/V fragments in flight and indices.
+// decides the tiles: a warp owns 16 kMTiles rows (kMTiles m16 tiles), so per thread
+//   O accumulator  kMTiles x kHeadDim / 8 n-tiles x 4 floats = kMTiles kHeadDim / 2 registers
+//   S accumulator  kMTiles x kBlockN / 8 n-tiles x 4 floats  = kMTiles kBlockN / 2
+//   Q fragments    kMTiles x kHeadDim / 16 k-steps x 4       = kMTiles kHeadDim / 4 (kQInRegs)
+// plus ~50-90 for addresses, softmax statistics, the K/V fragments in flight and indices.
 // kColSplit = 2: two warps share each 16 rows, one half of O's columns each (8 warps): both
 // compute the rows' S and softmax, each accumulates P V for its own half.
+// kMTiles = 2 (FlashAttention-2's 32 rows per warp, a 128-row Qi): each K and V fragment a
+// warp loads feeds twice the mma, and the pass's fixed costs (barriers, copies, loop) are
+// spread over twice the work. Kj and Vj are then single-buffered, so that Qi's 128 rows and
+// them fit two CTAs per sm_80 SM: the copy of Vj runs under S = Qi Kj^T and that of Kj+1
+// under the softmax and P Vj, as in FlashAttention-2 (kStages = 1).
 template <int kHeadDim_, int kBlockN_, bool kQInRegs_, int kCtasPerSm_, int kColSplit_ = 1,
-          bool kSwizzled_ = false>
+          bool kSwizzled_ = false, int kMTiles_ = 1>
 struct FlashFwdConfigBase {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64, kBlockN = kBlockN_;
+  static constexpr int kMTiles = kMTiles_;  // m16 tiles of query rows per warp
+  static constexpr int kRowWarps = 4;       // warps along the rows: 16 kMTiles rows each
+  static constexpr int kRowsPerWarp = 16 * kMTiles;
+  static constexpr int kBlockM = kRowsPerWarp * kRowWarps, kBlockN = kBlockN_;
   static constexpr int kColSplit = kColSplit_;
-  static constexpr int kRowWarps = 4;  // warps along the rows: 16 rows each
   static constexpr int kWarps = kRowWarps * kColSplit, kThreads = 32 * kWarps;
   static constexpr int kOutDim = kHeadDim / kColSplit;  // O columns per warp
-  static constexpr int kStages = 2;
+  // Kj, Vj buffers: 2 = the next block's copy in flight under the whole of this block's work;
+  // 1 = Vj's copy under S, Kj+1's under the softmax and P Vj.
+  static constexpr int kStages = kMTiles == 1 ? 2 : 1;
   static constexpr bool kQInRegs = kQInRegs_;
   // CTAs one SM holds at once (registers x 128 threads and shared memory, sm_80): the
   // split-KV heuristic's unit of "the GPU is full".
@@ -103,6 +115,7 @@ struct FlashFwdConfigBase {
   static constexpr int kTileKV = kBlockN * KVLayout::kStride;
   // Qi once, then kStages x (Kj, Vj).
   static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2;
+  static_assert(kStages == 2 || kStages == 1, "double- or single-buffered Kj, Vj");
 
   static constexpr int kNTilesS = kBlockN / 8;     // n-tiles of S (keys)
   static constexpr int kKStepsQK = kHeadDim / 16;  // k-steps of Qi Kj^T (head dim)
@@ -111,16 +124,20 @@ struct FlashFwdConfigBase {
   // Philox draws of dropout unrolled together: all of them (ILP) unless registers are short.
   static constexpr int kDropoutUnroll = kHeadDim >= 256 ? 1 : 2 * kNTilesS;
   // Accumulator + fragment registers per thread (the part that grows with the tile).
-  static constexpr int kTileRegs = kOutDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4);
+  static constexpr int kTileRegs =
+      kMTiles * (kOutDim / 2 + kBlockN / 2 + (kQInRegs ? kHeadDim / 4 : 4));
 
-  static_assert(kBlockM == 16 * kRowWarps, "each warp owns 16 query rows");
+  static_assert(kMTiles == 1 || kMTiles == 2, "16 or 32 rows per warp");
+  static_assert(kMTiles == 1 || kColSplit == 1, "32 rows: one warp per row block");
   static_assert(kHeadDim % kColSplit == 0 && kOutDim % 16 == 0, "whole column halves");
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "whole mma k-steps");
   static_assert(kNTilesS % 2 == 0 && kNTilesO % 2 == 0, "B fragments load two n-tiles per x4");
   static_assert((kBlockM * kHeadDim / 8) % kThreads == 0 && (kBlockN * kHeadDim / 8) % kThreads == 0,
                 "whole 16-byte chunks per thread");
   static_assert(kTileQ % 64 == 0, "Kj, Vj start on 128-byte boundaries (Layout::at)");
-  static_assert(kTileRegs <= 176, "leave >= ~80 registers for addresses and softmax state");
+  // (32 rows per warp: FlashAttention-2's 128 x 64 tile at d = 128 takes 200, as here.)
+  static_assert(kTileRegs <= (kMTiles == 1 ? 176 : 200),
+                "leave >= ~55-80 registers for addresses and softmax state");
   // 163 KiB: the most dynamic shared memory one CTA may opt into on sm_80 (A100); and
   // kCtasPerSm CTAs in its 164 KiB, 1 KiB of which each CTA leaves to the system.
   static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 SM");
@@ -133,38 +150,42 @@ struct FlashFwdConfigBase {
 template <int kHeadDim, bool kExtras>
 struct FlashFwdConfig;
 
-// Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80). Measured registers are in
+// Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80)[, kColSplit, K/V swizzled,
+// m16 tiles per warp]. The plain kernels give each warp 32 query rows wherever ptxas fits
+// them (all but d = 128 and 256): instructions per HMMA and per-pass counts of both shapes
+// are in benchmarks/gpu/sass/rows32_2026-12-02.md. Measured registers are in
 // benchmarks/gpu/ptxas_registers_*.md; every choice below is the widest tile that ptxas fits without spilling on
 // both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
 // what matters is that nothing spills).
 //
-// d = 32: 16 (O) + 32 (S) + 8 (Q) registers of tiles, 25 KiB of shared memory. Bound by
-// softmax and memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others.
-template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 3> {
-  // Left to choose, ptxas aimed at 4 CTAs (128 registers) on sm_80 and spilled 8 bytes once
-  // the strong zero was in; 3 gives it 168. (On sm_90 it fits 4 CTAs unasked.)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  static constexpr int kMinBlocks = 3;
-#endif
-};
+// d = 32: 32 rows per warp, 2 x (16 (O) + 32 (S) + 8 (Q)) registers of tiles, 20 KiB of
+// shared memory; ptxas takes 219-224 registers, two CTAs per SM. Bound by softmax and
+// memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others. Extras: 16
+// rows per warp.
+template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 2, 1, false, 2> {};
 template <> struct FlashFwdConfig<32, true> : FlashFwdConfigBase<32, 64, true, 2> {};
-// d = 64: Q re-read from shared memory (4 ldmatrix.x4 per key block and warp, +6% shared
-// traffic at kBlockN = 128): with Q in registers ptxas caps the kernel at 168 registers
-// (3 CTAs/SM) and spills 16 bytes. kBlockN = 128 (S 64 registers, 81 KiB, two CTAs per SM as
-// flash-attn's 128 x 128 tile gets) halves the per-block work of the 64-key tile it replaced
-// (one pass 683 instructions per 128 HMMA against 2 x 419 per 64 HMMA: NOTES.md, "The
-// steady-state loop"). Extras: kBlockN = 32 halves S and the per-score extras state.
-template <> struct FlashFwdConfig<64, false> : FlashFwdConfigBase<64, 128, false, 2> {};
+// d = 64: 32 rows per warp at kBlockN = 64 (O 64 + S 64 registers, 36 KiB, two CTAs per SM
+// by registers): the pass of 16 rows x 128 keys it replaced had the same 128 HMMA but 68
+// ldmatrix instead of 40. Q is re-read from shared memory (2 ldmatrix.x4 per k-step and
+// warp): in registers (+32) it spilled 44 bytes on sm_80. flash-attn's 128 x 128 tile (S 128
+// registers) spills under nvcc 13.0. Extras: 16 rows, kBlockN = 32 halves S and the
+// per-score extras state.
+template <> struct FlashFwdConfig<64, false> : FlashFwdConfigBase<64, 64, false, 2, 1, false, 2> {};
 template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3> {
   // With the whole-block copy as well, ptxas's 168-register target (3 CTAs) spilled 36 bytes
   // on sm_80: the checked copy only, keeping 3 CTAs per SM.
   static constexpr bool kWholeBlocks = false;
 };
-// d = 96: 48 + 32 + 24 registers of tiles, 67 KiB: two CTAs per SM on sm_80.
-template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 64, true, 2> {};
+// d = 96: 32 rows per warp, Q from shared memory and kBlockN = 32 (2 x (48 + 16 + 4)
+// registers of tiles, 39 KiB): kBlockN = 64 spilled 72 bytes on sm_90; kBlockN = 48 has no
+// whole 16-byte chunks per thread. Two CTAs per SM. Extras: 16 rows, Q in registers.
+template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 32, false, 2, 1, false, 2> {};
 template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2> {};
-// d = 128. Plain: Q from shared memory, as FlashAttention-2 does -- with Q in registers (+32)
-// the varlen/split bookkeeping pushed ptxas to 255 and 24-byte spills on sm_90. Its K and V
+// d = 128. Plain: 16 rows per warp -- 32 (O 128 + S 64 registers, FlashAttention-2's tile)
+// spilled 152-184 bytes, and even kBlockN = 32 with the edge blocks' key test removed 8 bytes
+// (NOTES.md, "32 query rows per warp"). Q from shared memory, as FlashAttention-2 does --
+// with Q in registers (+32) the varlen/split bookkeeping pushed ptxas to 255 and 24-byte
+// spills on sm_90. Its K and V
 // tiles are swizzled, not padded: 81 KiB instead of 85, so that two CTAs fit an sm_80
 // SM (each may have 81 of its 164 KiB), as on sm_90. Extras: Q in registers but kBlockN = 32
 // (S 16 registers), 51 KiB.
@@ -253,22 +274,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     n_end = min(n_end, n_begin + per);
   }
 
-  // The two rows of this thread in the accumulator layout: g and g + 8 of the warp's 16;
-  // its O columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
+  // The rows of this thread in the accumulator layout: g and g + 8 of each of the warp's
+  // m16 tiles, row_lo + 16 mt + 8 r, which statistics index x = 2 mt + r holds; its O
+  // columns start at c_base (kColSplit: warps w and w + 4 share rows, split columns).
   // (Constants without the column split: no registers or arithmetic for it.)
+  constexpr int kM = Cfg::kMTiles;
   const int row_warp = Cfg::kColSplit > 1 ? warp % Cfg::kRowWarps : warp;
   const int c_base = Cfg::kColSplit > 1 ? (warp / Cfg::kRowWarps) * Cfg::kOutDim : 0;
-  const int row_lo = m0 + row_warp * 16 + g;
-  const int rows[2] = {row_lo, row_lo + 8};
+  const int row_lo = m0 + row_warp * Cfg::kRowsPerWarp + g;
+  auto row_of = [&](int x) { return row_lo + 16 * (x / 2) + 8 * (x % 2); };
 
   // Running statistics in the log2 domain: m = max of S*scale*log2(e), l = sum of exp2.
   // l is this thread's partial sum (its 16 columns per block); the quad sums it at the end.
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float acc_o[Cfg::kNTilesO][4];
+  float m[2 * kM], l[2 * kM];
 #pragma unroll
-  for (int j = 0; j < Cfg::kNTilesO; ++j)
+  for (int x = 0; x < 2 * kM; ++x) {
+    m[x] = -INFINITY;
+    l[x] = 0.0f;
+  }
+  float acc_o[kM][Cfg::kNTilesO][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[j][e] = 0.0f;
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int j = 0; j < Cfg::kNTilesO; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.0f;
 
   if (n_begin < n_end) {
     const T* Q = static_cast<const T*>(p.q) + h * p.q_head_stride +
@@ -340,12 +370,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       return k;
     };
 
-    auto load_kv = [&](int n_block, int stage) {
-      const int row0 = n_block * Cfg::kBlockN;
+    auto load_k = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
-          sK + stage * Cfg::kTileKV, K, p.k_row_stride, sk, d, row0, launch.vec, tid);
+          sK + stage * Cfg::kTileKV, K, p.k_row_stride, sk, d, n_block * Cfg::kBlockN, launch.vec,
+          tid);
+    };
+    auto load_v = [&](int n_block, int stage) {
       flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
-          sV + stage * Cfg::kTileKV, V, p.v_row_stride, sk, dv, row0, launch.vec, tid);
+          sV + stage * Cfg::kTileKV, V, p.v_row_stride, sk, dv, n_block * Cfg::kBlockN, launch.vec,
+          tid);
     };
     // Plain attention: the blocks [inner_lo, inner_hi) lie inside the sequence and inside
     // every row's window (rows past seqlen_q aside: never stored), so their scores need no
@@ -357,7 +390,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     flash_detail::load_tile<T, Cfg, QLayout, Cfg::kBlockM>(sQ, Q, p.q_row_stride, sq, d, m0,
                                                            launch.vec, tid);
     cp_async_commit();
-    if (k_begin < k_end) load_kv(block_at(k_begin), 0);
+    if (k_begin < k_end) {
+      load_k(block_at(k_begin), 0);
+      if constexpr (Cfg::kStages == 2) load_v(block_at(k_begin), 0);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // this thread's part of Qi landed (Kj may still be in flight)
     // Every thread's part of Qi is in shared memory before any warp reads its rows.
@@ -367,69 +403,98 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // 0-7, 8-15, 16-23, 24-31 are registers a0..a3 of the mma A layout. sQ is never
     // overwritten, so where registers are short the fragments are re-read per k-step.
     // (Offsets from smem: Layout::at, cuda/tile_io.cuh.)
-    const int q_lane = QLayout::offset(row_warp * 16 + lane % 16, (lane / 16) * 8);
-    uint32_t q_frag[Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
+    const int q_lane = QLayout::offset(row_warp * Cfg::kRowsPerWarp + lane % 16, (lane / 16) * 8);
+    uint32_t q_frag[kM][Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
     if constexpr (Cfg::kQInRegs) {
 #pragma unroll
-      for (int kk = 0; kk < Cfg::kKStepsQK; ++kk)
-        ldmatrix<4>(q_frag[kk], smem + QLayout::at(q_lane, 0, kk * 16));
+      for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsQK; ++kk)
+          ldmatrix<4>(q_frag[mt][kk], smem + QLayout::at(q_lane, 16 * mt, kk * 16));
     }
     // The lanes' rows and columns of the K (x4: keys 0-7 | 8-15 x dims 0-7 | 8-15) and V
     // (.trans: keys 0-7 | 8-15 x dims 0-7 | 8-15, in the B fragments' order) ldmatrix sweeps.
     const int k_lane = KVLayout::offset(lane % 8 + (lane / 16) * 8, ((lane / 8) % 2) * 8);
     const int v_lane = KVLayout::offset(lane % 8 + ((lane / 8) % 2) * 8, (lane / 16) * 8);
 
+    // A rare block (Vj holds NaN or Inf where a pair of zero weight may meet it, voted on at
+    // the barrier that sees Vj complete): O becomes NaN where a pair that takes part (neither
+    // excluded nor dropped) meets one, then Vj's NaN and Inf become 0 for P Vj.
+    auto strong_zero_v = [&](T* tV, int n0) {
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt)
+        strong_zero::poison<T, Cfg::kNTilesO, Cfg::kBlockN, KVLayout>(
+            acc_o[mt], tV, c_base, t, [&](int r, int k) {
+              const int i = row_of(2 * mt + r), key = n0 + k;
+              return score::included<kExtras>(p, seq, b, h, i, key) &&
+                     !(kExtras && p.dropout_p > 0.0 &&
+                       !score::dropout_keep(p, dropout_threshold(p.dropout_p), b, h, i, key));
+            });
+      __syncthreads();  // every warp has read the raw Vj
+      strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(tV, tid);
+      __syncthreads();
+    };
+
     for (int k = k_begin; k < k_end; ++k) {
       const int stage = (k - k_begin) % Cfg::kStages;
-      // Prefetch the next block into the other stage; its last readers (the previous block)
-      // finished at the trailing __syncthreads of the previous iteration.
-      if (k + 1 < k_end) load_kv(block_at(k + 1), (stage + 1) % Cfg::kStages);
-      cp_async_commit();
-      cp_async_wait<1>();  // all but the newest group (the next block) retired: this one landed
       const int n_block = block_at(k);
       T* tV = sV + stage * Cfg::kTileKV;
       const int k_base = Cfg::kTileQ + stage * Cfg::kTileKV + k_lane;
       const int v_base = Cfg::kTileQ + (Cfg::kStages + stage) * Cfg::kTileKV + v_lane;
       const int n0 = n_block * Cfg::kBlockN;
-      // ... for every thread: Kj and Vj are complete in shared memory; and whether Vj holds a
-      // NaN or Inf that a zero-weight pair must not pass on (rare).
-      const bool v_nonfinite = __syncthreads_or(
-          n_block >= *n_edge_slot &&
-          strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(
-              tV, launch.vec, tid));
-
-      // ---- the strong zero, when Vj holds NaN or Inf: O becomes NaN where a pair that takes
-      // part (neither excluded nor dropped) meets one, then Vj's NaN and Inf become 0. Here,
-      // before S exists, the registers are the loop's fewest (NaN survives the rescale).
-      if (v_nonfinite) {
-        strong_zero::poison<T, Cfg::kNTilesO, Cfg::kBlockN, KVLayout>(
-            acc_o, tV, c_base, t, [&](int r, int k) {
-              const int i = row_lo + 8 * r, key = n0 + k;
-              return score::included<kExtras>(p, seq, b, h, i, key) &&
-                     !(kExtras && p.dropout_p > 0.0 &&
-                       !score::dropout_keep(p, dropout_threshold(p.dropout_p), b, h, i, key));
-            });
-        __syncthreads();  // every warp has read the raw Vj
-        strong_zero::sanitise<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(tV, tid);
+      // Whether this block's Vj may hold a zero-weight pair's NaN or Inf (the vote's question;
+      // rare).
+      auto v_vote = [&] {
+        return n_block >= *n_edge_slot &&
+               strong_zero::has_nonfinite<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>(
+                   tV, launch.vec, tid);
+      };
+      bool v_nonfinite = false;
+      if constexpr (Cfg::kStages == 2) {
+        // Prefetch the next block into the other stage; its last readers (the previous block)
+        // finished at the trailing __syncthreads of the previous iteration.
+        if (k + 1 < k_end) {
+          load_k(block_at(k + 1), (stage + 1) % Cfg::kStages);
+          load_v(block_at(k + 1), (stage + 1) % Cfg::kStages);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the newest group (the next block) retired: this one landed
+        // ... for every thread: Kj and Vj are complete in shared memory, and the vote. Here,
+        // before S exists, the registers are the loop's fewest (NaN survives the rescale).
+        v_nonfinite = __syncthreads_or(v_vote());
+        if (v_nonfinite) strong_zero_v(tV, n0);
+      } else {
+        cp_async_wait<0>();  // Kj landed
+        // ... for every thread; and every warp is done with P Vj-1: Vj may replace it.
         __syncthreads();
+        load_v(n_block, 0);
+        cp_async_commit();
       }
 
       // ---- S = Qi Kj^T. B[k][n] = Kj[n][k]: Kj's rows (keys) as stored are the B columns,
-      // so plain ldmatrix gives the B fragment; x4 = 2 n-tiles (8 keys each) x 2 k-halves.
-      float acc_s[Cfg::kNTilesS][4];
+      // so plain ldmatrix gives the B fragment; x4 = 2 n-tiles (8 keys each) x 2 k-halves,
+      // used by each of the warp's m-tiles.
+      float acc_s[kM][Cfg::kNTilesS][4];
 #pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j)
+      for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.0f;
+        for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][j][e] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKStepsQK; ++kk) {
-        uint32_t (&a)[4] = q_frag[Cfg::kQInRegs ? kk : 0];
-        if constexpr (!Cfg::kQInRegs) ldmatrix<4>(a, smem + QLayout::at(q_lane, 0, kk * 16));
+        if constexpr (!Cfg::kQInRegs) {
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt)
+            ldmatrix<4>(q_frag[mt][0], smem + QLayout::at(q_lane, 16 * mt, kk * 16));
+        }
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; j += 2) {
           uint32_t k4[4];
           ldmatrix<4>(k4, smem + KVLayout::at(k_base, j * 8, kk * 16));
-          mma_pair<T>(acc_s[j], acc_s[j + 1], a, k4);
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt)
+            mma_pair<T>(acc_s[mt][j], acc_s[mt][j + 1], q_frag[mt][Cfg::kQInRegs ? kk : 0], k4);
         }
       }
       // ---- mask: keys past seqlen_k (zero-filled, but they must get probability 0, not
@@ -439,64 +504,78 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       // exclude them.
       if constexpr (kExtras) {
 #pragma unroll
-        for (int j = 0; j < Cfg::kNTilesS; ++j)
+        for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
-            float dcap;
-            bool visible = score::visible(p, seq, i, key);
-            const float x = score::logit_log2(p, seq, acc_s[j][e], b, h, i, key, slope, visible,
-                                              dcap);
-            acc_s[j][e] = visible ? x : -INFINITY;
-          }
+          for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = row_of(2 * mt + e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
+              float dcap;
+              bool visible = score::visible(p, seq, i, key);
+              const float x = score::logit_log2(p, seq, acc_s[mt][j][e], b, h, i, key, slope,
+                                                visible, dcap);
+              acc_s[mt][j][e] = visible ? x : -INFINITY;
+            }
       } else if (n_block < inner_lo || n_block >= inner_hi) {
 #pragma unroll
-        for (int j = 0; j < Cfg::kNTilesS; ++j)
+        for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = rows[e / 2], key = n0 + j * 8 + 2 * t + (e % 2);
-            if (!score::key_visible(seq, left, right, i, key)) acc_s[j][e] = -INFINITY;
-          }
+          for (int j = 0; j < Cfg::kNTilesS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = row_of(2 * mt + e / 2), key = n0 + j * 8 + 2 * t + (e % 2);
+              if (!score::key_visible(seq, left, right, i, key)) acc_s[mt][j][e] = -INFINITY;
+            }
       }
 
-      // ---- online softmax. A row's 64 scores are spread over the 4 lanes of a quad
-      // (16 each): reduce within the thread, then across the quad with two xor-shuffles; the
-      // max of the block's (raw) scores times `fold` is the max of their logits.
+      if constexpr (Cfg::kStages == 1) {
+        cp_async_wait<0>();  // Vj landed
+        // ... for every thread, and the vote; every warp is done with Kj: Kj+1 may replace it.
+        v_nonfinite = __syncthreads_or(v_vote());
+        if (k + 1 < k_end) load_k(block_at(k + 1), 0);
+        cp_async_commit();
+      }
+
+      // ---- online softmax. A row's kBlockN scores are spread over the 4 lanes of a quad:
+      // reduce within the thread, then across the quad with two xor-shuffles; the max of the
+      // block's (raw) scores times `fold` is the max of their logits.
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int x = 0; x < 2 * kM; ++x) {
+        const int mt = x / 2, r = x % 2;
         float block_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; ++j)
-          block_max = fmaxf(block_max, fmaxf(acc_s[j][2 * r], acc_s[j][2 * r + 1]));
+          block_max = fmaxf(block_max, fmaxf(acc_s[mt][j][2 * r], acc_s[mt][j][2 * r + 1]));
         block_max = fmaxf(block_max, shfl_xor(block_max, 1));
         block_max = fmaxf(block_max, shfl_xor(block_max, 2));
-        const float row_max = fmaxf(m[r], block_max * fold);
+        const float row_max = fmaxf(m[x], block_max * fold);
         // A row with no visible key so far keeps m = -inf; subtracting 0 instead keeps
         // exp2(-inf - -inf) = NaN out: its P is exactly 0. An infinite max (an Inf score, or
         // a raw max whose scaled value overflows) makes the row NaN, as exp2(inf - inf) did
         // before the scale was folded: fmaf would have given every key -inf, P = 0.
         const float m_use = row_max == -INFINITY ? 0.0f : row_max == INFINITY ? NAN : row_max;
-        const float alpha = exp2_approx(m[r] - m_use);  // exp2(-inf) = 0 on the first block
-        m[r] = row_max;
+        const float alpha = exp2_approx(m[x] - m_use);  // exp2(-inf) = 0 on the first block
+        m[x] = row_max;
         float row_sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            acc_s[j][e] = exp2_approx(fmaf(acc_s[j][e], fold, -m_use));
-            row_sum += acc_s[j][e];
+            acc_s[mt][j][e] = exp2_approx(fmaf(acc_s[mt][j][e], fold, -m_use));
+            row_sum += acc_s[mt][j][e];
           }
-        l[r] = l[r] * alpha + row_sum;
+        l[x] = l[x] * alpha + row_sum;
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; ++j) {
-          acc_o[j][2 * r] *= alpha;
-          acc_o[j][2 * r + 1] *= alpha;
+          acc_o[mt][j][2 * r] *= alpha;
+          acc_o[mt][j][2 * r + 1] *= alpha;
         }
       }
 
       // ---- dropout, after l (the normaliser counts dropped entries too). A thread's keys
       // 2t, 2t+1 of an n-tile share one Philox draw (score::dropout_keep_pair).
       if (kExtras && p.dropout_p > 0.0) {
+        static_assert(!kExtras || kM == 1, "the extras run 16 rows per warp");
         const uint32_t threshold = dropout_threshold(p.dropout_p);
         const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
         // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
@@ -516,29 +595,47 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              acc_s[j][2 * r + e] =
-                  (keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u ? acc_s[j][2 * r + e] * keep_scale
-                                                                   : 0.0f;
+              acc_s[0][j][2 * r + e] = (keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u
+                                           ? acc_s[0][j][2 * r + e] * keep_scale
+                                           : 0.0f;
       }
 
       // ---- O += P Vj. The S accumulator of n-tiles 2k, 2k+1 is exactly the A fragment of
-      // P for k-step k (rows g / g+8, keys 2t.. / 2t+8..): convert in registers.
+      // P for k-step k (rows g / g+8, keys 2t.. / 2t+8..): converted in registers, per k-step
+      // (two stages) or all of P before the product (one stage: the rare block's strong zero
+      // then runs with P packed, the fewest registers it can have once Vj has landed).
+      constexpr bool kPackFirst = Cfg::kStages == 1;
+      uint32_t p_frag[kM][kPackFirst ? Cfg::kKStepsPV : 1][4];
+      if constexpr (kPackFirst) {
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < Cfg::kKStepsPV; ++kk)
+            a_frag_from_acc<T>(p_frag[mt][kk], acc_s[mt][2 * kk], acc_s[mt][2 * kk + 1]);
+        if (v_nonfinite) strong_zero_v(tV, n0);
+      }
 #pragma unroll
       for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
-        uint32_t p_frag[4];
-        a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
+        if constexpr (!kPackFirst) {
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt)
+            a_frag_from_acc<T>(p_frag[mt][0], acc_s[mt][2 * kk], acc_s[mt][2 * kk + 1]);
+        }
         // Vj is row-major keys x dims = the K x N B operand: ldmatrix.trans, two n-tiles
         // (dims) x two k-halves (keys) per x4, as in cuda/testing/gemm_tc.cuh.
 #pragma unroll
         for (int j = 0; j < Cfg::kNTilesO; j += 2) {
           uint32_t v4[4];
           ldmatrix<4, true>(v4, smem + KVLayout::at(v_base, kk * 16, c_base + j * 8));
-          mma_pair<T>(acc_o[j], acc_o[j + 1], p_frag, v4);
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt)
+            mma_pair<T>(acc_o[mt][j], acc_o[mt][j + 1], p_frag[mt][kPackFirst ? kk : 0], v4);
         }
       }
-      // Every warp is done reading this stage before the next iteration's prefetch (of the
-      // block after next) overwrites it.
-      __syncthreads();
+      // Two stages: every warp is done reading this stage before the next iteration's
+      // prefetch (of the block after next) overwrites it. (One stage: the next iteration's
+      // first barrier does this.)
+      if constexpr (Cfg::kStages == 2) __syncthreads();
     }
     cp_async_wait<0>();  // retire the trailing empty group
   }
@@ -554,12 +651,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // Split-KV partials: (split, b, h, i) rows of head_dim_v floats, i < seqlen_q (the maximum).
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += shfl_xor(l[r], 1);
-    l[r] += shfl_xor(l[r], 2);
-    const float inv_l = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;  // a NaN l makes the row NaN
-    const float row_lse = l[r] != 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
-    const int i = rows[r];
+  for (int x = 0; x < 2 * kM; ++x) {
+    const int mt = x / 2, r = x % 2;
+    l[x] += shfl_xor(l[x], 1);
+    l[x] += shfl_xor(l[x], 2);
+    const float inv_l = l[x] != 0.0f ? 1.0f / l[x] : 0.0f;  // a NaN l makes the row NaN
+    const float row_lse = l[x] != 0.0f ? (m[x] + log2f(l[x])) * score::kLn2 : -INFINITY;
+    const int i = row_of(x);
     if (i < sq) {
       if (partial) {
         float* Op = launch.o_partial + (partial_row0 + i) * dv;
@@ -568,7 +666,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = c_base + j * 8 + 2 * t + e;
-            if (col < dv) Op[col] = acc_o[j][2 * r + e] * inv_l;
+            if (col < dv) Op[col] = acc_o[mt][j][2 * r + e] * inv_l;
           }
         if (t == 0 && c_base == 0) launch.lse_partial[partial_row0 + i] = row_lse;
       } else {
@@ -577,7 +675,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int col = c_base + j * 8 + 2 * t + e;
-            if (col < dv) O[i * p.o_row_stride + col] = from_float<T>(acc_o[j][2 * r + e] * inv_l);
+            if (col < dv)
+              O[i * p.o_row_stride + col] = from_float<T>(acc_o[mt][j][2 * r + e] * inv_l);
           }
         if (t == 0 && c_base == 0) lse[i * p.lse_row_stride] = row_lse;
       }
