@@ -55,6 +55,7 @@
 // warp at d = 128 (registers). Performance reasoning: cuda/NOTES.md.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -286,10 +287,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // Running statistics in the log2 domain: m = max of S*scale*log2(e), l = sum of exp2.
   // l is this thread's partial sum (its 16 columns per block); the quad sums it at the end.
+  // m starts at the lowest finite float, not -inf: a row that has seen no visible key keeps
+  // it, and its P = exp2(-inf - m) and alpha = exp2(m - m) are exactly 0 and 1 with no test
+  // (with -inf, exp2(-inf - -inf) would be NaN). Its lse comes from l = 0: -inf.
   float m[2 * kM], l[2 * kM];
 #pragma unroll
   for (int x = 0; x < 2 * kM; ++x) {
-    m[x] = -INFINITY;
+    m[x] = -FLT_MAX;
     l[x] = 0.0f;
   }
   float acc_o[kM][Cfg::kNTilesO][4];
@@ -549,12 +553,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         block_max = fmaxf(block_max, shfl_xor(block_max, 1));
         block_max = fmaxf(block_max, shfl_xor(block_max, 2));
         const float row_max = fmaxf(m[x], block_max * fold);
-        // A row with no visible key so far keeps m = -inf; subtracting 0 instead keeps
-        // exp2(-inf - -inf) = NaN out: its P is exactly 0. An infinite max (an Inf score, or
-        // a raw max whose scaled value overflows) makes the row NaN, as exp2(inf - inf) did
-        // before the scale was folded: fmaf would have given every key -inf, P = 0.
-        const float m_use = row_max == -INFINITY ? 0.0f : row_max == INFINITY ? NAN : row_max;
-        const float alpha = exp2_approx(m[x] - m_use);  // exp2(-inf) = 0 on the first block
+        // An infinite max (an Inf score, or a raw max whose scaled value overflows) makes the
+        // row NaN, as exp2(inf - inf) did before the scale was folded: fmaf would have given
+        // every key -inf, P = 0. (A row's first visible key: m - m_use is -FLT_MAX or below,
+        // alpha = exp2 of it = 0.)
+        const float m_use = row_max == INFINITY ? NAN : row_max;
+        const float alpha = exp2_approx(m[x] - m_use);
         m[x] = row_max;
         float row_sum = 0.0f;
 #pragma unroll
