@@ -100,7 +100,7 @@ Command (no GPU; exact counts for the model in `csrc/cuda/emu/runtime.h`, `Kerne
 python tools/emu_profile.py --out {out}
 ```
 
-Shapes: batch 1, 2 heads, 128 queries and 128 keys (two 64-row tiles each way), float16,
+Shapes: batch 1, 2 heads, 128 queries and 128 keys (one or two query tiles: 128 or 64 rows), float16,
 256-byte-aligned inputs; "d64 causal+bias" takes the kernels with extras. Columns: ldmatrix
 and cp.async-store shared-memory wavefronts over the conflict-free ideal (1.00 = no bank
 conflict); global load efficiency = bytes asked for / (32 x sectors touched). Reading:
