@@ -144,6 +144,17 @@ def _nan_v_causal_d64(rng):
     return q, k, v, do, dict(causal=True)
 
 
+def _inf_q_nan_v(rng):
+    # A row whose every score is -inf (an Inf in q against keys of one sign) gives all of its
+    # keys weight 0, but they take part: a NaN in a visible v still reaches it (0 * NaN). Its
+    # lse is -inf, as for a row without keys, which a split-KV merge must not read as "empty".
+    q, k, v, do = _inputs(rng, sq=40, sk=140)
+    k[0, :, 0, 3] = np.abs(k[0, :, 0, 3]) + 0.5
+    q[0, 25, 0, 3] = -INF  # row 25 of head 0 (bottom-right causal: keys <= 125)
+    v[0, 120, 0, 5] = NAN  # rows >= 20 of head 0 NaN in column 5, row 25 only there
+    return q, k, v, do, dict(causal=True)
+
+
 SCENARIOS = {
     "nan_q_row": _nan_q_row,
     "inf_q_causal": _inf_q_causal,
@@ -160,6 +171,7 @@ SCENARIOS = {
     "nan_v_decode_gqa": _nan_v_decode_gqa,
     "nan_v_causal_d128": _nan_v_causal_d128,
     "nan_v_causal_d64": _nan_v_causal_d64,
+    "inf_q_nan_v": _inf_q_nan_v,
 }
 
 
@@ -224,6 +236,18 @@ def test_nonfinite_cpu(rng, scenario, lib, dtype):
 @pytest.mark.parametrize("scenario,lib,dtype", _cases([("torch", "bfloat16"), ("numpy", "float16")]))
 def test_nonfinite_cuda(backend, rng, scenario, lib, dtype):
     run_scenario(rng, scenario, lib, dtype)
+
+
+# Split-KV (flash_fwd_combine_kernel merges the splits by lse): forced 3 splits, on the
+# scenarios where a NaN or Inf in v meets rows that see it with and without weight.
+SPLIT_KV_SCENARIOS = ["inf_q_nan_v", "nan_v_masked_key", "inf_v_window", "nan_v_causal_d64"]
+
+
+@pytest.mark.backends("emu", "gpu")
+@pytest.mark.parametrize("scenario,lib,dtype", [
+    c for c in _cases([("torch", "bfloat16")]) if c.values[0] in SPLIT_KV_SCENARIOS])
+def test_nonfinite_cuda_split_kv(backend, rng, scenario, lib, dtype):
+    run_scenario(rng, scenario, lib, dtype, num_splits=3)
 
 
 # The deterministic backward computes dQ in a kernel of its own (csrc/cuda/flash_bwd.cuh,

@@ -715,7 +715,9 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   for (int s = lane; s < n; s += 32) mx = max_nan(mx, lse_s[s * split_stride]);
 #pragma unroll
   for (int w = 16; w >= 1; w /= 2) mx = max_nan(mx, shfl_xor(mx, w));
-  // Every split empty / every key masked: out 0, lse -inf (exp(-inf - -inf) would be NaN).
+  // Every split empty / every key masked: lse -inf (exp(-inf - -inf) would be NaN), out the
+  // splits' O times 0: 0, or NaN where a split's strong zero made its O NaN -- a pair of
+  // weight 0 that met a NaN or Inf in V -- as the kernel without splits gives O / l = NaN * 0.
   float sum = 0.0f;
   if (mx != -INFINITY)
     for (int s = lane; s < n; s += 32) sum += expf(lse_s[s * split_stride] - mx);
@@ -727,14 +729,14 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   float acc[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
-  if (mx != -INFINITY)
-    for (int s = 0; s < n; ++s) {
-      const float w = expf(lse_s[s * split_stride] - total);  // 0 for an empty split
-      const float* Os = launch.o_partial + (s * split_stride + row) * d;
+  for (int s = 0; s < n; ++s) {
+    // 0 for an empty split
+    const float w = mx == -INFINITY ? 0.0f : expf(lse_s[s * split_stride] - total);
+    const float* Os = launch.o_partial + (s * split_stride + row) * d;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c)
-        if (lane + 32 * c < d) acc[c] += w * Os[lane + 32 * c];
-    }
+    for (int c = 0; c < kCols; ++c)
+      if (lane + 32 * c < d) acc[c] += w * Os[lane + 32 * c];
+  }
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
          score::q_base(p, seq, b, p.o_batch_stride, p.o_row_stride) + int64_t(i) * p.o_row_stride;
 #pragma unroll
