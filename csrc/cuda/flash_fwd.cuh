@@ -374,15 +374,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       return k;
     };
 
+    // Key blocks below n_full are copied whole (tile::FullBlock) from this thread's first
+    // chunk of K's and V's block 0, moved by whole blocks; the others -- the sequence's
+    // partial last block, and every block when rows are not 16-byte aligned or a head dim is
+    // below the tile's -- by the checked copy. The 16-row kernels keep those two pointers in
+    // registers through the loop (the empty asm: left to itself ptxas recomputes them from the
+    // parameters per block, ~10 more instructions per tile copy); the 32-row ones have no
+    // registers for them (8 bytes of spill at d = 64 on sm_80).
+    using FullKV = tile::FullBlock<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>;
+    const int n_full = Cfg::kWholeBlocks && FullKV::kUsable && launch.vec &&
+                               d == Cfg::kHeadDim && dv == Cfg::kHeadDim
+                           ? sk / Cfg::kBlockN
+                           : 0;
+    const T* k_thread = K + FullKV::thread_offset(p.k_row_stride, tid);
+    const T* v_thread = V + FullKV::thread_offset(p.v_row_stride, tid);
+#if defined(FMHA_GPU_DEVICE_PATH)
+    if constexpr (Cfg::kMTiles == 1 && Cfg::kWholeBlocks) asm("" : "+l"(k_thread), "+l"(v_thread));
+#endif
+    auto load_kv_tile = [&](T* dst, const T* g, const T* g_thread, int64_t ld, int cols,
+                            int n_block) {
+      if (n_block < n_full)
+        FullKV::load_at(dst, g_thread + int64_t(n_block) * (Cfg::kBlockN * ld), ld, tid);
+      else
+        tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads, false>(
+            dst, g, ld, sk, cols, n_block * Cfg::kBlockN, launch.vec, tid);
+    };
     auto load_k = [&](int n_block, int stage) {
-      flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
-          sK + stage * Cfg::kTileKV, K, p.k_row_stride, sk, d, n_block * Cfg::kBlockN, launch.vec,
-          tid);
+      load_kv_tile(sK + stage * Cfg::kTileKV, K, k_thread, p.k_row_stride, d, n_block);
     };
     auto load_v = [&](int n_block, int stage) {
-      flash_detail::load_tile<T, Cfg, KVLayout, Cfg::kBlockN>(
-          sV + stage * Cfg::kTileKV, V, p.v_row_stride, sk, dv, n_block * Cfg::kBlockN, launch.vec,
-          tid);
+      load_kv_tile(sV + stage * Cfg::kTileKV, V, v_thread, p.v_row_stride, dv, n_block);
     };
     // Plain attention: the blocks [inner_lo, inner_hi) lie inside the sequence and inside
     // every row's window (rows past seqlen_q aside: never stored), so their scores need no

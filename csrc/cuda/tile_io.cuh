@@ -83,9 +83,16 @@ struct FullBlock {
                                   (Layout::kPadded || kRowsPerPass % 8 == 0);
 
   FMHA_DEVICE static void load(T* smem, const T* g, int64_t ld, int row0, int tid) {
+    load_at(smem, g + int64_t(row0) * ld + thread_offset(ld, tid), ld, tid);
+  }
+  // The offset of this thread's first chunk from the block's first element.
+  FMHA_DEVICE static int64_t thread_offset(int64_t ld, int tid) {
+    return int64_t(tid / kChunksPerRow) * ld + (tid % kChunksPerRow) * 8;
+  }
+  // src: this thread's first chunk of the block (g + row0 * ld + thread_offset).
+  FMHA_DEVICE static void load_at(T* smem, const T* src, int64_t ld, int tid) {
     if constexpr (kUsable) {
       const int r = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
-      const T* src = g + (int64_t(row0) + r) * ld + c;
       T* dst = smem + Layout::offset(r, c);
       const int64_t step = int64_t(kRowsPerPass) * ld;
 #pragma unroll
