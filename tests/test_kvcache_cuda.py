@@ -257,6 +257,33 @@ def test_a_query_of_nan_makes_its_rows_nan(rng, num_splits):
     check_refused(0)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_row_of_weight_zero_keys_still_meets_a_nan_in_v(rng, num_splits):
+    """An -inf in one query against keys whose entry there is positive makes every score of
+    its row -inf: weight 0 for every key, lse -inf, but the keys take part, so a NaN in a
+    visible V row reaches that column of out (0 * NaN), as on the CPU and in the reference --
+    with and without key splits, whose merge must not read the row as one without keys."""
+    lens, hq, hkv, d = [70, 90], 4, 2, 32
+    caches = Caches(rng, lens, 96, hkv, d, d)
+    k_cache, v_cache, _ = caches.arrays("float16", "numpy")
+    q = convert(rng.standard_normal((2, 1, hq, d)), "float16", "numpy")
+    k_cache[1, :, 1, 5] = np.abs(k_cache[1, :, 1, 5]) + np.float16(0.5)
+    q[1, 0, 2, 5] = -np.inf     # batch 1, head 2 (kv head 1): every score -inf
+    v_cache[1, 40, 1, 7] = np.nan  # a key both rows of kv head 1 see
+    lens32 = int32(lens, "numpy")
+    out, lse = call(q, k_cache, v_cache, None, None, lens32, None, num_splits=num_splits)
+    with _kernel_module(fmha._C):
+        cpu_out, cpu_lse = call(*(x.astype(np.float32) for x in (q, k_cache, v_cache)),
+                                None, None, lens32, None)
+    out = out.astype(np.float64)
+    bad = ~np.isfinite(cpu_out)
+    assert bad[1, 0, 2, 7] and bad[1, 0, 3, 7] and bad.sum() == 2
+    assert np.isneginf(cpu_lse[1, 2, 0]) and np.isneginf(lse[1, 2, 0])
+    assert np.array_equal(~np.isfinite(out), bad)
+    assert np.abs(out[~bad] - cpu_out[~bad]).max() <= TOL["float16"] * np.abs(cpu_out[~bad]).max()
+    check_refused(0)
+
+
 def test_float32_is_refused_on_the_cuda_kernels(rng):
     a = _refusal_base(rng)
     q32 = a["q"].astype(np.float32)

@@ -566,19 +566,20 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
       const float mw = ml_s[(w * kRows + r) * 2];
       mx = mx != mx || mw != mw ? mx + mw : fmaxf(mx, mw);
     }
+    // A warp whose keys of the row all have weight 0 (m -inf: it saw none, or their scores
+    // are -inf) adds its O times 0: 0, or NaN where such a key, visible, met a NaN or Inf in V
+    // (0 * NaN, as the reference and the CPU give).
     float sum_l = 0.0f, sum_o = 0.0f;
-    if (mx != -INFINITY)
 #pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        const float mw = ml_s[(w * kRows + r) * 2];
-        if (mw == -INFINITY) continue;  // this warp saw no key of the row
-        const float scale = exp2f(mw - mx);
-        sum_l += scale * ml_s[(w * kRows + r) * 2 + 1];
-        sum_o += scale * o_s[(w * kRows + r) * kHeadDim + col];
-      }
-    // A row with no visible key: out 0, lse -inf; a NaN score made sum_l NaN: NaN. A refused
-    // call: NaN everywhere.
-    float o = sum_l != 0.0f ? sum_o / sum_l : 0.0f;
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float mw = ml_s[(w * kRows + r) * 2];
+      const float scale = mw == -INFINITY ? 0.0f : exp2f(mw - mx);
+      sum_l += scale * ml_s[(w * kRows + r) * 2 + 1];
+      sum_o += scale * o_s[(w * kRows + r) * kHeadDim + col];
+    }
+    // A row with no visible key: out 0 (or that NaN), lse -inf; a NaN score made sum_l NaN:
+    // NaN. A refused call: NaN everywhere.
+    float o = sum_l != 0.0f ? sum_o / sum_l : sum_o;
     float lse = sum_l != 0.0f ? (mx + log2f(sum_l)) * score::kLn2 : -INFINITY;
     if (refused) o = lse = NAN;
     const int row = row0 + r, i = row / group, h = hkv * group + row % group;

@@ -160,7 +160,7 @@ struct FlashFwdConfig;
 // what matters is that nothing spills).
 //
 // d = 32: 32 rows per warp, 2 x (16 (O) + 32 (S) + 8 (Q)) registers of tiles, 20 KiB of
-// shared memory; ptxas takes 219-224 registers, two CTAs per SM. Bound by softmax and
+// shared memory; ptxas takes 223-236 registers, two CTAs per SM. Bound by softmax and
 // memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others. Extras: 16
 // rows per warp.
 template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 2, 1, false, 2> {};
@@ -376,8 +376,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
     // Key blocks below n_full are copied whole (tile::FullBlock) from this thread's first
     // chunk of K's and V's block 0, moved by whole blocks; the others -- the sequence's
-    // partial last block, and every block when rows are not 16-byte aligned or a head dim is
-    // below the tile's -- by the checked copy. The 16-row kernels keep those two pointers in
+    // partial last block, and every block when rows are not 16-byte aligned or either head
+    // dim is below the tile's (one count for both: a call with head_dim != head_dim_v copies
+    // K and V checked, a rare shape) -- by the checked copy. The 16-row kernels keep those two pointers in
     // registers through the loop (the empty asm: left to itself ptxas recomputes them from the
     // parameters per block, ~10 more instructions per tile copy); the 32-row ones have no
     // registers for them (8 bytes of spill at d = 64 on sm_80).
@@ -389,7 +390,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const T* k_thread = K + FullKV::thread_offset(p.k_row_stride, tid);
     const T* v_thread = V + FullKV::thread_offset(p.v_row_stride, tid);
 #if defined(FMHA_GPU_DEVICE_PATH)
-    if constexpr (Cfg::kMTiles == 1 && Cfg::kWholeBlocks) asm("" : "+l"(k_thread), "+l"(v_thread));
+    if constexpr (Cfg::kMTiles == 1 && Cfg::kWholeBlocks && FullKV::kUsable)
+      asm("" : "+l"(k_thread), "+l"(v_thread));
 #endif
     auto load_kv_tile = [&](T* dst, const T* g, const T* g_thread, int64_t ld, int cols,
                             int n_block) {
@@ -576,8 +578,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         const float row_max = fmaxf(m[x], block_max * fold);
         // An infinite max (an Inf score, or a raw max whose scaled value overflows) makes the
         // row NaN, as exp2(inf - inf) did before the scale was folded: fmaf would have given
-        // every key -inf, P = 0. (A row's first visible key: m - m_use is -FLT_MAX or below,
-        // alpha = exp2 of it = 0.)
+        // every key -inf, P = 0. (A row's first finite score: m - m_use is about -FLT_MAX,
+        // alpha = exp2 of it = 0, and O and l are still 0, or NaN.)
         const float m_use = row_max == INFINITY ? NAN : row_max;
         const float alpha = exp2_approx(m[x] - m_use);
         m[x] = row_max;
@@ -665,8 +667,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     cp_async_wait<0>();  // retire the trailing empty group
   }
 
-  // ---- epilogue: l over the quad, O /= l, lse. A row with no visible key has l = 0:
-  // out 0, lse -inf; a NaN or Inf score made l NaN: out and lse NaN.
+  // ---- epilogue: l over the quad, O /= l, lse. A row whose keys all have weight 0 (none
+  // visible, or every score -inf) has l = 0: out 0 -- NaN where the strong zero or a visible
+  // key's NaN V made O NaN (O * 0) -- and lse -inf; a NaN or Inf score made l NaN: out and
+  // lse NaN.
   const bool partial = launch.num_splits > 1;
   // Bases recomputed here rather than kept live through the key loop (registers).
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
