@@ -114,8 +114,16 @@ struct FlashFwdConfigBase {
   static constexpr int kPad = QLayout::kStride - kHeadDim;  // Qi's
   static constexpr int kTileQ = kBlockM * QLayout::kStride;
   static constexpr int kTileKV = kBlockN * KVLayout::kStride;
-  // Qi once, then kStages x (Kj, Vj).
-  static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2;
+  // The whole-block copy reads from two per-thread pointers into K and V, moved by whole
+  // blocks. The 16-row kernels keep them in registers through the loop; the 32-row ones have
+  // none to spare, so there they wait in shared memory after the tiles, with K's and V's
+  // bases for the checked copy (32 bytes per thread), and are read back per copy: one LDS.64
+  // where ptxas, left to itself, recomputed them from the parameters or spilled them.
+  static constexpr bool kPointersInSmem =
+      kMTiles == 2 && tile::FullBlock<uint16_t, kBlockN, kHeadDim, KVLayout, kThreads>::kUsable;
+  static constexpr int kPointerBytes = kPointersInSmem ? 32 * kThreads : 0;
+  // Qi once, then kStages x (Kj, Vj)[, the pointers].
+  static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2 + kPointerBytes;
   static_assert(kStages == 2 || kStages == 1, "double- or single-buffered Kj, Vj");
 
   static constexpr int kNTilesS = kBlockN / 8;     // n-tiles of S (keys)
@@ -375,13 +383,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     };
 
     // Key blocks below n_full are copied whole (tile::FullBlock) from this thread's first
-    // chunk of K's and V's block 0, moved by whole blocks; the others -- the sequence's
-    // partial last block, and every block when rows are not 16-byte aligned or either head
-    // dim is below the tile's (one count for both: a call with head_dim != head_dim_v copies
-    // K and V checked, a rare shape) -- by the checked copy. The 16-row kernels keep those two pointers in
-    // registers through the loop (the empty asm: left to itself ptxas recomputes them from the
-    // parameters per block, ~10 more instructions per tile copy); the 32-row ones have no
-    // registers for them (8 bytes of spill at d = 64 on sm_80).
+    // chunk of K's and V's block, moved by whole blocks; the others -- the sequence's partial
+    // last block, and every block when rows are not 16-byte aligned or either head dim is
+    // below the tile's (one count for both: a call with head_dim != head_dim_v copies K and V
+    // checked, a rare shape) -- by the checked copy. Left to itself, ptxas recomputed the
+    // whole copy's addresses from the parameters per block (~10-19 instructions per tile
+    // copy), so:
+    //  - the 16-row kernels keep the two pointers in registers through the loop (pinned by
+    //    an empty asm);
+    //  - the 32-row kernels have no registers for them (pinned: 8 bytes of spill at d = 64
+    //    on sm_80). Their pointers wait in shared memory after the tiles -- this thread's
+    //    slots, written and read by it alone (no barrier), volatile so that the compiler
+    //    cannot forward a stored value into a register: the next block's chunk of K and of V
+    //    (each copy moves its slot on by a block: the plain loop takes blocks in order), then
+    //    K's and V's bases for the checked copy. What the copy adds to them is pinned instead:
+    //    this thread's chunk in the tile, and with 4 or more chunks per thread the step
+    //    between their rows (with 2, d = 32, the pinned steps cost more moves than they save).
     using FullKV = tile::FullBlock<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads>;
     const int n_full = Cfg::kWholeBlocks && FullKV::kUsable && launch.vec &&
                                d == Cfg::kHeadDim && dv == Cfg::kHeadDim
@@ -389,23 +406,47 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                            : 0;
     const T* k_thread = K + FullKV::thread_offset(p.k_row_stride, tid);
     const T* v_thread = V + FullKV::thread_offset(p.v_row_stride, tid);
+    static_assert(!(kExtras && Cfg::kPointersInSmem), "the plain loop's blocks are consecutive");
+    const T* volatile* const slots =
+        reinterpret_cast<const T* volatile*>(sV + Cfg::kStages * Cfg::kTileKV) + 4 * tid;
+    if constexpr (Cfg::kPointersInSmem) {
+      slots[0] = k_thread + int64_t(n_begin) * (Cfg::kBlockN * p.k_row_stride);
+      slots[1] = v_thread + int64_t(n_begin) * (Cfg::kBlockN * p.v_row_stride);
+      slots[2] = K;
+      slots[3] = V;
+    }
+    int kv_chunk = FullKV::smem_offset(tid);
+    int64_t k_step = FullKV::kRowsPerPass * p.k_row_stride;
+    int64_t v_step = FullKV::kRowsPerPass * p.v_row_stride;
 #if defined(FMHA_GPU_DEVICE_PATH)
     if constexpr (Cfg::kMTiles == 1 && Cfg::kWholeBlocks && FullKV::kUsable)
       asm("" : "+l"(k_thread), "+l"(v_thread));
+    if constexpr (Cfg::kPointersInSmem) asm("" : "+r"(kv_chunk));
+    if constexpr (Cfg::kPointersInSmem && Cfg::kBlockN / FullKV::kRowsPerPass >= 4)
+      asm("" : "+l"(k_step), "+l"(v_step));
 #endif
     auto load_kv_tile = [&](T* dst, const T* g, const T* g_thread, int64_t ld, int cols,
-                            int n_block) {
-      if (n_block < n_full)
-        FullKV::load_at(dst, g_thread + int64_t(n_block) * (Cfg::kBlockN * ld), ld, tid);
-      else
+                            int n_block, int slot) {
+      if (n_block < n_full) {
+        if constexpr (Cfg::kPointersInSmem) {
+          const T* src = slots[slot];
+          const int64_t step = slot == 0 ? k_step : v_step;
+          FullKV::load_stepping(dst + kv_chunk, src, step);
+          slots[slot] = src + (Cfg::kBlockN / FullKV::kRowsPerPass) * step;
+        } else {
+          FullKV::load_at(dst, g_thread + int64_t(n_block) * (Cfg::kBlockN * ld), ld, tid);
+        }
+      } else {
         tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, KVLayout, Cfg::kThreads, false>(
-            dst, g, ld, sk, cols, n_block * Cfg::kBlockN, launch.vec, tid);
+            dst, Cfg::kPointersInSmem ? static_cast<const T*>(slots[2 + slot]) : g, ld, sk, cols,
+            n_block * Cfg::kBlockN, launch.vec, tid);
+      }
     };
     auto load_k = [&](int n_block, int stage) {
-      load_kv_tile(sK + stage * Cfg::kTileKV, K, k_thread, p.k_row_stride, d, n_block);
+      load_kv_tile(sK + stage * Cfg::kTileKV, K, k_thread, p.k_row_stride, d, n_block, 0);
     };
     auto load_v = [&](int n_block, int stage) {
-      load_kv_tile(sV + stage * Cfg::kTileKV, V, v_thread, p.v_row_stride, dv, n_block);
+      load_kv_tile(sV + stage * Cfg::kTileKV, V, v_thread, p.v_row_stride, dv, n_block, 1);
     };
     // Plain attention: the blocks [inner_lo, inner_hi) lie inside the sequence and inside
     // every row's window (rows past seqlen_q aside: never stored), so their scores need no
@@ -579,8 +620,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         // An infinite max (an Inf score, or a raw max whose scaled value overflows) makes the
         // row NaN, as exp2(inf - inf) did before the scale was folded: fmaf would have given
         // every key -inf, P = 0. (A row's first finite score: m - m_use is about -FLT_MAX,
-        // alpha = exp2 of it = 0, and O and l are still 0, or NaN.)
-        const float m_use = row_max == INFINITY ? NAN : row_max;
+        // alpha = exp2 of it = 0, and O and l are still 0, or NaN.) One FFMA: 0 * row_max is 0
+        // for a finite max and NaN for +inf (row_max is never -inf or NaN: fmaxf with m).
+        const float m_use = fmaf(0.0f, row_max, row_max);
         const float alpha = exp2_approx(m[x] - m_use);
         m[x] = row_max;
         float row_sum = 0.0f;
@@ -672,11 +714,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // key's NaN V made O NaN (O * 0) -- and lse -inf; a NaN or Inf score made l NaN: out and
   // lse NaN.
   const bool partial = launch.num_splits > 1;
-  // Bases recomputed here rather than kept live through the key loop (registers).
+  // Bases recomputed here rather than kept live through the key loop (registers); in the
+  // 32-row kernels from the sequence's offsets read again (8 bytes of spill at d = 64 on
+  // sm_80 otherwise: the offset of its first query row held through the loop).
+  const score::Seq seq_o = Cfg::kPointersInSmem ? score::seq_of(p, b) : seq;
   T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
-         score::q_base(p, seq, b, p.o_batch_stride, p.o_row_stride);
+         score::q_base(p, seq_o, b, p.o_batch_stride, p.o_row_stride);
   float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
-               score::q_base(p, seq, b, p.lse_batch_stride, p.lse_row_stride);
+               score::q_base(p, seq_o, b, p.lse_batch_stride, p.lse_row_stride);
   // Split-KV partials: (split, b, h, i) rows of head_dim_v floats, i < seqlen_q (the maximum).
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
 #pragma unroll

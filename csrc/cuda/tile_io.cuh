@@ -89,12 +89,21 @@ struct FullBlock {
   FMHA_DEVICE static int64_t thread_offset(int64_t ld, int tid) {
     return int64_t(tid / kChunksPerRow) * ld + (tid % kChunksPerRow) * 8;
   }
+  // The offset of this thread's first chunk in the tile.
+  FMHA_DEVICE static int smem_offset(int tid) {
+    return Layout::offset(tid / kChunksPerRow, (tid % kChunksPerRow) * 8);
+  }
   // src: this thread's first chunk of the block (g + row0 * ld + thread_offset).
   FMHA_DEVICE static void load_at(T* smem, const T* src, int64_t ld, int tid) {
+    load_to(smem + smem_offset(tid), src, ld);
+  }
+  // dst: this thread's first chunk of the tile (smem + smem_offset).
+  FMHA_DEVICE static void load_to(T* dst, const T* src, int64_t ld) {
+    load_stepping(dst, src, int64_t(kRowsPerPass) * ld);
+  }
+  // step: kRowsPerPass rows of the matrix (a caller may hold it in a register).
+  FMHA_DEVICE static void load_stepping(T* dst, const T* src, int64_t step) {
     if constexpr (kUsable) {
-      const int r = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
-      T* dst = smem + Layout::offset(r, c);
-      const int64_t step = int64_t(kRowsPerPass) * ld;
 #pragma unroll
       for (int i = 0; i < kRows / kRowsPerPass; ++i) {
         cp_async_16(dst + i * kRowsPerPass * Layout::kStride, src);
