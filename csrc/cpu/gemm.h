@@ -21,19 +21,29 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 template <int RB, int NV, bool kAcc>
 inline void gemm_block(int K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
                        int64_t ldb, float* C, int64_t ldc) {
+  // The loops over r and n are unrolled before GCC's scalar replacement runs (the pragmas):
+  // otherwise acc stays an array on the stack, written at entry and after the k loop and read
+  // back for C's stores -- ~70 vector memory operations per 6 x 4 block, beside its 24 stores.
   VecF acc[RB][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n)
       acc[r][n] = kAcc ? VecF::load(C + r * ldc + n * kW) : VecF::zero();
   for (int k = 0; k < K; ++k) {
     VecF b[NV];
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n) b[n] = VecF::load(B + k * ldb + n * kW);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const VecF a = VecF::set1(A[r * a_rs + k * a_cs]);
+#pragma GCC unroll 4
       for (int n = 0; n < NV; ++n) acc[r][n] = fma(a, b[n], acc[r][n]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n) acc[r][n].store(C + r * ldc + n * kW);
 }
 
@@ -46,20 +56,27 @@ constexpr bool kBf16Dot = true;
 template <int RB, int NV, bool kAcc>
 inline void gemm_block(int K, const uint32_t* A, int64_t a_rs, int64_t a_cs, const uint32_t* B,
                        int64_t ldb, float* C, int64_t ldc) {
-  __m512 acc[RB][NV];
+  __m512 acc[RB][NV];  // in registers: the pragmas, as in the float block above
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n)
       acc[r][n] = kAcc ? _mm512_loadu_ps(C + r * ldc + n * kW) : _mm512_setzero_ps();
   for (int k = 0; k < K; ++k) {
     __m512i b[NV];
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n) b[n] = _mm512_loadu_si512(B + k * ldb + n * kW);
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
       const __m512i a = _mm512_set1_epi32(int(A[r * a_rs + k * a_cs]));
+#pragma GCC unroll 4
       for (int n = 0; n < NV; ++n)
         acc[r][n] = _mm512_dpbf16_ps(acc[r][n], (__m512bh)a, (__m512bh)b[n]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int n = 0; n < NV; ++n) _mm512_storeu_ps(C + r * ldc + n * kW, acc[r][n]);
 }
 #else
