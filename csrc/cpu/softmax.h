@@ -25,10 +25,9 @@ inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* 
                                   float* alpha, float scale) {
   const VecF neg_inf = VecF::set1(-__builtin_huge_valf()), lowest = VecF::set1(-3.4e38f);
   const VecF c_scale = VecF::set1(scale);
-  for (int r0 = 0; r0 < nrp; r0 += kW) {
+  // One strip of kW rows, given its column maxima mx: the new maxima, the exponentials, l.
+  auto finish_strip = [&](int r0, VecF mx) {
     const VecF m_old = VecF::load(m + r0);
-    VecF mx = neg_inf;
-    for (int c = 0; c < nc; ++c) mx = max(mx, VecF::load(S + c * ld + r0));
     const VecF m_new = max(m_old, kScale ? mx * c_scale : mx);
     const VecF m_ref = m_new.select_lt(m_new, lowest, VecF::zero());  // -inf -> 0
     const VecF a = kLean ? vexp_lean(m_old - m_ref) : vexp(m_old - m_ref);
@@ -43,6 +42,25 @@ inline void online_softmax_T_impl(float* S, int64_t ld, int nc, int nrp, float* 
     fma(VecF::load(l + r0), a, sum).store(l + r0);
     m_new.store(m + r0);
     a.store(alpha + r0);
+  };
+  // The column maxima of 4 strips side by side: one strip's is a chain of dependent max
+  // instructions, one per key, so 4 chains in flight take about a quarter of the time. Each
+  // lane still takes max(mx, S[c][r]) over c ascending: the same bits as a strip alone.
+  int r0 = 0;
+  for (; r0 + 4 * kW <= nrp; r0 += 4 * kW) {
+    VecF mx[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) mx[q] = neg_inf;
+    for (int c = 0; c < nc; ++c)
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) mx[q] = max(mx[q], VecF::load(S + c * ld + r0 + q * kW));
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) finish_strip(r0 + q * kW, mx[q]);
+  }
+  for (; r0 < nrp; r0 += kW) {
+    VecF mx = neg_inf;
+    for (int c = 0; c < nc; ++c) mx = max(mx, VecF::load(S + c * ld + r0));
+    finish_strip(r0, mx);
   }
 }
 
