@@ -11,6 +11,7 @@ still where the GFLOP/s do not. It also checks that A and B give the same bits.
 
     python tools/cpu_ab.py --case 1,8,2048,64 --mode fwd
     python tools/cpu_ab.py --base HEAD~3 --case 1,8,1024,64,1 --mode fwdbwd --threads 2
+    python tools/cpu_ab.py --case 8,32,4096,128,0,1,8 --mode fwd   # one query, GQA 32/8
 
 The rest of the library (thread pool, dispatch) is linked from an existing build
 (--build-dir, default build/full: the README's editable install). Only code under csrc/cpu
@@ -105,7 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of build A (default HEAD)")
     ap.add_argument("--case", action="append", default=[],
-                    help="b,heads,seqlen,head_dim[,causal] (repeatable; default 1,8,2048,64)")
+                    help="b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] (seqlen: the keys; repeatable; default 1,8,2048,64; a decode: 8,32,4096,128,0,1,8)")
     ap.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "fwdbwd"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--threads", type=int, default=1)

@@ -305,17 +305,25 @@ template <int RB, typename KT>
 inline void dot_block(const float* Q, int64_t ldq, const KT* const* k, int d, float* S,
                       int64_t ld) {
   const int dv = d / kW * kW;
+  // The loops over r and j unrolled before GCC's scalar replacement (the pragmas, as in
+  // gemm_block): otherwise acc stays an array on the stack, stored and reloaded per call.
   VecF acc[RB][4];
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[r][j] = VecF::zero();
   for (int t = 0; t < dv; t += kW) {
     VecF kv[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) kv[j] = load_vec(k[j] + t);
+#pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const VecF x = VecF::load(Q + r * ldq + t);
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) acc[r][j] = fma(x, kv[j], acc[r][j]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) {
     float* out = S + r * ld;
     hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);

@@ -4,7 +4,10 @@
 // between runs, so two separate runs cannot resolve a 5% change; interleaved calls see the
 // same drift.
 //
-//   cpu_ab b,heads,seqlen,head_dim[,causal] fwd|bwd|fwdbwd f32|bf16 threads rounds
+//   cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] fwd|bwd|fwdbwd f32|bf16
+//          threads rounds
+// seqlen is the keys'; seqlen_q (default seqlen) and heads_kv (default heads) give decode and
+// GQA shapes, e.g. 8,32,4096,128,0,1,8: one query of 32 heads against 4096 keys of 8.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -73,26 +76,32 @@ double median(std::vector<double> x) {
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    std::fprintf(stderr, "usage: cpu_ab b,heads,seqlen,head_dim[,causal] fwd|bwd|fwdbwd "
-                         "f32|bf16 threads rounds\n");
+    std::fprintf(stderr, "usage: cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] "
+                         "fwd|bwd|fwdbwd f32|bf16 threads rounds\n");
     return 2;
   }
   fmha_bench::Case c{};
-  int causal = 0;
-  if (std::sscanf(argv[1], "%d,%d,%d,%d,%d", &c.b, &c.hq, &c.sq, &c.d, &causal) < 4) return 2;
-  c.hkv = c.hq;
-  c.sk = c.sq;
+  int causal = 0, sq = 0, hkv = 0;
+  if (std::sscanf(argv[1], "%d,%d,%d,%d,%d,%d,%d", &c.b, &c.hq, &c.sk, &c.d, &causal, &sq, &hkv) <
+      4)
+    return 2;
+  c.sq = sq > 0 ? sq : c.sk;
+  c.hkv = hkv > 0 ? hkv : c.hq;
+  if (c.hq % c.hkv != 0) return 2;
   c.causal = causal != 0;
   const std::string mode = argv[2];
   const bool bf16 = std::string(argv[3]) == "bf16";
   const int threads = std::atoi(argv[4]), rounds = std::max(1, std::atoi(argv[5]));
   const bool fwd = mode != "bwd", bwd = mode != "fwd";
 
-  const size_t n = size_t(c.b) * c.sq * c.hq * c.d, elt = bf16 ? 2 : 4;
-  Buffer q(n * elt), k(n * elt), v(n * elt), o(n * elt), g(n * elt), dq(n * elt), dk(n * elt),
-      dv(n * elt), lse(size_t(c.b) * c.hq * c.sq * 4);
+  // n: the query side's elements (q, o, dout, dq), nk: the key side's (k, v, dk, dv).
+  const size_t n = size_t(c.b) * c.sq * c.hq * c.d, nk = size_t(c.b) * c.sk * c.hkv * c.d;
+  const size_t elt = bf16 ? 2 : 4;
+  Buffer q(n * elt), k(nk * elt), v(nk * elt), o(n * elt), g(n * elt), dq(n * elt), dk(nk * elt),
+      dv(nk * elt), lse(size_t(c.b) * c.hq * c.sq * 4);
   std::mt19937 gen(0);
-  for (Buffer* b : {&q, &k, &v, &g}) fill_normal(*b, n, bf16, gen);
+  for (Buffer* b : {&q, &g}) fill_normal(*b, n, bf16, gen);
+  for (Buffer* b : {&k, &v}) fill_normal(*b, nk, bf16, gen);
   fmha::BwdParams p;
   fmha_bench::set_shape(p, c, bf16 ? fmha::DType::kBFloat16 : fmha::DType::kFloat32);
   p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr; p.lse = lse.ptr;
@@ -108,10 +117,10 @@ int main(int argc, char** argv) {
   run(false);
   const std::vector<char> outA(static_cast<char*>(fwd ? o.ptr : dq.ptr),
                                static_cast<char*>(fwd ? o.ptr : dq.ptr) + n * elt);
-  const std::vector<char> dkA(static_cast<char*>(dk.ptr), static_cast<char*>(dk.ptr) + n * elt);
+  const std::vector<char> dkA(static_cast<char*>(dk.ptr), static_cast<char*>(dk.ptr) + nk * elt);
   run(true);
   const bool same = std::memcmp(outA.data(), fwd ? o.ptr : dq.ptr, n * elt) == 0 &&
-                    (!bwd || std::memcmp(dkA.data(), dk.ptr, n * elt) == 0);
+                    (!bwd || std::memcmp(dkA.data(), dk.ptr, nk * elt) == 0);
 
   // Rounds of (A, B) and (B, A) in turn, so neither build always runs first.
   std::vector<double> ta, tb, speedup;
