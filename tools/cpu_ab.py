@@ -106,7 +106,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of build A (default HEAD)")
     ap.add_argument("--case", action="append", default=[],
-                    help="b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] (seqlen: the keys; repeatable; default 1,8,2048,64; a decode: 8,32,4096,128,0,1,8)")
+                    help="b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv[,keypad]]]]: "
+                         "seqlen is the keys'; keypad 1 masks the last eighth of the keys "
+                         "(repeatable; default 1,8,2048,64; a decode: 8,32,4096,128,0,1,8)")
     ap.add_argument("--mode", default="fwd", choices=["fwd", "bwd", "fwdbwd"])
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--threads", type=int, default=1)

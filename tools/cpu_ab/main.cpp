@@ -4,10 +4,12 @@
 // between runs, so two separate runs cannot resolve a 5% change; interleaved calls see the
 // same drift.
 //
-//   cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] fwd|bwd|fwdbwd f32|bf16
-//          threads rounds
+//   cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv[,keypad]]]] fwd|bwd|fwdbwd
+//          f32|bf16 threads rounds
 // seqlen is the keys'; seqlen_q (default seqlen) and heads_kv (default heads) give decode and
-// GQA shapes, e.g. 8,32,4096,128,0,1,8: one query of 32 heads against 4096 keys of 8.
+// GQA shapes, e.g. 8,32,4096,128,0,1,8: one query of 32 heads against 4096 keys of 8; keypad 1
+// adds a key-padding mask (batch, 1, 1, seqlen) with the last eighth of the keys padded, as
+// python -m fmha.bench's fmha+keypad column.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -76,14 +78,14 @@ double median(std::vector<double> x) {
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    std::fprintf(stderr, "usage: cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv]]] "
-                         "fwd|bwd|fwdbwd f32|bf16 threads rounds\n");
+    std::fprintf(stderr, "usage: cpu_ab b,heads,seqlen,head_dim[,causal[,seqlen_q[,heads_kv"
+                         "[,keypad]]]] fwd|bwd|fwdbwd f32|bf16 threads rounds\n");
     return 2;
   }
   fmha_bench::Case c{};
-  int causal = 0, sq = 0, hkv = 0;
-  if (std::sscanf(argv[1], "%d,%d,%d,%d,%d,%d,%d", &c.b, &c.hq, &c.sk, &c.d, &causal, &sq, &hkv) <
-      4)
+  int causal = 0, sq = 0, hkv = 0, keypad = 0;
+  if (std::sscanf(argv[1], "%d,%d,%d,%d,%d,%d,%d,%d", &c.b, &c.hq, &c.sk, &c.d, &causal, &sq, &hkv,
+                  &keypad) < 4)
     return 2;
   c.sq = sq > 0 ? sq : c.sk;
   c.hkv = hkv > 0 ? hkv : c.hq;
@@ -107,6 +109,15 @@ int main(int argc, char** argv) {
   p.q = q.ptr; p.k = k.ptr; p.v = v.ptr; p.o = o.ptr; p.lse = lse.ptr;
   p.dout = g.ptr; p.dq = dq.ptr; p.dk = dk.ptr; p.dv = dv.ptr;
   p.num_threads = threads;
+  std::vector<uint8_t> pad;
+  if (keypad) {
+    pad.assign(size_t(c.b) * c.sk, 1);
+    for (int b = 0; b < c.b; ++b)
+      for (int j = c.sk - c.sk / 8; j < c.sk; ++j) pad[size_t(b) * c.sk + j] = 0;
+    p.mask.ptr = pad.data();
+    p.mask.batch_stride = c.sk;
+    p.mask.col_stride = 1;
+  }
 
   auto run = [&](bool b_tree) {
     if (fwd) (b_tree ? fmha::cpu::abB::forward : fmha::cpu::abA::forward)(p);
