@@ -276,6 +276,16 @@ def test_split_kv_forced(rng, splits, d):
              expect_splits=splits)
 
 
+@pytest.mark.parametrize("d", [32, 64])
+def test_whole_blocks_from_a_later_first_block(rng, d):
+    # The 32-row kernels keep their pointers into the next whole K/V block in shared memory,
+    # moved on by a block per copy from the CTA's first block: a window (row 0 sees keys
+    # 169-319: blocks 2-4 of 64) or a split (the second of two takes blocks 3-4) that starts
+    # past block 0 must copy the right blocks, several in a row.
+    run_case(rng, sq=1, sk=320, d=d, window=(150, 0))
+    run_case(rng, sq=17, sk=320, d=d, num_splits=2, expect_splits=2)
+
+
 def test_split_kv_empty_splits_and_dead_rows(rng):
     # A sliding window of 5 keys: most splits of each row see nothing; the bias kills every
     # key of head 0 (all splits empty there) and the bottom-right causal diagonal leaves the

@@ -121,7 +121,7 @@ struct FlashFwdConfigBase {
   // where ptxas, left to itself, recomputed them from the parameters or spilled them.
   static constexpr bool kPointersInSmem =
       kMTiles == 2 && tile::FullBlock<uint16_t, kBlockN, kHeadDim, KVLayout, kThreads>::kUsable;
-  static constexpr int kPointerBytes = kPointersInSmem ? 32 * kThreads : 0;
+  static constexpr int kPointerBytes = kPointersInSmem ? 4 * int(sizeof(void*)) * kThreads : 0;
   // Qi once, then kStages x (Kj, Vj)[, the pointers].
   static constexpr size_t kSmemBytes = size_t(kTileQ + 2 * kStages * kTileKV) * 2 + kPointerBytes;
   static_assert(kStages == 2 || kStages == 1, "double- or single-buffered Kj, Vj");
@@ -167,14 +167,14 @@ struct FlashFwdConfig;
 // both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
 // what matters is that nothing spills).
 //
-// d = 32: 32 rows per warp, 2 x (16 (O) + 32 (S) + 8 (Q)) registers of tiles, 20 KiB of
-// shared memory; ptxas takes 223-236 registers, two CTAs per SM. Bound by softmax and
+// d = 32: 32 rows per warp, 2 x (16 (O) + 32 (S) + 8 (Q)) registers of tiles, 24 KiB of
+// shared memory (4 of them the copy's pointers); ptxas takes 188-196 registers, two CTAs per SM. Bound by softmax and
 // memory, not mma; kBlockN = 64 keeps the exp work per barrier of the others. Extras: 16
 // rows per warp.
 template <> struct FlashFwdConfig<32, false> : FlashFwdConfigBase<32, 64, true, 2, 1, false, 2> {};
 template <> struct FlashFwdConfig<32, true> : FlashFwdConfigBase<32, 64, true, 2> {};
-// d = 64: 32 rows per warp at kBlockN = 64 (O 64 + S 64 registers, 36 KiB, two CTAs per SM
-// by registers): the pass of 16 rows x 128 keys it replaced had the same 128 HMMA but 68
+// d = 64: 32 rows per warp at kBlockN = 64 (O 64 + S 64 registers, 40 KiB with the copy's
+// pointers, two CTAs per SM by registers): the pass of 16 rows x 128 keys it replaced had the same 128 HMMA but 68
 // ldmatrix instead of 40. Q is re-read from shared memory (2 ldmatrix.x4 per k-step and
 // warp): in registers (+32) it spilled 44 bytes on sm_80. flash-attn's 128 x 128 tile (S 128
 // registers) spills under nvcc 13.0. Extras: 16 rows, kBlockN = 32 halves S and the
@@ -408,7 +408,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const T* v_thread = V + FullKV::thread_offset(p.v_row_stride, tid);
     static_assert(!(kExtras && Cfg::kPointersInSmem), "the plain loop's blocks are consecutive");
     const T* volatile* const slots =
-        reinterpret_cast<const T* volatile*>(sV + Cfg::kStages * Cfg::kTileKV) + 4 * tid;
+        Cfg::kPointersInSmem
+            ? reinterpret_cast<const T* volatile*>(sV + Cfg::kStages * Cfg::kTileKV) + 4 * tid
+            : nullptr;
     if constexpr (Cfg::kPointersInSmem) {
       slots[0] = k_thread + int64_t(n_begin) * (Cfg::kBlockN * p.k_row_stride);
       slots[1] = v_thread + int64_t(n_begin) * (Cfg::kBlockN * p.v_row_stride);
