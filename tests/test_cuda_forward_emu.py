@@ -36,10 +36,12 @@ torch = pytest.importorskip("torch")  # the naive low-precision baseline (and bf
 def run_case(rng, *, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype="float16", causal=False,
              window=(-1, -1), alignment="bottom_right", scale=None, lib="numpy", softcap=0.0,
              bias=None, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0, offset=0,
-             num_splits=1, expect_splits=None):
+             num_splits=1, expect_splits=None, qk64=None):
     q64 = rng.standard_normal((batch, sq, hq, d))
     k64 = rng.standard_normal((batch, sk, hkv, d))
     v64 = rng.standard_normal((batch, sk, hkv, d))
+    if qk64 is not None:  # scores of a chosen shape
+        q64, k64 = qk64
     q, k, v = (from_f64(x, dtype, lib) for x in (q64, k64, v64))
     if lib == "numpy":
         out = np.full((batch, sq, hq, d), np.nan, dtype=dtype)
@@ -284,6 +286,27 @@ def test_whole_blocks_from_a_later_first_block(rng, d):
     # past block 0 must copy the right blocks, several in a row.
     run_case(rng, sq=1, sk=320, d=d, window=(150, 0))
     run_case(rng, sq=17, sk=320, d=d, num_splits=2, expect_splits=2)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("growth", [3.0, 12.0])
+@pytest.mark.parametrize("extras", [False, True])
+def test_lazy_rescale_with_rising_scores(rng, d, growth, extras):
+    # The running max moves only when a block's max passes it by more than 8 (log2 units); in
+    # between P grows up to 2^8 and O and l keep their scale. Scores that rise along the keys
+    # by `growth` log2 units per 64 keys -- 3: the max stays for two blocks, then moves; 12:
+    # it moves every block -- on rows 0, 3, 6, ... only, so that a warp's vote mixes rows
+    # that move with rows that do not. A rescale skipped or applied to the wrong rows, or a
+    # max that never moves (P = 2^120 overflows float16), fails here.
+    sq, sk = 70, 320
+    q64 = rng.standard_normal((1, sq, 1, d)) * 0.3
+    k64 = rng.standard_normal((1, sk, 1, d)) * 0.3
+    scale = 1.0 / np.sqrt(d)
+    q64[0, ::3, 0, 0] = 1.0
+    k64[0, :, 0, 0] = np.arange(sk) * (growth / 64 * np.log(2) / scale)
+    kw = dict(softcap=30.0) if extras else {}
+    run_case(rng, sq=sq, sk=sk, d=d, qk64=(q64, k64), **kw)
+    run_case(rng, sq=sq, sk=sk, d=d, qk64=(q64, k64), causal=True, alignment="top_left", **kw)
 
 
 def test_split_kv_empty_splits_and_dead_rows(rng):

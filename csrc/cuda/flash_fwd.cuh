@@ -4,7 +4,7 @@
 //
 // Work decomposition: one CTA per (query block Qi of kBlockM rows, query head, batch
 // [, key split]); 4 warps, each owning 32 rows of Qi (two m16 tiles, kBlockM = 128; 16 rows
-// where registers are short: d = 128, 256 and the extras), so the softmax statistics of a row
+// where registers are short: d = 256 and the extras), so the softmax statistics of a row
 // never leave its warp (no shared-memory reduction). Key/value blocks Kj, Vj of kBlockN keys
 // stream through shared memory with cp.async: with 16 rows two stages deep, the copy of block
 // j+1 in flight while the tensor cores work on block j; with 32 rows single-buffered, as in
@@ -18,6 +18,9 @@
 //                                 memory per k-step
 //   mask S (tails, causal/window)
 //   m' = max(m, rowmax(S)); P = exp2(S*scale*log2e - m'); l = l*exp2(m - m') + rowsum(P)
+//                                 (lazily: m' = m unless rowmax(S) passes m by more than
+//                                 kLazyRescale = 8 in log2 units; then exp2(m - m') = 1,
+//                                 and a warp multiplies O only when one of its rows moved)
 //   O  = O*exp2(m - m') + P Vj    P re-packed in registers as f16/bf16 A fragments (the
 //                                 accumulator layout of S is the A layout of P: no
 //                                 shared-memory round trip); Vj via ldmatrix.trans
@@ -51,8 +54,8 @@
 // the window's edge blocks and the sequence's last partial block, and its scale rides in the
 // exp2's FFMA.
 //
-// Not yet here: output staged through shared memory for coalesced stores; 32 query rows per
-// warp at d = 128 (registers). Performance reasoning: cuda/NOTES.md.
+// Not yet here: output staged through shared memory for coalesced stores. Performance
+// reasoning: cuda/NOTES.md.
 #pragma once
 
 #include <cfloat>
@@ -190,15 +193,14 @@ template <> struct FlashFwdConfig<64, true> : FlashFwdConfigBase<64, 32, true, 3
 // whole 16-byte chunks per thread. Two CTAs per SM. Extras: 16 rows, Q in registers.
 template <> struct FlashFwdConfig<96, false> : FlashFwdConfigBase<96, 32, false, 2, 1, false, 2> {};
 template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2> {};
-// d = 128. Plain: 16 rows per warp -- 32 (O 128 + S 64 registers, FlashAttention-2's tile)
-// spilled 152-184 bytes, and even kBlockN = 32 with the edge blocks' key test removed 8 bytes
-// (NOTES.md, "32 query rows per warp"). Q from shared memory, as FlashAttention-2 does --
-// with Q in registers (+32) the varlen/split bookkeeping pushed ptxas to 255 and 24-byte
-// spills on sm_90. Its K and V
-// tiles are swizzled, not padded: 81 KiB instead of 85, so that two CTAs fit an sm_80
-// SM (each may have 81 of its 164 KiB), as on sm_90. Extras: Q in registers but kBlockN = 32
-// (S 16 registers), 51 KiB.
-template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 64, false, 2, 1, true> {};
+// d = 128. Plain: 32 rows per warp at kBlockN = 32 (O 128 + S 32 registers), Q from shared
+// memory as FlashAttention-2 does, K and V swizzled, 54 KiB with the copy's pointers; ptxas
+// takes 251-254 registers, two CTAs per SM. FlashAttention-2's 128 x 64 tile (S 64) spilled
+// 152-184 bytes here (NOTES.md, "32 query rows per warp"). With 32 keys a pass would carry
+// O's rescale (128 multiplies per thread) for half the products; the lazy rescale
+// (kLazyRescale) skips it once the rows' maxima settle. Extras: 16 rows, Q in registers but
+// kBlockN = 32 (S 16 registers), 51 KiB.
+template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 32, false, 2, 1, true, 2> {};
 template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true, 2> {};
 // d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
 // (S 8 registers); kBlockN = 32 spilled 8-48 bytes. So the rescale of O (128 multiplies
@@ -208,6 +210,14 @@ template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true,
 // recomputing S for their rows, and kBlockN = 32.
 template <> struct FlashFwdConfig<256, false> : FlashFwdConfigBase<256, 16, false, 1> {};
 template <> struct FlashFwdConfig<256, true> : FlashFwdConfigBase<256, 32, false, 1, 2> {};
+// The online softmax's lazy rescale (as FlashAttention-4 does it): a row keeps its reference
+// max m until a block's max passes it by more than this (log2 units). Until then P <= 2^8
+// (float16 and bfloat16 hold it with room to spare; P V and l accumulate in float32), alpha
+// = 1 and O needs no multiply: O / l and lse = m + log2 l are the same sums at another
+// scale. A warp multiplies its O only when one of its rows moved (a vote), so once the maxima
+// settle the common pass carries no rescale at all.
+constexpr float kLazyRescale = 8.0f;
+
 // What one launch of flash_fwd_kernel needs beyond the params: resolved once on the host.
 struct FwdLaunch {
   bool vec = false;     // rows 16-byte aligned: tiles move by cp.async
@@ -609,6 +619,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       // ---- online softmax. A row's kBlockN scores are spread over the 4 lanes of a quad:
       // reduce within the thread, then across the quad with two xor-shuffles; the max of the
       // block's (raw) scores times `fold` is the max of their logits.
+      float alpha[2 * kM];
+      bool rescale = false;
 #pragma unroll
       for (int x = 0; x < 2 * kM; ++x) {
         const int mt = x / 2, r = x % 2;
@@ -618,14 +630,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           block_max = fmaxf(block_max, fmaxf(acc_s[mt][j][2 * r], acc_s[mt][j][2 * r + 1]));
         block_max = fmaxf(block_max, shfl_xor(block_max, 1));
         block_max = fmaxf(block_max, shfl_xor(block_max, 2));
-        const float row_max = fmaxf(m[x], block_max * fold);
+        // The reference max moves only when the block's max passes it by more than
+        // kLazyRescale; otherwise alpha = 1 (exp2(0) is exact).
+        const float block_logit = block_max * fold;
+        const float row_max = block_logit > m[x] + kLazyRescale ? block_logit : m[x];
         // An infinite max (an Inf score, or a raw max whose scaled value overflows) makes the
         // row NaN, as exp2(inf - inf) did before the scale was folded: fmaf would have given
         // every key -inf, P = 0. (A row's first finite score: m - m_use is about -FLT_MAX,
         // alpha = exp2 of it = 0, and O and l are still 0, or NaN.) One FFMA: 0 * row_max is 0
-        // for a finite max and NaN for +inf (row_max is never -inf or NaN: fmaxf with m).
+        // for a finite max and NaN for +inf (row_max is never -inf or NaN: it is m, or a block
+        // max that passed m).
         const float m_use = fmaf(0.0f, row_max, row_max);
-        const float alpha = exp2_approx(m[x] - m_use);
+        alpha[x] = exp2_approx(m[x] - m_use);
+        rescale |= alpha[x] != 1.0f;
         m[x] = row_max;
         float row_sum = 0.0f;
 #pragma unroll
@@ -635,12 +652,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
             acc_s[mt][j][e] = exp2_approx(fmaf(acc_s[mt][j][e], fold, -m_use));
             row_sum += acc_s[mt][j][e];
           }
-        l[x] = l[x] * alpha + row_sum;
+        l[x] = l[x] * alpha[x] + row_sum;
+      }
+      if (warp_ballot(rescale) != 0u) {
 #pragma unroll
-        for (int j = 0; j < Cfg::kNTilesO; ++j) {
-          acc_o[mt][j][2 * r] *= alpha;
-          acc_o[mt][j][2 * r + 1] *= alpha;
-        }
+        for (int x = 0; x < 2 * kM; ++x)
+#pragma unroll
+          for (int j = 0; j < Cfg::kNTilesO; ++j) {
+            acc_o[x / 2][j][2 * (x % 2)] *= alpha[x];
+            acc_o[x / 2][j][2 * (x % 2) + 1] *= alpha[x];
+          }
       }
 
       // ---- dropout, after l (the normaliser counts dropped entries too). A thread's keys
