@@ -90,6 +90,36 @@ def test_natural_loop_takes_a_block_placed_above_its_head():
     assert sr.main_loop(blocks).path_count("LDGSTS") == 0
 
 
+# The main backward's shape: a pass (0x10-0x70) whose dQ work units run as an inner loop with
+# HMMA (0x30-0x48), and an HMMA-free inner loop (0x50-0x58) beside it.
+INNER_HMMA = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x20, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+    (0x30, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x38, "RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R2.64], R12"),
+    (0x40, "IADD3 R11, R11, 0x4, RZ"),
+    (0x48, "@P2 BRA 0x30"),           # the next work unit of this warp
+    (0x50, "IADD3 R13, R13, 0x1, RZ"),
+    (0x58, "@P4 BRA 0x50"),           # no HMMA: one trip whatever --inner-trips says
+    (0x60, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+    (0x70, "@P3 BRA 0x10"),
+    (0x80, "EXIT"),
+]
+
+
+def test_inner_trip_is_the_inner_loop_with_hmma_on_the_path():
+    blocks = sr.blocks_of(sr.parse(_sass(INNER_HMMA))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    assert loop.header == 0x10 and loop.path_count("HMMA") == 2 and loop.path_count() == 10
+    trip = sr.inner_trip(blocks, loop)
+    assert [i.addr for b in trip for i in b.instrs] == [0x30, 0x38, 0x40, 0x48]
+    assert sum(b.count("HMMA") for b in trip) == 1 and sum(b.count("RED") for b in trip) == 1
+    # PLANTED's only inner loop has no HMMA: nothing to repeat.
+    planted = sr.blocks_of(sr.parse(_sass(PLANTED))["planted_kernel"])
+    assert sr.inner_trip(planted, sr.main_loop(planted)) == []
+
+
 # The launch-shape table: a kernel's config read from its mangled name, and the CTAs per SM
 # its threads, registers and shared memory allow.
 def test_config_of_mangled_kernel_names():

@@ -48,8 +48,10 @@ compiles take ~30 min on 2 cores). On fmha's kernels the natural-loop finder giv
 paths as the address-range one (only `body` differs), so the two sets of counts are comparable.
 
 Assumptions, checked where they can be: for fmha's files the loop is structured (its body is
-the address range from the header to the back edge, as nvcc lays out loops); inner loops
-without HMMA on the path count one trip; predicated-off instructions count as issued (they are). cuobjdump and nvdisasm
+the address range from the header to the back edge, as nvcc lays out loops); inner loops on
+the path count one trip -- those with HMMA (the main backward's dQ work units at d = 128 and
+256, where a warp runs several) `--inner-trips N` times; predicated-off instructions count as
+issued (they are). cuobjdump and nvdisasm
 come from the CUDA toolkit or from the pip wheels nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
 (found on PATH, in CUDA_HOME/bin, or in the current Python's site-packages).
 """
@@ -426,8 +428,22 @@ def _disasm_env() -> dict:
     return env
 
 
+def inner_trip(blocks: list[Block], loop: LoopStats) -> list:
+    """The blocks of `loop`'s path that lie in an inner loop holding HMMA (its one counted trip):
+    e.g. the main backward's dQ work units where a warp takes several (FlashBwdConfig::kDqUnits
+    / kWarps)."""
+    by_start = {b.start: b for b in blocks}
+    on_path = {b.start for b in loop.path}
+    inner: set = set()
+    for head, (_, body) in natural_loops(blocks).items():
+        if head in on_path and head != loop.path[0].start and any(
+                by_start[x].count("HMMA") for x in body):
+            inner |= body & on_path
+    return [b for b in loop.path if b.start in inner]
+
+
 def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: str,
-           kernel_re: str, also: tuple = ()) -> list[dict]:
+           kernel_re: str, also: tuple = (), inner_trips: int = 1) -> list[dict]:
     rows = []
     env = _disasm_env()
     with tempfile.TemporaryDirectory() as tmp:
@@ -443,14 +459,18 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
             for name, instrs in parse(sass).items():
                 if not re.search(kernel_re, name):
                     continue
-                loop = main_loop(blocks_of(instrs), also)
+                blocks = blocks_of(instrs)
+                loop = main_loop(blocks, also)
                 if loop is None:
                     continue
+                # An inner loop on the path counts inner_trips times (once by default).
+                extra = inner_trip(blocks, loop) * (inner_trips - 1) if inner_trips > 1 else []
                 row = dict(file=f, kernel=short_name(name), mangled=name, arch=f"sm_{arch}",
-                           regs=regs.get(name, -1), body=loop.body, path=loop.path_count(),
+                           regs=regs.get(name, -1), body=loop.body,
+                           path=loop.path_count() + sum(len(b.instrs) for b in extra),
                            config=config_of(name))
                 for c in COUNTED:
-                    row[c] = loop.path_count(c)
+                    row[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
                 rows.append(row)
     configs = {r["config"] for r in rows if r["config"]}
     shapes = launch_shapes(configs, src_root, nvcc) if configs else {}
@@ -713,6 +733,10 @@ def main() -> int:
                     help="prefer paths through this exact opcode too (repeatable), after HMMA "
                          "and LDGSTS: e.g. LDS.128 takes the strong zero's vote scan, which "
                          "calls with a mask, bias, dropout or window run")
+    ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
+                    help="count an inner loop with HMMA on the path N times per pass (default 1): "
+                         "the main backward's dQ work units where a warp runs several "
+                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128, 2 at d = 256)")
     ap.add_argument("--flash-attn", type=Path, metavar="SRC",
                     help="report flash-attn 2's kernels instead: its source tree or sdist tarball")
     ap.add_argument("--cutlass", type=Path, metavar="DIR",
@@ -753,7 +777,7 @@ def main() -> int:
     rows = []
     for arch in a.arch or ["80"]:
         rows += report(a.files or DEFAULT_FILES, arch, a.src_root.resolve(), nvcc, cuobjdump,
-                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also))
+                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also), a.inner_trips)
     print_table(rows)
     print()
     print_launch_table(rows)

@@ -90,7 +90,18 @@ struct FlashBwdConfig {
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
   static constexpr int kKStepsM = kBlockM / 16;   // k-steps over queries (dV, dK)
   static constexpr int kKStepsN = kBlockN / 16;   // k-steps over keys (dQ)
-  static constexpr int kDqChunk = 2;  // n-tiles of dQ per pass
+  // dQ's work units: 16 queries x kDqChunk n-tiles of the head dim, dealt round-robin to the
+  // warps. One unit per warp where its accumulator (4 kDqChunk registers) fits beside dK and
+  // dV (kOutDim registers) within 128: then each dS^T fragment a warp loads feeds kDqChunk
+  // mma and no warp loops (d <= 96; at d = 128 and 256 the wide units spilled 8-56 bytes,
+  // ptxas 13.0). Else 2 n-tiles per unit.
+  static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / 16) / kWarps;
+  static constexpr int kDqChunk =
+      (kNTilesD * (kBlockM / 16)) % kWarps == 0 && kDqUnitsWide >= 2 && kDqUnitsWide % 2 == 0 &&
+              kNTilesD % kDqUnitsWide == 0 && kOutDim + 4 * kDqUnitsWide <= 128
+          ? kDqUnitsWide
+          : 2;
+  static constexpr int kDqUnits = (kBlockM / 16) * (kNTilesD / kDqChunk);
 
   static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
   static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
@@ -535,17 +546,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // ---- dQi += dS Kj.
       // A[q][key] = dS^T[key][q]: ldmatrix.trans from dS^T (lanes address its key rows).
       // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
-      // Work units of (16 queries) x (kDqChunk n-tiles of the head dim), dealt round-robin
-      // to the warps, so that every warp has work even when kBlockM < 64.
+      // Work units of (16 queries) x (kDqChunk n-tiles of the head dim): one per warp where
+      // they divide evenly (Cfg::kDqChunk), else dealt round-robin.
       float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
       constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
-      // Two copies of the loop: a step with a non-finite operand (nonfinite) poisons dQ where
+      // Two copies of the units: a step with a non-finite operand (nonfinite) poisons dQ where
       // a pair that takes part meets a NaN or Inf of Kj and multiplies by Kj's fragments with
       // those entries 0 (Kj stays raw in shared memory: later steps' S^T reads it).
       auto dq_units = [&](auto strong_zero_tag) {
         constexpr bool kStrongZero = decltype(strong_zero_tag)::value;
-#pragma unroll 1
-        for (int unit = warp; unit < (Cfg::kBlockM / 16) * kChunks; unit += Cfg::kWarps) {
+        auto dq_unit = [&](int unit) {
           const int q0 = (unit / kChunks) * 16, c0 = (unit % kChunks) * Cfg::kDqChunk;
           float acc_q[Cfg::kDqChunk][4];
 #pragma unroll
@@ -575,15 +585,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
               mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
             }
           }
+          // The thread's two rows: one address each, its columns at constant offsets from it.
+          // Every add is issued: in a step whose block reaches past the sequence or whose tile
+          // is wider than the head dim, a row or column outside adds 0 to a valid element of
+          // the sequence's last row (x + 0 is x; the accumulator starts at +0 and never holds
+          // -0). A guarded add (atomicAdd, or a predicated red) compiled to a branch and a
+          // reconvergence barrier per add.
+          const int i_lo = m0 + q0 + g, col0 = c_base + c0 * 8 + 2 * t;
+          const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
+          float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d + col0;
+          float* const dq_hi = dq_rows + int64_t(hi_in ? i_lo + 8 : s.sq - 1) * d + col0;
+          auto add_all = [&](auto inside) {
+            constexpr bool kInside = decltype(inside)::value;  // every row and column
 #pragma unroll
-          for (int j = 0; j < Cfg::kDqChunk; ++j)
+            for (int j = 0; j < Cfg::kDqChunk; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = m0 + q0 + g + 8 * (e / 2);
-              const int col = c_base + (c0 + j) * 8 + 2 * t + (e % 2);
-              if (i < s.sq && col < d && acc_q[j][e] != 0.0f)
-                atomic_add(dq_rows + int64_t(i) * d + col, acc_q[j][e]);
-            }
+              for (int e = 0; e < 4; ++e) {
+                const int dc = j * 8 + (e % 2);  // the column, from col0
+                const bool col_in = kInside || col0 + dc < d;
+                const bool in = kInside || ((e / 2 ? hi_in : lo_in) && col_in);
+                float* const row = e / 2 ? dq_hi : dq_lo;
+                atomic_add(col_in ? row + dc : row - col0 + (d - 1), in ? acc_q[j][e] : 0.0f);
+              }
+          };
+          if (m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d)
+            add_all(std::true_type{});
+          else
+            add_all(std::false_type{});
+        };
+        if constexpr (Cfg::kDqUnits == Cfg::kWarps) {
+          dq_unit(warp);
+        } else {
+#pragma unroll 1
+          for (int unit = warp; unit < Cfg::kDqUnits; unit += Cfg::kWarps) dq_unit(unit);
         }
       };
       if (nonfinite)
