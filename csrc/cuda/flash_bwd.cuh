@@ -458,10 +458,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     auto scores = [&](auto inner) {
       constexpr bool kInner = decltype(inner)::value;
 #pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j)
+      for (int j = 0; j < Cfg::kNTilesS; ++j) {
+        // The thread's two queries of this n-tile are adjacent: their lse and D as one pair each.
+        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
+        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
+          const float lse_i = e % 2 ? lse2.y : lse2.x, d_i = e % 2 ? d2.y : d2.x;
           bool visible = kInner || score::visible(p, s, i, key);
           float x;
           [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
@@ -470,18 +474,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           else
             x = acc_s[j][e] * scale_log2;
           // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
-          const float prob = visible && x != -INFINITY ? exp2_approx(x - tLse[il]) : 0.0f;
+          const float prob = visible && x != -INFINITY ? exp2_approx(x - lse_i) : 0.0f;
           float dp = acc_dp[j][e], pd = prob;
           if (kExtras && p.dropout_p > 0.0) {
             const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
             dp = keep ? dp * keep_scale : 0.0f;
             pd = keep ? prob * keep_scale : 0.0f;
           }
-          float ds = prob == 0.0f ? 0.0f : prob * (dp - tD[il]);
+          float ds = prob == 0.0f ? 0.0f : prob * (dp - d_i);
           if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
           acc_s[j][e] = pd;
           acc_dp[j][e] = ds;
         }
+      }
     };
     if (bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
       scores(std::true_type{});

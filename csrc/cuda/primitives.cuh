@@ -293,6 +293,11 @@ FMHA_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
 
 // ---------------------------------------------------------------------------- math
 
+// Two adjacent floats read or written as one 8-byte access (LDS.64 / STS.64 on the device).
+struct alignas(8) FloatPair {
+  float x, y;
+};
+
 // 2^x: ex2.approx.ftz.f32 (PTX ISA 9.0 §9.7.3.21): subnormal inputs and results flush to
 // zero; maximum relative error about 2^-22. The emulator computes exp2f and flushes the same.
 FMHA_DEVICE float exp2_approx(float x) {
