@@ -272,41 +272,58 @@ def test_everything_at_once(rng):
 @pytest.mark.parametrize("splits", [2, 3, 7])
 @pytest.mark.parametrize("d", [64, 128])
 def test_split_kv_forced(rng, splits, d):
-    # 130 keys = 3 key blocks of 64 (5 of 32 for extras): 7 splits leave some empty.
+    # 130 keys = 3 key blocks of 64 (5 of 32 for extras and plain d = 128): 7 splits leave
+    # some empty.
     run_case(rng, sq=17, sk=130, d=d, num_splits=splits, expect_splits=splits)
     run_case(rng, sq=70, sk=130, d=d, causal=True, alignment="top_left", num_splits=splits,
              expect_splits=splits)
 
 
-@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("d", [32, 64, 128])
 def test_whole_blocks_from_a_later_first_block(rng, d):
     # The 32-row kernels keep their pointers into the next whole K/V block in shared memory,
     # moved on by a block per copy from the CTA's first block: a window (row 0 sees keys
-    # 169-319: blocks 2-4 of 64) or a split (the second of two takes blocks 3-4) that starts
-    # past block 0 must copy the right blocks, several in a row.
+    # 169-319: blocks 2-4 of 64, 5-9 of 32) or a split (the second of two takes blocks 3-4 of
+    # 64, 5-9 of 32) that starts past block 0 must copy the right blocks, several in a row.
     run_case(rng, sq=1, sk=320, d=d, window=(150, 0))
     run_case(rng, sq=17, sk=320, d=d, num_splits=2, expect_splits=2)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])
+def _rising_scores(rng, sq, sk, d, growth, every=3, heads=1):
+    """q, k whose scores rise along the keys by `growth` log2 units per 64 keys on rows 0,
+    every, 2 every, ... and stay flat on the others (their column 0 is 0)."""
+    q64 = rng.standard_normal((1, sq, heads, d)) * 0.3
+    k64 = rng.standard_normal((1, sk, heads, d)) * 0.3
+    q64[0, :, :, 0] = 0.0
+    q64[0, ::every, :, 0] = 1.0
+    k64[0, :, :, 0] = (np.arange(sk) * (growth / 64 * np.log(2) * np.sqrt(d)))[:, None]
+    return q64, k64
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("growth", [3.0, 12.0])
 @pytest.mark.parametrize("extras", [False, True])
 def test_lazy_rescale_with_rising_scores(rng, d, growth, extras):
     # The running max moves only when a block's max passes it by more than 8 (log2 units); in
-    # between P grows up to 2^8 and O and l keep their scale. Scores that rise along the keys
-    # by `growth` log2 units per 64 keys -- 3: the max stays for two blocks, then moves; 12:
-    # it moves every block -- on rows 0, 3, 6, ... only, so that a warp's vote mixes rows
-    # that move with rows that do not. A rescale skipped or applied to the wrong rows, or a
-    # max that never moves (P = 2^120 overflows float16), fails here.
-    sq, sk = 70, 320
-    q64 = rng.standard_normal((1, sq, 1, d)) * 0.3
-    k64 = rng.standard_normal((1, sk, 1, d)) * 0.3
-    scale = 1.0 / np.sqrt(d)
-    q64[0, ::3, 0, 0] = 1.0
-    k64[0, :, 0, 0] = np.arange(sk) * (growth / 64 * np.log(2) / scale)
+    # between P grows up to 2^8 and O and l keep their scale. Scores rising by `growth` log2
+    # units per 64 keys (3: the max stays for a few blocks, then moves; 12: it moves every
+    # 64 keys, every block or every other one at 16-64 keys per block) on every third row
+    # only, so that a warp's vote mixes rows that move with rows that do not. A rescale
+    # skipped or applied to the wrong rows, or a max that never moves (P = 2^120 overflows
+    # float16), fails here.
+    qk64 = _rising_scores(rng, 70, 320, d, growth)
     kw = dict(softcap=30.0) if extras else {}
-    run_case(rng, sq=sq, sk=sk, d=d, qk64=(q64, k64), **kw)
-    run_case(rng, sq=sq, sk=sk, d=d, qk64=(q64, k64), causal=True, alignment="top_left", **kw)
+    run_case(rng, sq=70, sk=320, d=d, qk64=qk64, **kw)
+    run_case(rng, sq=70, sk=320, d=d, qk64=qk64, causal=True, alignment="top_left", **kw)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.998])
+def test_lazy_rescale_with_dropout_near_one(rng, p):
+    # With the lazy rescale P reaches 2^8; dropout's 1 / (1 - p) (500 at p = 0.998) must not
+    # multiply it before P is rounded to float16 for P V (65504 at most): it is applied to O
+    # at the end. Multiplied in first, the rows whose scores rise came out Inf / NaN.
+    qk64 = _rising_scores(rng, 70, 320, 64, 8.0, every=1, heads=2)
+    run_case(rng, sq=70, sk=320, d=64, hq=2, hkv=2, qk64=qk64, dropout_p=p, seed=1)
 
 
 def test_split_kv_empty_splits_and_dead_rows(rng):

@@ -115,6 +115,10 @@ def test_inner_trip_is_the_inner_loop_with_hmma_on_the_path():
     trip = sr.inner_trip(blocks, loop)
     assert [i.addr for b in trip for i in b.instrs] == [0x30, 0x38, 0x40, 0x48]
     assert sum(b.count("HMMA") for b in trip) == 1 and sum(b.count("RED") for b in trip) == 1
+    # Four trips of it: three more of its 4 instructions, HMMA and RED.
+    counts = sr.pass_counts(blocks, loop, inner_trips=4)
+    assert counts["path"] == 10 + 3 * 4 and counts["HMMA"] == 2 + 3 and counts["LDSM"] == 0
+    assert sr.pass_counts(blocks, loop)["path"] == 10
     # PLANTED's only inner loop has no HMMA: nothing to repeat.
     planted = sr.blocks_of(sr.parse(_sass(PLANTED))["planted_kernel"])
     assert sr.inner_trip(planted, sr.main_loop(planted)) == []

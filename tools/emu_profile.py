@@ -36,8 +36,10 @@ def aligned(rng, shape, dtype=np.float16, align=256):
     return out
 
 
-#: (label, batch, seqlen_q, seqlen_k, heads, head_dim, keywords): two full 64-row tiles of
-#: queries and keys per head, so the steady-state loop runs; bias adds the "extras" kernels.
+#: (label, batch, seqlen_q, seqlen_k, heads, head_dim, keywords): 128 queries and keys per
+#: head -- one 128-row query tile of the plain forwards (two 64-row ones of the extras, and of
+#: the backward's steps), two or more key blocks, so the steady-state loop runs; bias adds the
+#: "extras" kernels.
 CASES = [
     ("d64", 1, 128, 128, 2, 64, {}),
     ("d128", 1, 128, 128, 2, 128, {}),

@@ -429,7 +429,8 @@ def _disasm_env() -> dict:
 
 
 def inner_trip(blocks: list[Block], loop: LoopStats) -> list:
-    """The blocks of `loop`'s path that lie in an inner loop holding HMMA (its one counted trip):
+    """The blocks of `loop`'s path that lie in an inner loop whose body holds HMMA (its one
+    counted trip):
     e.g. the main backward's dQ work units where a warp takes several (FlashBwdConfig::kDqUnits
     / kWarps)."""
     by_start = {b.start: b for b in blocks}
@@ -440,6 +441,16 @@ def inner_trip(blocks: list[Block], loop: LoopStats) -> list:
                 by_start[x].count("HMMA") for x in body):
             inner |= body & on_path
     return [b for b in loop.path if b.start in inner]
+
+
+def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> dict:
+    """One pass's instructions ("path") and COUNTED opcodes, an inner loop with HMMA on the path
+    counted inner_trips times."""
+    extra = inner_trip(blocks, loop) * (inner_trips - 1)
+    counts = {"path": loop.path_count() + sum(len(b.instrs) for b in extra)}
+    for c in COUNTED:
+        counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
+    return counts
 
 
 def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: str,
@@ -463,14 +474,9 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 loop = main_loop(blocks, also)
                 if loop is None:
                     continue
-                # An inner loop on the path counts inner_trips times (once by default).
-                extra = inner_trip(blocks, loop) * (inner_trips - 1) if inner_trips > 1 else []
                 row = dict(file=f, kernel=short_name(name), mangled=name, arch=f"sm_{arch}",
-                           regs=regs.get(name, -1), body=loop.body,
-                           path=loop.path_count() + sum(len(b.instrs) for b in extra),
-                           config=config_of(name))
-                for c in COUNTED:
-                    row[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
+                           regs=regs.get(name, -1), body=loop.body, config=config_of(name))
+                row.update(pass_counts(blocks, loop, inner_trips))
                 rows.append(row)
     configs = {r["config"] for r in rows if r["config"]}
     shapes = launch_shapes(configs, src_root, nvcc) if configs else {}
@@ -736,7 +742,9 @@ def main() -> int:
     ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
                     help="count an inner loop with HMMA on the path N times per pass (default 1): "
                          "the main backward's dQ work units where a warp runs several "
-                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128, 2 at d = 256)")
+                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128 plain, 2 at d = 128 "
+                         "with extras and at d = 256). N applies to every kernel counted: give "
+                         "one file (and --kernel) per trip count")
     ap.add_argument("--flash-attn", type=Path, metavar="SRC",
                     help="report flash-attn 2's kernels instead: its source tree or sdist tarball")
     ap.add_argument("--cutlass", type=Path, metavar="DIR",
@@ -752,6 +760,8 @@ def main() -> int:
     ap.add_argument("--loops", action="store_true",
                     help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()
+    if a.inner_trips < 1:
+        ap.error("--inner-trips takes a count of 1 or more")
     nvcc = find_tool("nvcc")
     cuobjdump = find_tool("cuobjdump")
     if not nvcc or not cuobjdump or not find_tool("nvdisasm"):

@@ -93,8 +93,9 @@ struct FlashBwdConfig {
   // dQ's work units: 16 queries x kDqChunk n-tiles of the head dim, dealt round-robin to the
   // warps. One unit per warp where its accumulator (4 kDqChunk registers) fits beside dK and
   // dV (kOutDim registers) within 128: then each dS^T fragment a warp loads feeds kDqChunk
-  // mma and no warp loops (d <= 96; at d = 128 and 256 the wide units spilled 8-56 bytes,
-  // ptxas 13.0). Else 2 n-tiles per unit.
+  // mma and no warp loops (d <= 96 plain, d <= 64 with extras; at d = 128 and 256 the wide
+  // units spilled 8-56 bytes, ptxas 13.0). Else 2 n-tiles per unit (d = 96 with extras: 6
+  // units, 2 for warps 0-1).
   static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / 16) / kWarps;
   static constexpr int kDqChunk =
       (kNTilesD * (kBlockM / 16)) % kWarps == 0 && kDqUnitsWide >= 2 && kDqUnitsWide % 2 == 0 &&
@@ -593,9 +594,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           // The thread's two rows: one address each, its columns at constant offsets from it.
           // Every add is issued: in a step whose block reaches past the sequence or whose tile
           // is wider than the head dim, a row or column outside adds 0 to a valid element of
-          // the sequence's last row (x + 0 is x; the accumulator starts at +0 and never holds
-          // -0). A guarded add (atomicAdd, or a predicated red) compiled to a branch and a
-          // reconvergence barrier per add.
+          // the sequence's last row (x + 0 is x, but for a -0 -- a flushed negative subnormal
+          // -- that becomes +0: the same value). A guarded add (atomicAdd, or a predicated red)
+          // compiled to a branch and a reconvergence barrier per add.
           const int i_lo = m0 + q0 + g, col0 = c_base + c0 * 8 + 2 * t;
           const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
           float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d + col0;

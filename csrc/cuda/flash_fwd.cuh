@@ -164,7 +164,7 @@ struct FlashFwdConfig;
 
 // Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80)[, kColSplit, K/V swizzled,
 // m16 tiles per warp]. The plain kernels give each warp 32 query rows wherever ptxas fits
-// them (all but d = 128 and 256): instructions per HMMA and per-pass counts of both shapes
+// them (all but d = 256; d = 128 at 32-key blocks): instructions per HMMA and per-pass counts of both shapes
 // are in benchmarks/gpu/sass/rows32_2026-12-02.md. Measured registers are in
 // benchmarks/gpu/ptxas_registers_*.md; every choice below is the widest tile that ptxas fits without spilling on
 // both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
@@ -665,11 +665,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
 
       // ---- dropout, after l (the normaliser counts dropped entries too). A thread's keys
-      // 2t, 2t+1 of an n-tile share one Philox draw (score::dropout_keep_pair).
+      // 2t, 2t+1 of an n-tile share one Philox draw (score::dropout_keep_pair). Dropped
+      // entries become 0; the kept ones' 1 / (1 - p) is applied to O once, in the epilogue:
+      // P (up to 2^kLazyRescale) times it could pass float16's range before P V.
       if (kExtras && p.dropout_p > 0.0) {
         static_assert(!kExtras || kM == 1, "the extras run 16 rows per warp");
         const uint32_t threshold = dropout_threshold(p.dropout_p);
-        const float keep_scale = float(1.0 / (1.0 - p.dropout_p));
         // First the keep bits of all 2 x kNTilesS draws (bit 2x + e: draw x = r * kNTilesS +
         // j, key 2t + e), then the multiplies: the draws loop indexes no register array, so
         // where registers are short (kDropoutUnroll = 1) it runs one Philox at a time.
@@ -687,9 +688,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           for (int j = 0; j < Cfg::kNTilesS; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              acc_s[0][j][2 * r + e] = (keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u
-                                           ? acc_s[0][j][2 * r + e] * keep_scale
-                                           : 0.0f;
+              if (!((keep >> (2 * (r * Cfg::kNTilesS + j) + e)) & 1u)) acc_s[0][j][2 * r + e] = 0.0f;
       }
 
       // ---- O += P Vj. The S accumulator of n-tiles 2k, 2k+1 is exactly the A fragment of
@@ -752,7 +751,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int mt = x / 2, r = x % 2;
     l[x] += shfl_xor(l[x], 1);
     l[x] += shfl_xor(l[x], 2);
-    const float inv_l = l[x] != 0.0f ? 1.0f / l[x] : 0.0f;  // a NaN l makes the row NaN
+    // (Dropout's 1 / (1 - p) on the kept entries, applied here.)
+    const float inv_l = l[x] != 0.0f ? (kExtras && p.dropout_p > 0.0
+                                            ? float(1.0 / (1.0 - p.dropout_p)) / l[x]
+                                            : 1.0f / l[x])
+                                     : 0.0f;  // a NaN l makes the row NaN
     const float row_lse = l[x] != 0.0f ? (m[x] + log2f(l[x])) * score::kLn2 : -INFINITY;
     const int i = row_of(x);
     if (i < sq) {

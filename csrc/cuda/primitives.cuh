@@ -86,7 +86,7 @@ inline void check_launch(const char* kernel) {
 // Kernels that use more than 48 KiB of dynamic shared memory must opt in first. They also
 // ask for the SM's whole shared memory as the L1/shared carveout (a hint; the driver's own
 // choice may already be that): the CTAs per SM the configs are sized for need the full 164
-// KiB of an sm_80 SM (two forward CTAs of 81 KiB at d = 128, two backward ones of 73.5).
+// KiB of an sm_80 SM (two forward CTAs of up to 66 KiB, two backward ones of 73.5 at d = 128).
 template <typename Kernel>
 void set_max_dynamic_smem(Kernel kernel, size_t bytes) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
