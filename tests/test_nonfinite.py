@@ -155,6 +155,18 @@ def _inf_q_nan_v(rng):
     return q, k, v, do, dict(causal=True)
 
 
+def _inf_q_row_inner(rng):
+    # An Inf in q against keys of both signs: the row's scores are +-inf, the forward row NaN,
+    # its lse NaN. The keys it scores -inf still get P = 0 from it, so their dV and dK stay
+    # finite. 64 queries and 128 keys without a mask: every backward step is an inner one (no
+    # pair to test), where the CUDA backward takes its fast path unless the step's lse holds
+    # a NaN.
+    q, k, v, do = _inputs(rng, sq=64, sk=128)
+    k[0, :, 0, 3] = (np.abs(k[0, :, 0, 3]) + 0.5) * np.where(np.arange(128) % 3 == 0, -1, 1)
+    q[0, 20, 0, 3] = INF
+    return q, k, v, do, {}
+
+
 SCENARIOS = {
     "nan_q_row": _nan_q_row,
     "inf_q_causal": _inf_q_causal,
@@ -172,6 +184,7 @@ SCENARIOS = {
     "nan_v_causal_d128": _nan_v_causal_d128,
     "nan_v_causal_d64": _nan_v_causal_d64,
     "inf_q_nan_v": _inf_q_nan_v,
+    "inf_q_row_inner": _inf_q_row_inner,
 }
 
 

@@ -80,10 +80,11 @@ struct FlashBwdConfig {
   using Layout = tile::Padded<kStride>;
   static constexpr int kDsStride = kBlockM + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
-  // Kj, Vj; kStages x (Qi, dOi); dS^T; kStages x (lse, D) of the query block.
+  // Kj, Vj; kStages x (Qi, dOi); dS^T; kStages x (lse, D) of the query block; kStages ints
+  // (the step whose lse holds a NaN).
   static constexpr size_t kSmemBytes =
       size_t(2 * kTileKV + 2 * kStages * kTileQ + kBlockN * kDsStride) * 2 +
-      size_t(2 * kStages * kBlockM) * sizeof(float);
+      size_t(2 * kStages * kBlockM) * sizeof(float) + kStages * sizeof(int);
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
@@ -297,6 +298,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   T* sdS = sdO + Cfg::kStages * Cfg::kTileQ;   // [kBlockN][kDsStride]: dS^T
   float* sLse = reinterpret_cast<float*>(sdS + Cfg::kBlockN * Cfg::kDsStride);  // [kStages][kBlockM]
   float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                              // [kStages][kBlockM]
+  // [kStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
+  // other steps', so nothing needs clearing.
+  int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kStages * Cfg::kBlockM);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
@@ -366,6 +370,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                            score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
         const float l = lse[int64_t(i) * p.lse_row_stride];
         lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
+        if (l != l) sNanLse[stage] = step;
         dd = w.d[bwd_detail::work_row(p, h, b, i)];
       }
       sLse[stage * Cfg::kBlockM + tid] = lse_l2;
@@ -394,6 +399,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     return x;
   };
+  if (tid < Cfg::kStages) sNanLse[tid] = -1;
+  __syncthreads();  // before any load_step marks a stage
   const int first = next_step(0, -1);
   if (first < steps) load_step(first, first % Cfg::kStages);
   cp_async_commit();
@@ -475,7 +482,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           else
             x = acc_s[j][e] * scale_log2;
           // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
-          const float prob = visible && x != -INFINITY ? exp2_approx(x - lse_i) : 0.0f;
+          // Plain: the exponent as one FFMA, as scores_fast takes it.
+          const float arg = kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i);
+          const float prob = visible && x != -INFINITY ? exp2_approx(arg) : 0.0f;
           float dp = acc_dp[j][e], pd = prob;
           if (kExtras && p.dropout_p > 0.0) {
             const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
@@ -489,10 +498,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         }
       }
     };
-    if (bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+    // A plain step with no pair to test and no NaN lse, as FlashAttention-2 computes it: P =
+    // exp2(S scale - lse) in one FFMA, dS = P (dP - D) but 0 where P is -- the rule above
+    // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
+    // (lse is finite or +inf: a row with no visible key).
+    auto scores_fast = [&] {
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesS; ++j) {
+        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
+        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float prob =
+              exp2_approx(fmaf(acc_s[j][e], scale_log2, -(e % 2 ? lse2.y : lse2.x)));
+          const float ds = prob * (acc_dp[j][e] - (e % 2 ? d2.y : d2.x));
+          acc_s[j][e] = prob;
+          acc_dp[j][e] = prob == 0.0f ? 0.0f : ds;
+        }
+      }
+    };
+    if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+      scores(std::false_type{});
+    else if (kExtras || sNanLse[stage] == step)
       scores(std::true_type{});
     else
-      scores(std::false_type{});
+      scores_fast();
 
     // ---- the strong zero, in a step whose operands hold NaN or Inf: dV (dK) becomes NaN where
     // a pair that takes part meets one in dOi (Qi); dropped pairs take part in dK and dQ, not
@@ -769,8 +799,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
             visible = kInner || (i < s.sq && score::key_visible(s, left, right, i, key));
             x = acc_s[j][e] * scale_log2;
           }
-          const float prob =
-              visible && x != -INFINITY ? exp2_approx(x - (e < 2 ? lse_lo : lse_hi)) : 0.0f;
+          const float lse_i = e < 2 ? lse_lo : lse_hi;
+          const float prob =  // plain: the exponent as one FFMA, as in flash_bwd_kernel
+              visible && x != -INFINITY
+                  ? exp2_approx(kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i))
+                  : 0.0f;
           float dp = acc_dp[j][e];
           if (kExtras && p.dropout_p > 0.0)
             dp = visible && score::dropout_keep(p, threshold, b, h, i, key) ? dp * keep_scale
