@@ -157,13 +157,15 @@ def _inf_q_nan_v(rng):
 
 def _inf_q_row_inner(rng):
     # An Inf in q against keys of both signs: the row's scores are +-inf, the forward row NaN,
-    # its lse NaN. The keys it scores -inf still get P = 0 from it, so their dV and dK stay
-    # finite. 64 queries and 128 keys without a mask: every backward step is an inner one (no
-    # pair to test), where the CUDA backward takes its fast path unless the step's lse holds
-    # a NaN.
-    q, k, v, do = _inputs(rng, sq=64, sk=128)
+    # its lse NaN. The keys it scores -inf still get P = 0 from it, so their dV stays finite
+    # (their dK's column 3 is 0 * inf: NaN). 128 queries and 128 keys without a mask: every
+    # backward step is an inner one (no pair to test), where the CUDA backward takes its fast
+    # path unless the step's lse holds a NaN; the Inf in each of the two query blocks, so that
+    # both stages' marks are read.
+    q, k, v, do = _inputs(rng, sq=128, sk=128)
     k[0, :, 0, 3] = (np.abs(k[0, :, 0, 3]) + 0.5) * np.where(np.arange(128) % 3 == 0, -1, 1)
     q[0, 20, 0, 3] = INF
+    q[0, 90, 1, 3] = INF
     return q, k, v, do, {}
 
 

@@ -370,7 +370,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                            score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
         const float l = lse[int64_t(i) * p.lse_row_stride];
         lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
-        if (l != l) sNanLse[stage] = step;
+        // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
+        // not give the rule's 0 for S = -inf there.
+        if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;
         dd = w.d[bwd_detail::work_row(p, h, b, i)];
       }
       sLse[stage * Cfg::kBlockM + tid] = lse_l2;
