@@ -463,61 +463,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // (Each element has its own dropout draw: the two keys of a thread are 8 apart, in
     // different draws of four.)
     const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
+    // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
+    // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
+    // adjacent, so their lse and D are read as one pair each.
+    auto for_each_score = [&](auto&& f) {
+#pragma unroll
+      for (int j = 0; j < Cfg::kNTilesS; ++j) {
+        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
+        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(j, e, e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
+      }
+    };
     // kInner: a plain step whose rows and keys all lie inside the sequences and the window
     // (bwd_detail::inner_step): no pair to test.
     auto scores = [&](auto inner) {
       constexpr bool kInner = decltype(inner)::value;
-#pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j) {
-        // The thread's two queries of this n-tile are adjacent: their lse and D as one pair each.
-        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
-        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_lo + 8 * (e / 2), il = j * 8 + 2 * t + (e % 2), i = m0 + il;
-          const float lse_i = e % 2 ? lse2.y : lse2.x, d_i = e % 2 ? d2.y : d2.x;
-          bool visible = kInner || score::visible(p, s, i, key);
-          float x;
-          [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
-          if constexpr (kExtras)
-            x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-          else
-            x = acc_s[j][e] * scale_log2;
-          // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
-          // Plain: the exponent as one FFMA, as scores_fast takes it.
-          const float arg = kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i);
-          const float prob = visible && x != -INFINITY ? exp2_approx(arg) : 0.0f;
-          float dp = acc_dp[j][e], pd = prob;
-          if (kExtras && p.dropout_p > 0.0) {
-            const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
-            dp = keep ? dp * keep_scale : 0.0f;
-            pd = keep ? prob * keep_scale : 0.0f;
-          }
-          float ds = prob == 0.0f ? 0.0f : prob * (dp - d_i);
-          if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
-          acc_s[j][e] = pd;
-          acc_dp[j][e] = ds;
+      for_each_score([&](int j, int e, float lse_i, float d_i) {
+        const int key = key_lo + 8 * (e / 2), i = m0 + j * 8 + 2 * t + (e % 2);
+        bool visible = kInner || score::visible(p, s, i, key);
+        float x;
+        [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
+        if constexpr (kExtras)
+          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+        else
+          x = acc_s[j][e] * scale_log2;
+        // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
+        // Plain: the exponent as one FFMA, as scores_fast takes it.
+        const float arg = kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i);
+        const float prob = visible && x != -INFINITY ? exp2_approx(arg) : 0.0f;
+        float dp = acc_dp[j][e], pd = prob;
+        if (kExtras && p.dropout_p > 0.0) {
+          const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
+          dp = keep ? dp * keep_scale : 0.0f;
+          pd = keep ? prob * keep_scale : 0.0f;
         }
-      }
+        float ds = prob == 0.0f ? 0.0f : prob * (dp - d_i);
+        if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
+        acc_s[j][e] = pd;
+        acc_dp[j][e] = ds;
+      });
     };
     // A plain step with no pair to test and no NaN lse, as FlashAttention-2 computes it: P =
     // exp2(S scale - lse) in one FFMA, dS = P (dP - D) but 0 where P is -- the rule above
     // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
     // (lse is finite or +inf: a row with no visible key).
     auto scores_fast = [&] {
-#pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j) {
-        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
-        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float prob =
-              exp2_approx(fmaf(acc_s[j][e], scale_log2, -(e % 2 ? lse2.y : lse2.x)));
-          const float ds = prob * (acc_dp[j][e] - (e % 2 ? d2.y : d2.x));
-          acc_s[j][e] = prob;
-          acc_dp[j][e] = prob == 0.0f ? 0.0f : ds;
-        }
-      }
+      for_each_score([&](int j, int e, float lse_i, float d_i) {
+        const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
+        const float ds = prob * (acc_dp[j][e] - d_i);
+        acc_s[j][e] = prob;
+        acc_dp[j][e] = prob == 0.0f ? 0.0f : ds;
+      });
     };
     if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
       scores(std::false_type{});
