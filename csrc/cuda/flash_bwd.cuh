@@ -91,12 +91,12 @@ struct FlashBwdConfig {
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
   static constexpr int kKStepsM = kBlockM / 16;   // k-steps over queries (dV, dK)
   static constexpr int kKStepsN = kBlockN / 16;   // k-steps over keys (dQ)
-  // dQ's work units: 16 queries x kDqChunk n-tiles of the head dim, dealt round-robin to the
-  // warps. One unit per warp where its accumulator (4 kDqChunk registers) fits beside dK and
-  // dV (kOutDim registers) within 128: then each dS^T fragment a warp loads feeds kDqChunk
-  // mma and no warp loops (d <= 96 plain, d <= 64 with extras; at d = 128 and 256 the wide
-  // units spilled 8-56 bytes, ptxas 13.0). Else 2 n-tiles per unit (d = 96 with extras: 6
-  // units, 2 for warps 0-1).
+  // dQ's work units: 16 queries x kDqChunk n-tiles of the head dim. A warp takes one row
+  // group of 16 queries and a run of its units. One unit per warp where its accumulator (4
+  // kDqChunk registers) fits beside dK and dV (kOutDim registers) within 128: then each dS^T
+  // fragment a warp loads feeds kDqChunk mma and no warp loops (d <= 96 plain, d <= 64 with
+  // extras; at d = 128 and 256 the wide units spilled 8-56 bytes, ptxas 13.0). Else 2 n-tiles
+  // per unit (d = 96 with extras: 6 units, 1-2 per warp).
   static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / 16) / kWarps;
   static constexpr int kDqChunk =
       (kNTilesD * (kBlockM / 16)) % kWarps == 0 && kDqUnitsWide >= 2 && kDqUnitsWide % 2 == 0 &&
@@ -104,6 +104,10 @@ struct FlashBwdConfig {
           ? kDqUnitsWide
           : 2;
   static constexpr int kDqUnits = (kBlockM / 16) * (kNTilesD / kDqChunk);
+  // Whether a warp keeps its row group's dS^T fragments (kKStepsN x 4 registers) through its
+  // dQ units: where it takes more than one (d = 128, d = 256 plain, d = 96 with extras), but
+  // not at d = 256 with extras, where that spilled 4 bytes (ptxas 13.0, sm_80).
+  static constexpr bool kDqHoistDs = kDqUnits > kWarps && !(kExtras_ && kSplits > 1);
 
   static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
   static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
@@ -302,8 +306,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // other steps', so nothing needs clearing.
   int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kStages * Cfg::kBlockM);
 
+  // (t from the unsigned index: taken from the signed lane, with its sign fix-up, it spilled
+  // 4 bytes of the d = 128 atomic-dQ kernel, ptxas 13.0.)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const int g = lane / 4, t = int(threadIdx.x % 4);  // mma fragment coordinates
   const int n_block = blockIdx.x / Cfg::kSplits, h_kv = blockIdx.y, b = blockIdx.z;
   const int c_base = (blockIdx.x % Cfg::kSplits) * Cfg::kOutDim;  // this CTA's columns
   const int group = p.heads_q / p.heads_kv;
@@ -579,19 +585,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     if constexpr (kAtomicDq) {
       __syncthreads();  // dS^T of every warp is in shared memory
       // ---- dQi += dS Kj.
-      // A[q][key] = dS^T[key][q]: ldmatrix.trans from dS^T (lanes address its key rows).
-      // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
-      // Work units of (16 queries) x (kDqChunk n-tiles of the head dim): one per warp where
-      // they divide evenly (Cfg::kDqChunk), else dealt round-robin.
+      // Each warp owns one 16-query row group of dQi and a run of its column chunks (kDqChunk
+      // n-tiles of the head dim each; one chunk per warp where the accumulator fits). Where a
+      // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row
+      // addresses and the edge test are taken once for all of them; else in the chunk. (What is
+      // held where is what kept every build free of spills, ptxas 13.0.)
       float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
       constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
-      // Two copies of the units: a step with a non-finite operand (nonfinite) poisons dQ where
+      constexpr int kRowGroups = Cfg::kBlockM / 16;
+      static_assert(Cfg::kWarps % kRowGroups == 0, "whole warps per row group");
+      constexpr int kWarpsPerGroup = Cfg::kWarps / kRowGroups;
+      static_assert(kChunks >= kWarpsPerGroup, "a chunk for every warp");
+      // The warp's chunks [c_begin, c_end): all kPerWarp of them where they divide evenly.
+      constexpr bool kEven = kChunks % kWarpsPerGroup == 0;
+      constexpr int kPerWarp = (kChunks + kWarpsPerGroup - 1) / kWarpsPerGroup;
+      // (A constant q0 where there is one row group: it kept d = 256 with extras free of spills
+      // and spilled d = 128 with extras.)
+      constexpr bool kOneGroup = kRowGroups == 1 && !Cfg::kDqHoistDs;
+      const int q0 = kOneGroup ? 0 : (warp / kWarpsPerGroup) * 16;
+      const int w_in = kOneGroup ? warp : warp % kWarpsPerGroup;
+      const int c_begin = kEven ? w_in * kPerWarp : w_in * kChunks / kWarpsPerGroup;
+      const int c_end = kEven ? c_begin + kPerWarp : (w_in + 1) * kChunks / kWarpsPerGroup;
+      // The thread's two rows: one address each, its columns at constant offsets from them.
+      // Every add is issued: in a step whose block reaches past the sequence or whose tile is
+      // wider than the head dim, a row or column outside adds 0 to a valid element of the
+      // sequence's last row (x + 0 is x, but for a -0 -- a flushed negative subnormal -- that
+      // becomes +0: the same value). A guarded add (atomicAdd, or a predicated red) compiled
+      // to a branch and a reconvergence barrier per add. (Unused, and so not computed, where
+      // the chunk takes them itself.)
+      const int i_lo = m0 + q0 + g;
+      const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
+      const bool inside = m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d;
+      float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d;
+      float* const dq_hi = dq_rows + int64_t(hi_in ? i_lo + 8 : s.sq - 1) * d;
+      // A[q][key] = dS^T[key][q] for the row group: ldmatrix.trans from dS^T (lanes address
+      // its key rows).
+      const T* ds_rows =
+          sdS + ((lane % 8) + (lane / 16) * 8) * Cfg::kDsStride + q0 + ((lane / 8) % 2) * 8;
+      uint32_t a_ds[Cfg::kDqHoistDs ? Cfg::kKStepsN : 1][4];
+      if constexpr (Cfg::kDqHoistDs) {
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsN; ++kk)
+          ldmatrix<4, true>(a_ds[kk], ds_rows + kk * 16 * Cfg::kDsStride);
+      }
+      // Two copies of the chunks: a step with a non-finite operand (nonfinite) poisons dQ where
       // a pair that takes part meets a NaN or Inf of Kj and multiplies by Kj's fragments with
       // those entries 0 (Kj stays raw in shared memory: later steps' S^T reads it).
       auto dq_units = [&](auto strong_zero_tag) {
         constexpr bool kStrongZero = decltype(strong_zero_tag)::value;
-        auto dq_unit = [&](int unit) {
-          const int q0 = (unit / kChunks) * 16, c0 = (unit % kChunks) * Cfg::kDqChunk;
+        auto dq_chunk = [&](int c) {
+          const int col0 = c_base + c * Cfg::kDqChunk * 8;  // the chunk's first column
           float acc_q[Cfg::kDqChunk][4];
 #pragma unroll
           for (int j = 0; j < Cfg::kDqChunk; ++j)
@@ -599,20 +642,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
           if constexpr (kStrongZero)
             strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
-                acc_q, sK, c_base + c0 * 8, t, [&](int r, int k) {
+                acc_q, sK, col0, t, [&](int r, int k) {
                   return score::included<kExtras>(p, s, b, h, m0 + q0 + g + 8 * r, n0 + k);
                 });
+          // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
+          const T* k_chunk = sK + ((lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride + col0 +
+                             (lane / 16) * 8;
 #pragma unroll
           for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
-            uint32_t a[4];
-            ldmatrix<4, true>(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Cfg::kDsStride +
-                                     q0 + ((lane / 8) % 2) * 8);
+            uint32_t a_kk[4];
+            if constexpr (!Cfg::kDqHoistDs)
+              ldmatrix<4, true>(a_kk, ds_rows + kk * 16 * Cfg::kDsStride);
+            const uint32_t(&a)[4] = Cfg::kDqHoistDs ? a_ds[Cfg::kDqHoistDs ? kk : 0] : a_kk;
 #pragma unroll
             for (int j = 0; j < Cfg::kDqChunk; j += 2) {
-              const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-              const int dim = c_base + (c0 + j) * 8 + (lane / 16) * 8;
               uint32_t b4[4];
-              ldmatrix<4, true>(b4, sK + key * Cfg::kStride + dim);
+              ldmatrix<4, true>(b4, k_chunk + kk * 16 * Cfg::kStride + j * 8);
               if constexpr (kStrongZero) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) b4[r] = strong_zero::finite_pair<T>(b4[r]);
@@ -620,39 +665,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
               mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
             }
           }
-          // The thread's two rows: one address each, its columns at constant offsets from it.
-          // Every add is issued: in a step whose block reaches past the sequence or whose tile
-          // is wider than the head dim, a row or column outside adds 0 to a valid element of
-          // the sequence's last row (x + 0 is x, but for a -0 -- a flushed negative subnormal
-          // -- that becomes +0: the same value). A guarded add (atomicAdd, or a predicated red)
-          // compiled to a branch and a reconvergence barrier per add.
-          const int i_lo = m0 + q0 + g, col0 = c_base + c0 * 8 + 2 * t;
-          const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
-          float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d + col0;
-          float* const dq_hi = dq_rows + int64_t(hi_in ? i_lo + 8 : s.sq - 1) * d + col0;
-          auto add_all = [&](auto inside) {
-            constexpr bool kInside = decltype(inside)::value;  // every row and column
+          const int col = col0 + 2 * t;  // the thread's first column
+          // The adds from row addresses lo, hi that include col.
+          auto add_all = [&](auto inside_tag, float* lo, float* hi, bool lo_ok, bool hi_ok) {
+            constexpr bool kInside = decltype(inside_tag)::value;  // every row and column
 #pragma unroll
             for (int j = 0; j < Cfg::kDqChunk; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const int dc = j * 8 + (e % 2);  // the column, from col0
-                const bool col_in = kInside || col0 + dc < d;
-                const bool in = kInside || ((e / 2 ? hi_in : lo_in) && col_in);
-                float* const row = e / 2 ? dq_hi : dq_lo;
-                atomic_add(col_in ? row + dc : row - col0 + (d - 1), in ? acc_q[j][e] : 0.0f);
+                const int dc = j * 8 + (e % 2);  // the column, from col
+                const bool col_in = kInside || col + dc < d;
+                const bool in = kInside || ((e / 2 ? hi_ok : lo_ok) && col_in);
+                float* const row = e / 2 ? hi : lo;
+                atomic_add(col_in ? row + dc : row - col + (d - 1), in ? acc_q[j][e] : 0.0f);
               }
           };
-          if (m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d)
-            add_all(std::true_type{});
-          else
-            add_all(std::false_type{});
+          if constexpr (Cfg::kDqHoistDs) {
+            if (inside)
+              add_all(std::true_type{}, dq_lo + col, dq_hi + col, lo_in, hi_in);
+            else
+              add_all(std::false_type{}, dq_lo + col, dq_hi + col, lo_in, hi_in);
+          } else {
+            const int i0 = m0 + q0 + g;
+            const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
+            float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
+            float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;
+            if (m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d)
+              add_all(std::true_type{}, lo, hi, lo_ok, hi_ok);
+            else
+              add_all(std::false_type{}, lo, hi, lo_ok, hi_ok);
+          }
         };
-        if constexpr (Cfg::kDqUnits == Cfg::kWarps) {
-          dq_unit(warp);
+        if constexpr (kPerWarp == 1) {
+          dq_chunk(c_begin);
         } else {
 #pragma unroll 1
-          for (int unit = warp; unit < Cfg::kDqUnits; unit += Cfg::kWarps) dq_unit(unit);
+          for (int c = c_begin; c < c_end; ++c) dq_chunk(c);
         }
       };
       if (nonfinite)
