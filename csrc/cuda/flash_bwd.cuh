@@ -80,10 +80,19 @@ struct FlashBwdConfig {
   using Layout = tile::Padded<kStride>;
   static constexpr int kDsStride = kBlockM + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
-  // Kj, Vj; kStages x (Qi, dOi); dS^T; kStages x (lse, D) of the query block; kStages ints
-  // (the step whose lse holds a NaN).
+  // The plain kernels keep each thread's pointers into the next step's Qi and dOi in shared
+  // memory (2 per thread), moved on by a block per step: computed afresh per step, with the
+  // step's head and block, they cost ~120 instructions a pass (d = 128, ptxas 13.0). Behind
+  // them, what every thread reads the same (8 int64: the moves of a step, the copy's row
+  // steps, the blocks per head). Where the threads copy whole blocks (not 96-wide rows).
+  static constexpr bool kPointersInSmem =
+      !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
+  static constexpr int kPointerBytes =
+      kPointersInSmem ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t)) : 0;
+  // Kj, Vj; kStages x (Qi, dOi); dS^T; the pointers; kStages x (lse, D) of the query block;
+  // kStages ints (the step whose lse holds a NaN).
   static constexpr size_t kSmemBytes =
-      size_t(2 * kTileKV + 2 * kStages * kTileQ + kBlockN * kDsStride) * 2 +
+      size_t(2 * kTileKV + 2 * kStages * kTileQ + kBlockN * kDsStride) * 2 + kPointerBytes +
       size_t(2 * kStages * kBlockM) * sizeof(float) + kStages * sizeof(int);
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
@@ -300,7 +309,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   T* sQ = sV + Cfg::kTileKV;                   // [kStages][kBlockM][kStride]
   T* sdO = sQ + Cfg::kStages * Cfg::kTileQ;    // [kStages][kBlockM][kStride]
   T* sdS = sdO + Cfg::kStages * Cfg::kTileQ;   // [kBlockN][kDsStride]: dS^T
-  float* sLse = reinterpret_cast<float*>(sdS + Cfg::kBlockN * Cfg::kDsStride);  // [kStages][kBlockM]
+  char* sPointers = reinterpret_cast<char*>(sdS + Cfg::kBlockN * Cfg::kDsStride);
+  float* sLse = reinterpret_cast<float*>(sPointers + Cfg::kPointerBytes);  // [kStages][kBlockM]
   float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                              // [kStages][kBlockM]
   // [kStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
   // other steps', so nothing needs clearing.
@@ -352,20 +362,83 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       sV, V, p.v_row_stride, s.sk, dv, n0, vec, tid);
   cp_async_commit();
 
+  // The plain kernels' Qi and dOi copies (Cfg::kPointersInSmem): each thread's pointers into
+  // the next step's tiles wait in shared memory, in this thread's slots (written and read by
+  // it alone; volatile, so that the compiler keeps them there). Those kernels take every step
+  // in order, so each copy moves its pointers on to the head's next block, or to the next
+  // head's first; a whole block (its rows inside the sequence) copies from them with no
+  // address arithmetic but the row steps. What every thread adds is in `moves` (tid 0 writes
+  // it before the first barrier below). (Not in the d = 128 atomic-dQ kernel: there ptxas 13.0
+  // spilled 4-20 bytes with the slots, however the copy was written.)
+  constexpr bool kSlots = Cfg::kPointersInSmem && !(kAtomicDq && Cfg::kHeadDim == 128);
+  using FullQ =
+      tile::FullBlock<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>;
+  const T* volatile* const slots =
+      kSlots ? reinterpret_cast<const T* volatile*>(sPointers) + 2 * tid : nullptr;
+  // In elements, Qi's then dOi's: [0, 1] to the head's next block, [2, 3] to the next head's
+  // first, [4, 5] the row step of a copy (FullBlock::kRowsPerPass rows); [6] blocks per head.
+  volatile int64_t* const moves =
+      reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads);
+  // Row 0 of query head h in Q (dO).
+  auto q_head = [&](int h) {
+    return static_cast<const T*>(p.q) + score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) +
+           h * p.q_head_stride;
+  };
+  auto do_head = [&](int h) {
+    return static_cast<const T*>(p.dout) +
+           score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
+  };
+  if constexpr (kSlots) {
+    // Step 0: the group's first query head, block m_begin.
+    const int64_t row0 = int64_t(m_begin) * Cfg::kBlockM;
+    slots[0] = q_head(h_kv * group) + row0 * p.q_row_stride +
+               FullQ::thread_offset(p.q_row_stride, tid);
+    slots[1] = do_head(h_kv * group) + row0 * p.do_row_stride +
+               FullQ::thread_offset(p.do_row_stride, tid);
+    if (tid == 0) {
+      const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
+      moves[0] = int64_t(Cfg::kBlockM) * p.q_row_stride;
+      moves[1] = int64_t(Cfg::kBlockM) * p.do_row_stride;
+      moves[2] = p.q_head_stride - back * p.q_row_stride;
+      moves[3] = p.do_head_stride - back * p.do_row_stride;
+      moves[4] = FullQ::kRowsPerPass * p.q_row_stride;
+      moves[5] = FullQ::kRowsPerPass * p.do_row_stride;
+      moves[6] = blocks_per_head;
+    }
+  }
+
   // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
   // block m_begin + step % blocks_per_head. Loads its Qi, dOi (cp.async) and lse, D (plain).
   auto load_step = [&](int step, int stage) {
     const int hq = head_of(step);
     const int h = h_kv * group + hq;
-    const int m0 = (m_begin + block_of(step, hq)) * Cfg::kBlockM;
-    const T* Q = static_cast<const T*>(p.q) +
-                 score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
-    const T* dO = static_cast<const T*>(p.dout) +
-                  score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
-    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-        sQ + stage * Cfg::kTileQ, Q, p.q_row_stride, s.sq, d, m0, vec, tid);
-    tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-        sdO + stage * Cfg::kTileQ, dO, p.do_row_stride, s.sq, dv, m0, vec, tid);
+    const int blk = block_of(step, hq);
+    const int m0 = (m_begin + blk) * Cfg::kBlockM;
+    T* const q_dst = sQ + stage * Cfg::kTileQ;
+    T* const do_dst = sdO + stage * Cfg::kTileQ;
+    if constexpr (kSlots) {
+      const T* q_src = slots[0];
+      const T* do_src = slots[1];
+      if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
+        const int chunk = FullQ::smem_offset(tid);
+        FullQ::load_stepping(q_dst + chunk, q_src, moves[4]);
+        FullQ::load_stepping(do_dst + chunk, do_src, moves[5]);
+      } else {
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+            q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+            do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
+      }
+      // On to the next step: the head's next block, or the next head's first.
+      const int to = blk + 1 < int(moves[6]) ? 0 : 2;
+      slots[0] = q_src + moves[to];
+      slots[1] = do_src + moves[to + 1];
+    } else {
+      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+          q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
+      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+          do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
+    }
     if (tid < Cfg::kBlockM) {
       const int i = m0 + tid;
       // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows
@@ -408,7 +481,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     return x;
   };
   if (tid < Cfg::kStages) sNanLse[tid] = -1;
-  __syncthreads();  // before any load_step marks a stage
+  __syncthreads();  // before any load_step marks a stage (or reads the moves)
   const int first = next_step(0, -1);
   if (first < steps) load_step(first, first % Cfg::kStages);
   cp_async_commit();
