@@ -368,9 +368,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // in order, so each copy moves its pointers on to the head's next block, or to the next
   // head's first; a whole block (its rows inside the sequence) copies from them with no
   // address arithmetic but the row steps. What every thread adds is in `moves` (tid 0 writes
-  // it before the first barrier below). (Not in the d = 128 atomic-dQ kernel: there ptxas 13.0
-  // spilled 4-20 bytes with the slots, however the copy was written.)
-  constexpr bool kSlots = Cfg::kPointersInSmem && !(kAtomicDq && Cfg::kHeadDim == 128);
+  // it before the first barrier below).
+  constexpr bool kSlots = Cfg::kPointersInSmem;
   using FullQ =
       tile::FullBlock<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>;
   const T* volatile* const slots =
@@ -658,6 +657,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     if constexpr (kAtomicDq) {
       __syncthreads();  // dS^T of every warp is in shared memory
       // ---- dQi += dS Kj.
+      // The fragments' lanes: in the plain d = 128 kernel from the thread index read anew here.
+      // Held from the kernel's start, the addresses derived from them spilled it once Qi's and
+      // dOi's pointers were in shared memory (ptxas 13.0: 4-20 bytes, one reload a pass); the
+      // other kernels issue fewer instructions with them held (d = 64: 724 against 749 a pass).
+      constexpr bool kReread = Cfg::kPointersInSmem && Cfg::kHeadDim == 128;
+      const int dq_tid = kReread ? thread_index_reread() : tid;
+      const int dq_lane = kReread ? dq_tid % 32 : lane;
+      const int dq_warp = kReread ? dq_tid / 32 : warp;
+      const int dq_g = kReread ? dq_lane / 4 : g;
+      const int dq_t = kReread ? dq_tid % 4 : t;
       // Each warp owns one 16-query row group of dQi and a run of its column chunks (kDqChunk
       // n-tiles of the head dim each; one chunk per warp where the accumulator fits). Where a
       // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row
@@ -675,8 +684,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // (A constant q0 where there is one row group: it kept d = 256 with extras free of spills
       // and spilled d = 128 with extras.)
       constexpr bool kOneGroup = kRowGroups == 1 && !Cfg::kDqHoistDs;
-      const int q0 = kOneGroup ? 0 : (warp / kWarpsPerGroup) * 16;
-      const int w_in = kOneGroup ? warp : warp % kWarpsPerGroup;
+      const int q0 = kOneGroup ? 0 : (dq_warp / kWarpsPerGroup) * 16;
+      const int w_in = kOneGroup ? dq_warp : dq_warp % kWarpsPerGroup;
       const int c_begin = kEven ? w_in * kPerWarp : w_in * kChunks / kWarpsPerGroup;
       const int c_end = kEven ? c_begin + kPerWarp : (w_in + 1) * kChunks / kWarpsPerGroup;
       // The thread's two rows: one address each, its columns at constant offsets from them.
@@ -686,7 +695,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // becomes +0: the same value). A guarded add (atomicAdd, or a predicated red) compiled
       // to a branch and a reconvergence barrier per add. (Unused, and so not computed, where
       // the chunk takes them itself.)
-      const int i_lo = m0 + q0 + g;
+      const int i_lo = m0 + q0 + dq_g;
       const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
       const bool inside = m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d;
       float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d;
@@ -694,7 +703,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // A[q][key] = dS^T[key][q] for the row group: ldmatrix.trans from dS^T (lanes address
       // its key rows).
       const T* ds_rows =
-          sdS + ((lane % 8) + (lane / 16) * 8) * Cfg::kDsStride + q0 + ((lane / 8) % 2) * 8;
+          sdS + ((dq_lane % 8) + (dq_lane / 16) * 8) * Cfg::kDsStride + q0 +
+          ((dq_lane / 8) % 2) * 8;
       uint32_t a_ds[Cfg::kDqHoistDs ? Cfg::kKStepsN : 1][4];
       if constexpr (Cfg::kDqHoistDs) {
 #pragma unroll
@@ -715,12 +725,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
           if constexpr (kStrongZero)
             strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
-                acc_q, sK, col0, t, [&](int r, int k) {
-                  return score::included<kExtras>(p, s, b, h, m0 + q0 + g + 8 * r, n0 + k);
+                acc_q, sK, col0, dq_t, [&](int r, int k) {
+                  return score::included<kExtras>(p, s, b, h, m0 + q0 + dq_g + 8 * r, n0 + k);
                 });
           // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
-          const T* k_chunk = sK + ((lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride + col0 +
-                             (lane / 16) * 8;
+          const T* k_chunk = sK + ((dq_lane % 8) + ((dq_lane / 8) % 2) * 8) * Cfg::kStride +
+                             col0 + (dq_lane / 16) * 8;
 #pragma unroll
           for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
             uint32_t a_kk[4];
@@ -738,7 +748,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
               mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
             }
           }
-          const int col = col0 + 2 * t;  // the thread's first column
+          const int col = col0 + 2 * dq_t;  // the thread's first column
           // The adds from row addresses lo, hi that include col.
           auto add_all = [&](auto inside_tag, float* lo, float* hi, bool lo_ok, bool hi_ok) {
             constexpr bool kInside = decltype(inside_tag)::value;  // every row and column
@@ -759,7 +769,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             else
               add_all(std::false_type{}, dq_lo + col, dq_hi + col, lo_in, hi_in);
           } else {
-            const int i0 = m0 + q0 + g;
+            const int i0 = m0 + q0 + dq_g;
             const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
             float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
             float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;

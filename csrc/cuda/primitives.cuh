@@ -291,6 +291,18 @@ FMHA_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
 #endif
 }
 
+// threadIdx.x read anew: a value the compiler cannot take from an earlier read, so that what a
+// kernel derives from it here is computed here rather than held in registers from its start.
+FMHA_DEVICE int thread_index_reread() {
+#if defined(FMHA_GPU_DEVICE_PATH)
+  unsigned x;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+  return int(x);
+#else
+  return int(threadIdx.x);
+#endif
+}
+
 // ---------------------------------------------------------------------------- math
 
 // Two adjacent floats read or written as one 8-byte access (LDS.64 / STS.64 on the device).
