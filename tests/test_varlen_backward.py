@@ -29,9 +29,10 @@ FEATURES = {
 }
 
 
-def _run(q, k, v, do, cu_q, cu_k, **kw):
+def _run(q, k, v, do, cu_q, cu_k, deterministic=False, **kw):
     out, lse = fmha.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw)
-    dq, dk, dv = fmha.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, **kw)
+    dq, dk, dv = fmha.attention_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k,
+                                                deterministic=deterministic, **kw)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
@@ -48,14 +49,28 @@ def test_against_reference_wide(rng, backend, dtype, feature):
     check_against_reference(rng, dtype, feature)
 
 
-def check_against_reference(rng, dtype, feature):
-    lens_q, lens_k = RAGGED
-    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, 4, 2, 32, 24)
+@pytest.mark.backends("emu", "gpu")
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_whole_query_blocks_across_heads(rng, backend, d, deterministic):
+    """Sequences long enough for whole query blocks, 2 query heads per kv head, a partial last
+    block and an empty sequence: the CUDA backward's plain kernels copy whole blocks of q and
+    dout from pointers they move on block by block and head by head (csrc/cuda/NOTES.md,
+    "Then the Qi and dOi copies"), in both dQ modes."""
+    check_against_reference(rng, "float16", "plain", lens=([70, 0, 100], [100, 9, 90]),
+                            dims=(4, 2, d, d), deterministic=deterministic)
+
+
+def check_against_reference(rng, dtype, feature, lens=RAGGED, dims=(4, 2, 32, 24), **call_kw):
+    """call_kw: passed to the kernels only (the reference has no such options)."""
+    lens_q, lens_k = lens
+    hq = dims[0]
+    q, k, v, do, cu_q, cu_k = varlen_inputs(rng, "numpy", dtype, lens_q, lens_k, *dims)
     kw = dict(FEATURES[feature])
     seed = 2**40 + 3
     if kw.get("dropout_p"):
         kw["seed"] = seed
-    res = _run(q, k, v, do, cu_q, cu_k, **kw)
+    res = _run(q, k, v, do, cu_q, cu_k, **kw, **call_kw)
     rkw = {n: x for n, x in kw.items() if n != "seed"}
     if kw.get("dropout_p"):
         rkw.update(seed=seed, offset=0)
@@ -72,7 +87,7 @@ def check_against_reference(rng, dtype, feature):
             from fmha._philox import dropout_keep_mask
             p = kw["dropout_p"]
             nkw["dropout_z"] = [
-                torch.from_numpy(dropout_keep_mask(seed, 0, 1, 4, lq, lk, p, batch_index_start=b)
+                torch.from_numpy(dropout_keep_mask(seed, 0, 1, hq, lq, lk, p, batch_index_start=b)
                                  / (1 - p)) if lq and lk else None
                 for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
         tq = [torch.from_numpy(x) for x in (q, k, v, do)]
@@ -81,6 +96,8 @@ def check_against_reference(rng, dtype, feature):
         rdt = ("float64" if dtype == "float64" else "float32") if key == "lse" else None
         assert_close(key, res[key], refs[key], dtype, naive=naive.get(key),
                      grad=key.startswith("d"), result_dtype=rdt)
+    if lens is not RAGGED:
+        return
     # the empty sequences: no query rows to write for sequence 1; sequence 3's keys are none,
     # so its queries get zero gradients, and sequence 1's keys get zero dk/dv
     rows3 = slice(int(cu_q[3]), int(cu_q[4]))

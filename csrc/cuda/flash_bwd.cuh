@@ -83,7 +83,7 @@ struct FlashBwdConfig {
   // The plain kernels keep each thread's pointers into the next step's Qi and dOi in shared
   // memory (2 per thread), moved on by a block per step: computed afresh per step, with the
   // step's head and block, they cost ~120 instructions a pass (d = 128, ptxas 13.0). Behind
-  // them, what every thread reads the same (8 int64: the moves of a step, the copy's row
+  // them, what every thread reads the same (7 int64 in 8: the moves of a step, the copy's row
   // steps, the blocks per head). Where the threads copy whole blocks (not 96-wide rows).
   static constexpr bool kPointersInSmem =
       !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
@@ -114,8 +114,8 @@ struct FlashBwdConfig {
           : 2;
   static constexpr int kDqUnits = (kBlockM / 16) * (kNTilesD / kDqChunk);
   // Whether a warp keeps its row group's dS^T fragments (kKStepsN x 4 registers) through its
-  // dQ units: where it takes more than one (d = 128, d = 256 plain, d = 96 with extras), but
-  // not at d = 256 with extras, where that spilled 4 bytes (ptxas 13.0, sm_80).
+  // dQ units: where it takes more than one (d = 128, d = 256 plain, d = 96 and 128 with
+  // extras), but not at d = 256 with extras, where that spilled 4 bytes (ptxas 13.0, sm_80).
   static constexpr bool kDqHoistDs = kDqUnits > kWarps && !(kExtras_ && kSplits > 1);
 
   static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
@@ -309,9 +309,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   T* sQ = sV + Cfg::kTileKV;                   // [kStages][kBlockM][kStride]
   T* sdO = sQ + Cfg::kStages * Cfg::kTileQ;    // [kStages][kBlockM][kStride]
   T* sdS = sdO + Cfg::kStages * Cfg::kTileQ;   // [kBlockN][kDsStride]: dS^T
-  char* sPointers = reinterpret_cast<char*>(sdS + Cfg::kBlockN * Cfg::kDsStride);
+  char* sPointers = reinterpret_cast<char*>(sdS + Cfg::kBlockN * Cfg::kDsStride);  // load_step
   float* sLse = reinterpret_cast<float*>(sPointers + Cfg::kPointerBytes);  // [kStages][kBlockM]
-  float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                              // [kStages][kBlockM]
+  float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                          // [kStages][kBlockM]
   // [kStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
   // other steps', so nothing needs clearing.
   int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kStages * Cfg::kBlockM);
@@ -377,7 +377,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // In elements, Qi's then dOi's: [0, 1] to the head's next block, [2, 3] to the next head's
   // first, [4, 5] the row step of a copy (FullBlock::kRowsPerPass rows); [6] blocks per head.
   volatile int64_t* const moves =
-      reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads);
+      kSlots ? reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads)
+             : nullptr;
   // Row 0 of query head h in Q (dO).
   auto q_head = [&](int h) {
     return static_cast<const T*>(p.q) + score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) +
@@ -422,13 +423,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         const int chunk = FullQ::smem_offset(tid);
         FullQ::load_stepping(q_dst + chunk, q_src, moves[4]);
         FullQ::load_stepping(do_dst + chunk, do_src, moves[5]);
-      } else {
+      } else {  // (also both when only one of head_dim, head_dim_v fills the tile: a test
+                // each cost 10-16 instructions a pass, and spilled d = 128 on sm_90)
         tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
             q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
         tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
             do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
       }
-      // On to the next step: the head's next block, or the next head's first.
+      // On to the next step: the head's next block, or the next head's first. (After the
+      // last step they point past the tensors; nothing reads them there.)
       const int to = blk + 1 < int(moves[6]) ? 0 : 2;
       slots[0] = q_src + moves[to];
       slots[1] = do_src + moves[to + 1];
@@ -662,11 +665,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // dOi's pointers were in shared memory (ptxas 13.0: 4-20 bytes, one reload a pass); the
       // other kernels issue fewer instructions with them held (d = 64: 724 against 749 a pass).
       constexpr bool kReread = Cfg::kPointersInSmem && Cfg::kHeadDim == 128;
-      const int dq_tid = kReread ? thread_index_reread() : tid;
-      const int dq_lane = kReread ? dq_tid % 32 : lane;
-      const int dq_warp = kReread ? dq_tid / 32 : warp;
-      const int dq_g = kReread ? dq_lane / 4 : g;
-      const int dq_t = kReread ? dq_tid % 4 : t;
+      const unsigned dq_tid = kReread ? thread_index_reread() : 0u;  // unsigned: no sign fix-ups
+      const int dq_lane = kReread ? int(dq_tid % 32) : lane;
+      const int dq_warp = kReread ? int(dq_tid / 32) : warp;
+      const int dq_g = kReread ? int(dq_tid % 32 / 4) : g;
+      const int dq_t = kReread ? int(dq_tid % 4) : t;
       // Each warp owns one 16-query row group of dQi and a run of its column chunks (kDqChunk
       // n-tiles of the head dim each; one chunk per warp where the accumulator fits). Where a
       // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row

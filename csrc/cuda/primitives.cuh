@@ -293,13 +293,13 @@ FMHA_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
 
 // threadIdx.x read anew: a value the compiler cannot take from an earlier read, so that what a
 // kernel derives from it here is computed here rather than held in registers from its start.
-FMHA_DEVICE int thread_index_reread() {
+FMHA_DEVICE unsigned thread_index_reread() {
 #if defined(FMHA_GPU_DEVICE_PATH)
   unsigned x;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
-  return int(x);
+  return x;
 #else
-  return int(threadIdx.x);
+  return unsigned(threadIdx.x);
 #endif
 }
 
