@@ -8,7 +8,7 @@
    lse and the gradients dout, dq, dk, dv. The per-process budget --memory-cap-mib defaults to
    80% of W, so one process cannot run it. Each rank generates only its own shard (zigzag
    layout), runs fmha.distributed.ring_attention forward and backward, and measures its peak
-   memory (CPU: the growth of the process's peak resident set; GPU: torch's peak
+   memory (CPU: the growth of the process's peak resident set over the run; GPU: torch's peak
    allocation), which must stay under the cap.
 2. The check. On a short sequence every rank also computes the whole attention with
    fmha.attention; the ring's output, lse and gradients must match it within 1e-5 (float32).
@@ -49,7 +49,25 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _peak_rss_bytes() -> int:
+def _reset_peak_rss() -> bool:
+    """Linux: start the resident set's high-water mark (VmHWM) anew from now, so that the
+    peak measured below is the long run's and not an earlier one (an import's, the warm-up's)
+    that the process has since freed. False where the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes(reset: bool) -> int:
+    """The process's peak resident set since _reset_peak_rss (reset), or since it started."""
+    if reset:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -70,18 +88,21 @@ def long_run(a, rank, world, device, dtype):
     item = torch.empty(0, dtype=dtype).element_size()
     whole = b * n * d * item * (4 * hq + 4 * hkv) + b * hq * n * 4
     cap = (a.memory_cap_mib * 2**20 if a.memory_cap_mib else int(0.8 * whole))
-    # Warm up on a short sequence first, so that one-time set-up (thread pools, buffers of
-    # the process group) is not counted.
+    # Warm up on a short sequence first, called as the long run is (backward given a
+    # gradient: torch.autograd imports sympy on that path's first use, ~30 MiB), so that
+    # one-time set-up (imports, thread pools, buffers of the process group) is not counted.
     w = [torch.randn(1, 16 * world, h, d, device=device, dtype=dtype, requires_grad=True)
          for h in (hq, hkv, hkv)]
-    fd.ring_attention(*w, causal=True).sum().backward()
-    del w
+    w_out = fd.ring_attention(*w, causal=True)
+    w_out.backward(torch.ones_like(w_out))
+    del w, w_out
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     else:
         base = _rss_bytes()
+        reset = _reset_peak_rss()
     t0 = time.perf_counter()
     q, k, v, dout = (_shard_of((b, n, h, d), seed, rank, world, device, dtype)
                      for seed, h in ((1, hq), (2, hkv), (3, hkv), (4, hq)))
@@ -92,7 +113,7 @@ def long_run(a, rank, world, device, dtype):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
-        peak = _peak_rss_bytes() - base
+        peak = _peak_rss_bytes(reset) - base
     seconds = time.perf_counter() - t0
     peaks = torch.tensor([peak], dtype=torch.int64, device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)

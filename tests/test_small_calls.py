@@ -11,6 +11,9 @@ timings; a test here never times anything):
 - an eager call that records autograd runs the op's formula as an autograd.Function, not
   through torch's custom-op wrapper, with the op's outputs and gradients (fmha/_torch.py,
   _Attention);
+- its backward likewise runs the op's body directly when nothing records or traces it: the
+  op's implementation is wrapped by torch in torch._disable_dynamo, whose first call imports
+  torch._dynamo (over a second, once per process);
 - the plain call (no bias, mask, ALiBi, dropout, sinks or block mask) allocates its outputs
   and calls the kernels once, lse left to the kernels when not returned
   (fmha/_torch.py plain_forward, fmha/_api.py _plain_numpy), with the op's bits.
@@ -236,6 +239,22 @@ def test_recorded_call_equals_the_op(use_lse):
     assert type(fmha.attention(q, k, v).grad_fn).__name__ == "_AttentionBackward"
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_eager_backward_does_not_import_dynamo():
+    """A training step's first backward costs what the kernels cost: nothing on the eager path
+    imports torch._dynamo (a fresh interpreter, so that no other test has imported it)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, fmha\n"
+            "q, k, v = (torch.randn(1, 16, 4, 32, requires_grad=True) for _ in range(3))\n"
+            "assert 'torch._dynamo' not in sys.modules, 'imported before the call'\n"
+            "fmha.attention(q, k, v, causal=True).sum().backward()\n"
+            "assert q.grad is not None and k.grad is not None and v.grad is not None\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_dispatch_mode_sees_the_op_with_grad():

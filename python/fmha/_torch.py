@@ -198,8 +198,7 @@ def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return out, lse
 
 
-@torch.library.custom_op("fmha::bwd", mutates_args=(), device_types=("cpu", "cuda"))
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
         max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
@@ -235,6 +234,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     else:
         dbias = dbias.reshape(bias.shape).to(bias.dtype)
     return dq, dk, dv, dbias
+
+
+bwd = torch.library.custom_op("fmha::bwd", _bwd, mutates_args=(), device_types=("cpu", "cuda"))
 
 
 @bwd.register_fake
@@ -279,7 +281,12 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     args = ctx.settings._replace(**dict(zip(_SAVED_INPUTS, saved)))
     bias_grad = args.bias is not None and ctx.needs_input_grad[_FwdInputs._fields.index("bias")]
-    dq, dk, dv, dbias = bwd(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
+    # An eager backward that records nothing runs the op's body itself, as the forward does
+    # (_direct): the op's CPU/CUDA implementation is wrapped in torch._disable_dynamo, whose
+    # first call imports torch._dynamo (1.6 s on the Zen 5 VM, once per process) -- a cost
+    # of the wrapper, not of the kernels. Traces, modes and double backward get the op.
+    run = _bwd if _direct(dout, args.q, args.k, args.v, out, lse, args.bias, dlse) else bwd
+    dq, dk, dv, dbias = run(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
                             args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k,
                             args.max_seqlen_q, args.max_seqlen_k, args.rng, args.scale,
                             args.softcap, args.window_left, args.window_right,
