@@ -202,12 +202,11 @@ inline VecF vexp(VecF x) {
   const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
   VecF r = fma(n, VecF::set1(-0.693145751953125f), xc);
   r = fma(n, VecF::set1(-1.42860682030941723212e-6f), r);
-  VecF p = VecF::set1(1.f / 720.f);
-  p = fma(p, r, VecF::set1(1.f / 120.f));
-  p = fma(p, r, VecF::set1(1.f / 24.f));
-  p = fma(p, r, VecF::set1(1.f / 6.f));
-  p = fma(p, r, VecF::set1(0.5f));
-  p = fma(p, r, VecF::set1(1.f));
+  VecF p = VecF::set1(8.290272206e-3f);
+  p = fma(p, r, VecF::set1(4.189816117e-2f));
+  p = fma(p, r, VecF::set1(1.666763872e-1f));
+  p = fma(p, r, VecF::set1(4.999914765e-1f));
+  p = fma(p, r, VecF::set1(9.999997020e-1f));
   p = fma(p, r, VecF::set1(1.f));
   return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
 }

@@ -1,10 +1,12 @@
 // exp for the softmax, written so that the compiler vectorises it at every ISA level.
 //
 // float: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2]
-// (ln 2 split in two for an exact reduction), exp(r) by its degree-6 Taylor polynomial
-// (truncation error r^7/7! < 1.2e-7 relative), then 2^n built in the exponent bits.
-// Tested against float64 exp over [-87, 0] at every ISA level (tests/test_core.py::
-// test_kernel_exp_accuracy: relative error below 4e-7, i.e. a few float32 ulp). Inputs below -87 (including -inf, the mask value) give exactly 0 rather
+// (ln 2 split in two for an exact reduction), exp(r) by a degree-5 polynomial with p(0) = 1
+// whose other coefficients are fitted for the least maximum relative error on that interval
+// (9.2e-8; the degree-6 Taylor polynomial it replaced: 1.2e-7, one multiply-add more), then
+// 2^n built in the exponent bits. Tested against float64 exp over [-87, 0] at every ISA level
+// (tests/test_core.py::test_kernel_exp_accuracy: relative error below 4e-7, i.e. a few
+// float32 ulp; 1.6e-7 measured with fused multiply-adds). Inputs below -87 (including -inf, the mask value) give exactly 0 rather
 // than a denormal, so masked entries never slow the FPU down; NaN gives NaN.
 // float64 inputs use std::exp: exactness matters more than speed there.
 #pragma once
@@ -30,12 +32,11 @@ inline float exp_approx(float x) {
   const float n = madd(xc, 1.44269504088896341f, 12582912.f) - 12582912.f;
   float r = madd(n, -0.693145751953125f, xc);  // ln2 high part: n * it is exact
   r = madd(n, -1.42860682030941723212e-6f, r);  // ln2 low part
-  float p = 1.f / 720.f;
-  p = madd(p, r, 1.f / 120.f);
-  p = madd(p, r, 1.f / 24.f);
-  p = madd(p, r, 1.f / 6.f);
-  p = madd(p, r, 0.5f);
-  p = madd(p, r, 1.f);
+  float p = 8.290272206e-3f;
+  p = madd(p, r, 4.189816117e-2f);
+  p = madd(p, r, 1.666763872e-1f);
+  p = madd(p, r, 4.999914765e-1f);
+  p = madd(p, r, 9.999997020e-1f);
   p = madd(p, r, 1.f);
   const int32_t bits = ((n == n ? int32_t(n) : 0) + 127) << 23;  // NaN x: p is NaN already
   float scale;
@@ -50,9 +51,9 @@ inline float exp_approx(float x) {
 // the least maximum relative error on [-ln2/2, ln2/2]. Relative error over [-87, 0] below
 // 4e-6 where a*b+c is fused, 7e-6 where not (the scalar build rounds n ln 2 before the
 // subtraction): tests/test_core.py::test_kernel_lean_exp_accuracy. Against the 2^-9
-// (bfloat16) or 2^-11 (float16) of the inputs' and the output's rounding, nothing; it saves
-// three vector instructions of exp_approx's 18 in the step that bounds the 16-bit forward
-// after its products (benchmarks/NOTES.md, "Where the forward's time goes on Zen 4").
+// (bfloat16) or 2^-11 (float16) of the inputs' and the output's rounding, nothing; it takes
+// two multiply-adds fewer than exp_approx in the step that bounds the 16-bit forward after
+// its products (benchmarks/NOTES.md, "Where the forward's time goes on Zen 4").
 // -inf and x < -87 give 0; NaN gives NaN.
 inline float exp_lean(float x) {
   const float xc = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);  // NaN passes
