@@ -142,3 +142,27 @@ def test_ctas_per_sm_limits():
     assert sr.ctas_per_sm("80", 246, 128, 87040) == (1, "smem")
     assert sr.ctas_per_sm("90", 246, 128, 87040) == (2, "regs+smem")  # 228 KiB
     assert sr.ctas_per_sm("80", 128, 128, 0) == (4, "regs")
+
+
+def test_shared_memory_bytes_per_instruction():
+    """What a warp moves through shared memory, per instruction: ldmatrix by its matrix count,
+    LDS/STS/LDGSTS by their width per lane; placeholders that never execute and other opcodes
+    move nothing. The smem bytes/HMMA column of benchmarks/gpu/sass/ sums these on the path."""
+    ins = sr.parse(_sass([
+        (0x00, "LDSM.16.M88.4 R4, [R2]"),
+        (0x10, "LDSM.16.MT88.2 R8, [R2+0x100]"),
+        (0x20, "LDSM.16.M88 R9, [R2]"),
+        (0x30, "LDS.64 R10, [R3]"),
+        (0x40, "LDS R12, [R3]"),
+        (0x50, "STS.128 [R3], R4"),
+        (0x60, "STS.U16 [R3], R4"),
+        (0x70, "LDGSTS.E.BYPASS.LTC128B.128 [R3], [R10.64]"),
+        (0x80, "@!PT LDS RZ, [RZ]"),
+        (0x90, "HMMA.16816.F32 R8, R4, R6, R8"),
+        (0xa0, "LDG.E.128 R4, [R10.64]"),
+    ]))["planted_kernel"]
+    assert [sr.smem_bytes(i) for i in ins] == [512, 256, 128, 256, 128, 512, 64, 512, 0, 0, 0]
+    blocks = sr.blocks_of(sr.parse(_sass(PLANTED))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    # the path: the prefetch's 16-byte LDGSTS; the rare block's LDS.128 and STS are skipped
+    assert sr.pass_counts(blocks, loop)["smem_bytes"] == 512

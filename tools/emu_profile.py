@@ -45,7 +45,12 @@ CASES = [
     ("d128", 1, 128, 128, 2, 128, {}),
     ("d96", 1, 128, 128, 2, 96, {}),
     ("d64 causal+bias", 1, 128, 128, 2, 64, {"causal": True, "bias": True}),
+    # the backward's two other kernels: dQ without atomics, and dbias
+    ("d128 deterministic", 1, 128, 128, 2, 128, {"deterministic": True}),
+    ("d64 bias grad", 1, 128, 128, 2, 64, {"bias": True, "bias_grad": True}),
 ]
+#: Keywords only the backward takes.
+_BACKWARD_ONLY = ("deterministic", "bias_grad")
 
 
 def profile(cases=CASES):
@@ -59,6 +64,7 @@ def profile(cases=CASES):
         q, do = (aligned(rng, (b, sq, h, d)) for _ in range(2))
         k, v = (aligned(rng, (b, sk, h, d)) for _ in range(2))
         kw = dict(kw)
+        bwd_kw = {name: kw.pop(name) for name in _BACKWARD_ONLY if name in kw}
         if kw.pop("bias", False):
             kw["bias"] = aligned(rng, (b, h, sq, sk))
         with _kernel_module(_cuda_emu):
@@ -68,7 +74,7 @@ def profile(cases=CASES):
                     out, lse = fmha.attention(q, k, v, return_lse=True, **kw)
                 else:
                     _cuda_emu.reset_stats()
-                    fmha.attention_backward(do, q, k, v, out, lse, **kw)
+                    fmha.attention_backward(do, q, k, v, out, lse, **kw, **bwd_kw)
                 for t in _cuda_emu.traffic():
                     if t["ldmatrix_requests"] or t["cp_async_requests"]:
                         rows.append(dict(case=label, pass_=pass_, **t))
@@ -103,7 +109,8 @@ python tools/emu_profile.py --out {out}
 ```
 
 Shapes: batch 1, 2 heads, 128 queries and 128 keys (one or two query tiles: 128 or 64 rows), float16,
-256-byte-aligned inputs; "d64 causal+bias" takes the kernels with extras. Columns: ldmatrix
+256-byte-aligned inputs; "d64 causal+bias" takes the kernels with extras, "d128 deterministic"
+the backward's dQ kernel without atomics, "d64 bias grad" the dbias kernel. Columns: ldmatrix
 and cp.async-store shared-memory wavefronts over the conflict-free ideal (1.00 = no bank
 conflict); global load efficiency = bytes asked for / (32 x sectors touched). Reading:
 `csrc/cuda/NOTES.md`, "Shared-memory traffic".

@@ -443,13 +443,36 @@ def inner_trip(blocks: list[Block], loop: LoopStats) -> list:
     return [b for b in loop.path if b.start in inner]
 
 
+# Bytes a warp moves through shared memory per instruction: ldmatrix by its matrix count (8 x 8
+# 16-bit elements each), LDS/STS and cp.async by their width per lane.
+_LDSM_MATRICES = {"1": 1, "2": 2, "4": 4}
+_LANE_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def smem_bytes(instr: Instr) -> int:
+    """Shared-memory bytes one warp reads or writes with instr (0 for other instructions and for
+    `@!PT` ones, which never execute: ptxas's placeholders)."""
+    if instr.pred.strip() == "@!PT":
+        return 0
+    mods = instr.op.split(".")[1:]
+    if instr.base == "LDSM":
+        return 128 * _LDSM_MATRICES.get(mods[-1] if mods else "1", 1)
+    if instr.base in ("LDS", "STS", "LDGSTS"):
+        # LDGSTS.E.BYPASS.LTC128B.128: the last width-like modifier is the copy's size.
+        width = [_LANE_BYTES[m] for m in mods if m in _LANE_BYTES]
+        return 32 * (width[-1] if width else 4)
+    return 0
+
+
 def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> dict:
     """One pass's instructions ("path") and COUNTED opcodes, an inner loop with HMMA on the path
-    counted inner_trips times."""
+    counted inner_trips times; "smem_bytes": what the pass's warp moves through shared memory
+    (ldmatrix, LDS, STS, cp.async stores)."""
     extra = inner_trip(blocks, loop) * (inner_trips - 1)
     counts = {"path": loop.path_count() + sum(len(b.instrs) for b in extra)}
     for c in COUNTED:
         counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
+    counts["smem_bytes"] = sum(smem_bytes(i) for b in loop.path + extra for i in b.instrs)
     return counts
 
 
@@ -683,6 +706,7 @@ def fa_report(fa_src: Path, cutlass: Path | None, torch_inc: Path, archs: list[s
                     for c in COUNTED + ("LDL", "STL", "RED", "REDG", "LDG"):
                         row[c] = loop.path_count(c)
                     row["RED"] += row.pop("REDG")  # sm_90 spells the global reduction REDG
+                    row["smem_bytes"] = sum(smem_bytes(i) for b in loop.path for i in b.instrs)
                     row["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV")
                                      for b in loop.path for i in b.instrs)
                     rows.append(row)
@@ -705,13 +729,15 @@ def print_fa_details(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "non-HMMA/HMMA"]
+    head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "non-HMMA/HMMA",
+            "smem bytes/HMMA"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         ratio = (r["path"] - r["HMMA"]) / r["HMMA"] if r["HMMA"] else float("nan")
+        per = r["smem_bytes"] / r["HMMA"] if r["HMMA"] else float("nan")
         cells = [r["kernel"], r["arch"], r["regs"], r["body"], r["path"], *(r[c] for c in COUNTED),
-                 f"{ratio:.2f}"]
+                 f"{ratio:.2f}", f"{per:.0f}"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
