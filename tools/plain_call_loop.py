@@ -18,7 +18,6 @@ import torch
 
 import fmha
 import fmha.integrations.transformers as hf_fmha
-from fmha._host import cpu_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 

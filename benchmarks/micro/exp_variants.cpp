@@ -23,26 +23,8 @@ namespace {
 
 alignas(64) float S[64 * 64], out[64 * 64];
 
-// vexp as it was before 2026-12-03: the degree-6 Taylor polynomial (1.2e-7 truncation error).
-VecF exp6(VecF x) {
-  const VecF lo = VecF::set1(-87.0f);
-  const VecF xc = min(VecF::set1(88.0f), max(lo, x));
-  const VecF magic = VecF::set1(12582912.f);
-  const VecF n = fma(xc, VecF::set1(1.44269504088896341f), magic) - magic;
-  VecF r = fma(n, VecF::set1(-0.693145751953125f), xc);
-  r = fma(n, VecF::set1(-1.42860682030941723212e-6f), r);
-  VecF p = VecF::set1(1.f / 720.f);
-  p = fma(p, r, VecF::set1(1.f / 120.f));
-  p = fma(p, r, VecF::set1(1.f / 24.f));
-  p = fma(p, r, VecF::set1(1.f / 6.f));
-  p = fma(p, r, VecF::set1(0.5f));
-  p = fma(p, r, VecF::set1(1.f));
-  p = fma(p, r, VecF::set1(1.f));
-  return VecF::mul_pow2(p, n).select_lt(x, lo, VecF::zero());
-}
-
 // exp(r) on [-ln2/2, ln2/2] by a degree-5 polynomial with p(0) = 1, its other coefficients
-// fitted for the least maximum relative error (9.2e-8): one multiply-add fewer than exp6.
+// fitted for the least maximum relative error (9.2e-8): one multiply-add fewer than poly6.
 // vexp's since 2026-12-03.
 VecF poly5(VecF r) {
   VecF p = VecF::set1(8.290272206068039e-3f);
@@ -53,12 +35,24 @@ VecF poly5(VecF r) {
   return fma(p, r, VecF::set1(1.f));
 }
 
+// vexp as it was before 2026-12-03: the degree-6 Taylor polynomial (1.2e-7 truncation error).
+VecF poly6(VecF r) {
+  VecF p = VecF::set1(1.f / 720.f);
+  p = fma(p, r, VecF::set1(1.f / 120.f));
+  p = fma(p, r, VecF::set1(1.f / 24.f));
+  p = fma(p, r, VecF::set1(1.f / 6.f));
+  p = fma(p, r, VecF::set1(0.5f));
+  p = fma(p, r, VecF::set1(1.f));
+  return fma(p, r, VecF::set1(1.f));
+}
+
+// kDegree6: poly6 instead of poly5 (with two ln 2 constants and vscalefps: the old vexp).
 // kOneLn2: the reduction with one ln 2 constant (one multiply-add fewer again).
 // kIntExp: 2^n added to the exponent bits from the rounding constant's sum (vpslld + vpaddd
 // for vscalefps): exact for the normal results, but a NaN's payload can leak into the
 // exponent field and turn it into a number, so it would need one more step to be correct.
-template <bool kOneLn2, bool kIntExp>
-VecF exp5(VecF x) {
+template <bool kOneLn2, bool kIntExp, bool kDegree6 = false>
+VecF exp_variant(VecF x) {
   const VecF lo = VecF::set1(-87.0f);
   const VecF xc = min(VecF::set1(88.0f), max(lo, x));
   const VecF magic = VecF::set1(12582912.f);
@@ -71,7 +65,7 @@ VecF exp5(VecF x) {
     r = fma(n, VecF::set1(-0.693145751953125f), xc);
     r = fma(n, VecF::set1(-1.42860682030941723212e-6f), r);
   }
-  const VecF p = poly5(r);
+  const VecF p = kDegree6 ? poly6(r) : poly5(r);
   VecF y;
   if (kIntExp) {
     const __m512i e = _mm512_slli_epi32(_mm512_castps_si512(t.v), 23);
@@ -135,10 +129,10 @@ double max_rel_error(Exp exp_fn) {
 }  // namespace
 
 // Lambdas, so that each variant is inlined into the timed loop as vexp is.
-constexpr auto F6 = [](VecF x) { return exp6(x); };
-constexpr auto F5_1 = [](VecF x) { return exp5<true, false>(x); };
-constexpr auto F5_i = [](VecF x) { return exp5<false, true>(x); };
-constexpr auto F5_1i = [](VecF x) { return exp5<true, true>(x); };
+constexpr auto F6 = [](VecF x) { return exp_variant<false, false, true>(x); };
+constexpr auto F5_1 = [](VecF x) { return exp_variant<true, false>(x); };
+constexpr auto F5_i = [](VecF x) { return exp_variant<false, true>(x); };
+constexpr auto F5_1i = [](VecF x) { return exp_variant<true, true>(x); };
 
 int main() {
   for (int i = 0; i < 64 * 64; ++i) S[i] = -40.0f + float((i * 7919) % 4096) / 64.0f;
