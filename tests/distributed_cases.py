@@ -264,6 +264,24 @@ def _unequal_settings(rank, world):
         _expect_error(lambda: ring_attention(q, q, q, softcap=float(rank)), "softcap: rank 0 0")
 
 
+def _ring_create_graph(rank, world):
+    """A gradient taken with create_graph=True is recorded, and differentiating it again fails
+    loudly (the backward has no formula of its own): never a second-order gradient that is
+    silently missing."""
+    import torch
+    from fmha.distributed import ring_attention
+    q, k, v = (torch.randn(1, 8, 2, 8, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, causal=True)
+    dq, = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    assert dq.requires_grad, "dq taken with create_graph=True does not require grad"
+    try:
+        dq.sum().backward()
+    except RuntimeError as e:
+        assert "autograd" in str(e), str(e)
+        return
+    raise AssertionError("a second backward through fmha.bwd ran (it has no formula)")
+
+
 def _rank_1_raises(rank, world):
     import torch
     from fmha.distributed import ring_attention
@@ -297,6 +315,7 @@ SCENARIOS = {
         "ulysses", "zigzag", dict(causal=True, dropout_p=0.25), dict(hq=8, hkv=4)),
     "tensor parallel": _tensor_parallel(None, padding=True),
     "tensor parallel GQA causal dropout": _tensor_parallel(4, dropout=0.2, causal=True),
+    "ring create_graph: recorded, not differentiable again": _ring_create_graph,
     "unequal shards refused on every rank": _unequal_shards,
     "indivisible heads refused on every rank": _indivisible_heads,
     "unequal settings refused on every rank": _unequal_settings,

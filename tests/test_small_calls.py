@@ -241,16 +241,21 @@ def test_recorded_call_equals_the_op(use_lse):
         assert torch.equal(a, b)
 
 
-def test_eager_backward_does_not_import_dynamo():
+@pytest.mark.parametrize("leaf", ["torch.randn(*s, requires_grad=True)",
+                                  "torch.nn.Parameter(torch.randn(*s))"])
+def test_eager_backward_does_not_import_dynamo(leaf):
     """A training step's first backward costs what the kernels cost: nothing on the eager path
-    imports torch._dynamo (a fresh interpreter, so that no other test has imported it)."""
+    imports torch._dynamo (a fresh interpreter, so that no other test has imported it), with
+    inputs that are plain tensors or a model's nn.Parameters (q, k, v and a learned bias)."""
     import subprocess
     import sys
     code = ("import sys, torch, fmha\n"
-            "q, k, v = (torch.randn(1, 16, 4, 32, requires_grad=True) for _ in range(3))\n"
+            f"leaf = lambda *s: {leaf}\n"
+            "q, k, v = (leaf(1, 16, 4, 32) for _ in range(3))\n"
+            "bias = leaf(4, 16, 16)\n"
             "assert 'torch._dynamo' not in sys.modules, 'imported before the call'\n"
-            "fmha.attention(q, k, v, causal=True).sum().backward()\n"
-            "assert q.grad is not None and k.grad is not None and v.grad is not None\n"
+            "fmha.attention(q, k, v, causal=True, bias=bias).sum().backward()\n"
+            "assert all(x.grad is not None for x in (q, k, v, bias))\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -35,7 +35,8 @@ VecF poly5(VecF r) {
   return fma(p, r, VecF::set1(1.f));
 }
 
-// vexp as it was before 2026-12-03: the degree-6 Taylor polynomial (1.2e-7 truncation error).
+// vexp as it was before 2026-12-03: the degree-6 Taylor polynomial (1.6e-7 relative error on
+// [-ln2/2, ln2/2]).
 VecF poly6(VecF r) {
   VecF p = VecF::set1(1.f / 720.f);
   p = fma(p, r, VecF::set1(1.f / 120.f));

@@ -285,7 +285,8 @@ def _backward(ctx, dout, dlse):
     # (_direct): the op's CPU/CUDA implementation is wrapped in torch._disable_dynamo, whose
     # first call imports torch._dynamo (1.6 s on the Zen 5 VM, once per process) -- a cost
     # of the wrapper, not of the kernels. Traces, modes and double backward get the op.
-    run = _bwd if _direct(dout, args.q, args.k, args.v, out, lse, args.bias, dlse) else bwd
+    run = _bwd if _direct(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
+                          args.alibi_slopes, dlse) else bwd
     dq, dk, dv, dbias = run(dout, args.q, args.k, args.v, out, lse, args.bias, args.mask,
                             args.alibi_slopes, args.cu_seqlens_q, args.cu_seqlens_k,
                             args.max_seqlen_q, args.max_seqlen_k, args.rng, args.scale,
@@ -299,16 +300,19 @@ def _backward(ctx, dout, dlse):
 fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_Parameter = torch.nn.Parameter  # a Tensor to every layer of the op (no torch function of its own)
+
+
 def _plain_eager(tensors) -> bool:
-    """Whether nothing but autograd needs to see the op: the inputs are plain tensors (not
-    FakeTensors or other subclasses) on a device the kernels run on (CPU or CUDA; "meta"
-    tensors need the op's fake implementation), and no torch.compile trace, functorch
-    transform (vmap, grad) or dispatch/function mode is active. tensors[0] is q, whose
-    device validation has made every other input's."""
+    """Whether nothing but autograd needs to see the op: the inputs are plain tensors or
+    nn.Parameters (not FakeTensors or other subclasses) on a device the kernels run on (CPU or
+    CUDA; "meta" tensors need the op's fake implementation), and no torch.compile trace,
+    functorch transform (vmap, grad) or dispatch/function mode is active. tensors[0] is q (the
+    backward's: dout), whose device validation has made every other input's."""
     if torch.compiler.is_compiling():
         return False
     for x in tensors:
-        if x is not None and type(x) is not Tensor:
+        if x is not None and type(x) is not Tensor and type(x) is not _Parameter:
             return False
     if not (tensors[0].is_cpu or tensors[0].is_cuda):
         return False

@@ -274,11 +274,15 @@ class _Ring:
     def backward_block(self, dout, q, k, v, out, lse, dlse, qp, kp, window):
         rows, cols = slice(qp[0], qp[0] + qp[1]), slice(kp[0], kp[0] + kp[1])
         lse_rows = lse[:, :, rows]
-        return _torch._bwd(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
-                           lse_rows, None, None, self.alibi, None, None, 0, 0, self.rng,
-                           self.scale, self.softcap, window[0], window[1], False,
-                           self.dropout_p, False, self.deterministic,
-                           None if dlse is None else dlse[:, :, rows], qp[2], kp[2], 0, 0)[:3]
+        # The op's body, as forward_block runs _fwd's; the op itself where a graph is being
+        # recorded (create_graph=True), so that differentiating further fails loudly (the
+        # op has no formula) instead of returning gradients that do not require grad.
+        run = _torch.bwd if torch.is_grad_enabled() else _torch._bwd
+        return run(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
+                   lse_rows, None, None, self.alibi, None, None, 0, 0, self.rng,
+                   self.scale, self.softcap, window[0], window[1], False,
+                   self.dropout_p, False, self.deterministic,
+                   None if dlse is None else dlse[:, :, rows], qp[2], kp[2], 0, 0)[:3]
 
 
 def _wait(requests) -> None:
