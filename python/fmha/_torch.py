@@ -199,14 +199,14 @@ def _(q, k, v, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
-        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
-        max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
-        window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
-        bias_grad: bool, deterministic: bool = False, dlse: Optional[Tensor] = None,
-        q_position: int = 0, k_position: int = 0, head_position: int = 0,
-        heads_total: int = 0, block_index: Optional[Tensor] = None,
-        block_masks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         bias: Optional[Tensor], mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+         max_seqlen_k: int, rng: Optional[Tensor], scale: float, softcap: float,
+         window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
+         bias_grad: bool, deterministic: bool = False, dlse: Optional[Tensor] = None,
+         q_position: int = 0, k_position: int = 0, head_position: int = 0,
+         heads_total: int = 0, block_index: Optional[Tensor] = None,
+         block_masks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Attention backward: returns (dq, dk, dv, dbias); dbias is empty unless bias_grad.
     deterministic (or torch.use_deterministic_algorithms(True), read when the op runs):
     bitwise-reproducible CUDA gradients. dlse: the gradient reaching lse, or None."""
