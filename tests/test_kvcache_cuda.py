@@ -97,6 +97,28 @@ def test_head_dims_and_wide_groups(rng):
                    capacity=23)
 
 
+# Whole 32-key chunks whose pairs all count run the decode kernel's steady P V loop
+# (flash_decode.cuh): sequences of several chunks and key splits, GQA groups that fill 4- and
+# 8-row CTAs or part of one, lanes that load V by 2, 3, 4 and 8 columns, contiguous and paged.
+# A head_dim_v short of its tile, and a window, take the general loop on the same calls.
+WHOLE_CHUNKS = {  # name: (heads_q, heads_kv, head_dim, head_dim_v, layout, keywords)
+    "d64-group8": (8, 1, 64, 64, CONTIGUOUS, {}),
+    "d128-group4-paged16": (8, 2, 128, 128, 16, {}),
+    "d96-group2": (2, 1, 96, 96, CONTIGUOUS, {}),
+    "d256-group4-paged7": (4, 1, 256, 256, 7, {}),
+    "d128-dv100-paged16": (4, 2, 128, 100, 16, {}),
+    "d64-group8-window": (8, 1, 64, 64, CONTIGUOUS, dict(window=(70, 0))),
+}
+
+
+@pytest.mark.parametrize("name", list(WHOLE_CHUNKS))
+def test_whole_chunks_match_the_reference(rng, name):
+    hq, hkv, d, dv, layout, kw = WHOLE_CHUNKS[name]
+    lib, dtype = lib_dtype(list(WHOLE_CHUNKS).index(name))
+    check_case(rng, (hq, hkv, 1, 1, d, dv, kw), layout, lib, dtype, capacity=300,
+               lens=[0, 75, 299])
+
+
 # ============================================================================ 2. bitwise
 
 def _pool(rows, lens, block_size, max_blocks, rng):

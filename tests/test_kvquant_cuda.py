@@ -9,7 +9,8 @@ paged, float16 and bfloat16 queries --
 * with unit scales an 8-bit cache gives bitwise the out and lse of a 16-bit cache holding
   the codes' values (the kernels widen codes exactly), for each head-dim tile the 8-bit
   kernels have (64, 128, 256: kCols 2, 4, 8 codes per lane) and both row blocks (4, 8);
-* a NaN code next to pairs the mask excludes reaches only the rows that see its key.
+* a NaN code next to pairs the mask excludes reaches only the rows that see its key;
+* sequences of whole 32-key chunks (the steady P V loop) match the reference too.
 
 The emulator runs every CUDA thread of a block in turn: shapes stay small.
 """
@@ -76,6 +77,29 @@ def test_append_and_attention_match_the_reference(i):
                                        rtol=tol)
             np.testing.assert_allclose(lse[bi:bi + 1].numpy(), r_lse, atol=1e-4, rtol=1e-5)
         lens = lens + new
+
+
+@pytest.mark.parametrize("fmt", kvquant.FORMATS)
+def test_whole_chunks_match_the_reference(fmt):
+    """Sequences of several whole 32-key chunks, which run the decode kernel's steady P V loop:
+    head_dim 128 (its tile), GQA 8:1 (an 8-row CTA), 75 and 300 keys (two splits), dynamic
+    scales, contiguous and paged, float16 queries."""
+    rng = np.random.default_rng(23)
+    for paged in (False, True):
+        kc, vc, ks, vs, table = make_cache(rng, fmt, "dynamic", paged=paged, cap=304, hkv=1,
+                                           d=128, block=16)
+        lens = torch.tensor([75, 300], dtype=torch.int32)
+        q = torch.from_numpy(rng.standard_normal((2, 1, 8, 128)) * 0.3).half()
+        out, lse = attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                          k_scale=ks, v_scale=vs, return_lse=True)
+        check_refused(0)
+        kf, vf = dense(kc, ks, fmt, table, "dynamic"), dense(vc, vs, fmt, table, "dynamic")
+        for bi, n in enumerate(lens.tolist()):
+            r_out, r_lse = reference.attention_forward(
+                q[bi:bi + 1].double().numpy(), kf[bi:bi + 1, :n], vf[bi:bi + 1, :n])
+            np.testing.assert_allclose(out[bi:bi + 1].double().numpy(), r_out,
+                                       atol=TOL[torch.float16] * 3, rtol=TOL[torch.float16])
+            np.testing.assert_allclose(lse[bi:bi + 1].numpy(), r_lse, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad", ["negative-k", "nan-v", "zero-v"])

@@ -166,3 +166,68 @@ def test_shared_memory_bytes_per_instruction():
     loop = sr.main_loop(blocks)
     # the path: the prefetch's 16-byte LDGSTS; the rare block's LDS.128 and STS are skipped
     assert sr.pass_counts(blocks, loop)["smem_bytes"] == 512
+
+
+def test_convergence_branches_and_loop_exit_calls_fall_through():
+    """BRA.DIV (to the slow path when the warp has diverged), a predicate operand (`BRA P0,
+    target`) and a guarded CALL.REL.NOINC (ptxas's exit from a loop holding warp-synchronous
+    instructions) may all fall through; a plain BRA does not, and an unguarded CALL (which
+    returns) does not end its block."""
+    funcs = sr.parse(_sass([
+        (0x00, "BRA.DIV ~URZ, 0x60"),
+        (0x10, "SHFL.BFLY PT, R1, R0, 0x10, 0x1f"),
+        (0x20, "BRA P0, 0x40"),
+        (0x30, "CALL.REL.NOINC 0x70"),
+        (0x38, "@P1 CALL.REL.NOINC 0x50"),
+        (0x40, "BRA 0x00"),
+        (0x50, "EXIT"),
+        (0x60, "BRA 0x10"),
+        (0x70, "RET.REL.NODEC R16 0x0"),
+    ]))
+    succ = {b.start: b.succ for b in sr.blocks_of(funcs["planted_kernel"])}
+    assert sorted(succ[0x00]) == [0x10, 0x60]
+    assert sorted(succ[0x10]) == [0x30, 0x40]   # 0x10-0x20 holds the SHFL and `BRA P0`
+    assert sorted(succ[0x30]) == [0x40, 0x50]   # the unguarded CALL stays inside the block
+    assert succ[0x40] == [0x00]
+
+
+# A decode kernel's key loop (rows = 2, d = 2: each product is 4 FFMA a lane): a branch past the
+# products (a lane without a key), a vector K load beside its scalar fallback, q K^T, a rare
+# soft-cap region with FFMA of its own, the softmax, and the P V loop of 2 FFMA a trip.
+DECODE = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "IADD3 R20, R20, 0x20, RZ"),    # the key loop's head
+    (0x18, "@P4 BRA 0xa0"),                 # no key: past the products
+    (0x20, "@P0 BRA 0x50"),
+    (0x30, "LDG.E.U16 R4, [R2.64]"),        # the scalar fallback
+    (0x38, "LDG.E.U16 R5, [R2.64+0x2]"),
+    (0x40, "BRA 0x58"),
+    (0x50, "LDG.E.128 R4, [R2.64]"),        # the vector load
+    (0x58, "FFMA R8, R4, R12, R8"),
+    (0x60, "FFMA R8, R5, R13, R8"),
+    (0x68, "FFMA R9, R4, R14, R9"),
+    (0x70, "FFMA R9, R5, R15, R9"),
+    (0x78, "@P1 BRA 0xa0"),                 # no soft cap
+    (0x80, "FFMA R8, R8, R16, RZ"),
+    (0x88, "FFMA R9, R9, R16, RZ"),
+    (0x90, "MUFU.TANH R8, R8"),
+    (0xa0, "MUFU.EX2 R10, R8"),
+    (0xa8, "IADD3 R21, R21, 0x1, RZ"),      # the P V loop
+    (0xb0, "LDG.E.64 R6, [R22.64]"),
+    (0xb8, "FFMA R30, R10, R6, R30"),
+    (0xc0, "FFMA R31, R10, R7, R31"),
+    (0xc8, "@P2 BRA 0xa8"),
+    (0xd0, "@P3 BRA 0x10"),                 # the key loop's back edge
+    (0xe0, "EXIT"),
+]
+
+
+def test_decode_pass_takes_both_products_in_the_fewest_instructions():
+    funcs = sr.parse(_sass(DECODE))
+    got = sr.decode_pass(sr.blocks_of(funcs["planted_kernel"]), d=2, rows=2)
+    # head 0x10-0x18, 0x20, the vector load, q K^T and its branch (5), the softmax, two P V
+    # trips of 5, the back edge
+    assert got["path"] == 2 + 1 + 1 + 5 + 1 + 2 * 5 + 1
+    assert got["loops"] == [(2, 5)]
+    assert got["FFMA"] == 8 and got["LDG"] == 3 and got["MUFU"] == 1
+    assert got["ldg_bytes"] == 32 * (16 + 2 * 8)

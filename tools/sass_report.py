@@ -133,14 +133,34 @@ def parse(sass: str) -> dict[str, list[Instr]]:
     return funcs
 
 
+def _conditional(ins: Instr) -> bool:
+    """Whether a branch may fall through: a guard (`@P0 BRA`), a predicate operand (`BRA P0,
+    target`, `BRA !P3, target`), or the convergence forms ptxas puts around warp-synchronous
+    instructions (`BRA.DIV ~URZ, target`: to the slow path if the warp has diverged;
+    `BRA.CONV`)."""
+    if ins.pred and ins.pred.strip() != "@PT":
+        return True
+    operands = [a.strip() for a in ins.args.split(",")]
+    return len(operands) > 1 and operands[0] not in ("PT", "")
+
+
+def _loop_exit_call(ins: Instr) -> bool:
+    """A guarded `CALL.REL.NOINC target`: how ptxas leaves a loop whose body holds
+    warp-synchronous instructions (it pushes no return address; the code at target never
+    returns). Unguarded CALLs are calls: to the convergence helpers (WARPSYNC ... RET) and the
+    division's slow path, which return to the next instruction."""
+    return (ins.base == "CALL" and "NOINC" in ins.op.split(".")
+            and bool(ins.pred) and ins.pred.strip() != "@PT")
+
+
 def blocks_of(instrs: list[Instr]) -> list[Block]:
     """Basic blocks with successor start addresses."""
     leaders = {instrs[0].addr}
     for k, ins in enumerate(instrs):
-        if ins.base in ("BRA", "EXIT", "RET", "BRX", "JMP"):
+        if ins.base in ("BRA", "EXIT", "RET", "BRX", "JMP") or _loop_exit_call(ins):
             if k + 1 < len(instrs):
                 leaders.add(instrs[k + 1].addr)
-            if ins.base == "BRA":
+            if ins.base in ("BRA", "CALL"):
                 t = _TARGET.search(ins.args)
                 if t:
                     leaders.add(int(t.group(1), 16))
@@ -152,11 +172,11 @@ def blocks_of(instrs: list[Instr]) -> list[Block]:
     for k, b in enumerate(blocks):
         last = b.instrs[-1]
         nxt = blocks[k + 1].start if k + 1 < len(blocks) else None
-        if last.base == "BRA":
+        if last.base == "BRA" or _loop_exit_call(last):
             t = _TARGET.search(last.args)
             if t:
                 b.succ.append(int(t.group(1), 16))
-            if last.pred and nxt is not None:
+            if _conditional(last) and nxt is not None:
                 b.succ.append(nxt)
         elif last.base in ("EXIT", "RET"):
             if last.pred and nxt is not None:
@@ -292,6 +312,29 @@ def natural_loops(blocks: list[Block]) -> dict[int, tuple[set, set]]:
     return loops
 
 
+def _forward_dag(by_start: dict, head: int, body: set) -> tuple[list, dict]:
+    """The loop body's forward edges and a topological order of them: a DFS from the head, the
+    edges to a block on the DFS stack (the header's or an inner loop's back edges) dropped."""
+    topo, state, stack = [], {head: 1}, [(head, iter(by_start[head].succ))]
+    fwd: dict[int, list] = {y: [] for y in body}
+    while stack:
+        node, it = stack[-1]
+        for v in it:
+            if v not in body or state.get(v) == 1:
+                continue
+            fwd[node].append(v)
+            if v not in state:
+                state[v] = 1
+                stack.append((v, iter(by_start[v].succ)))
+                break
+        else:
+            state[node] = 2
+            topo.append(node)
+            stack.pop()
+    topo.reverse()
+    return topo, fwd
+
+
 def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None = None
                       ) -> LoopStats | None:
     """The natural loop with the most HMMA (ties: the fewest instructions -- the inner of two
@@ -316,24 +359,7 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
         return None
     head = ranked[0][2]
     latches, body = loops[head]
-    # topological order of the body's forward edges (DFS from the head; edges to the stack dropped)
-    topo, state, stack = [], {head: 1}, [(head, iter(by_start[head].succ))]
-    fwd: dict[int, list] = {y: [] for y in body}
-    while stack:
-        node, it = stack[-1]
-        for v in it:
-            if v not in body or state.get(v) == 1:
-                continue
-            fwd[node].append(v)
-            if v not in state:
-                state[v] = 1
-                stack.append((v, iter(by_start[v].succ)))
-                break
-        else:
-            state[node] = 2
-            topo.append(node)
-            stack.pop()
-    topo.reverse()
+    topo, fwd = _forward_dag(by_start, head, body)
     score = {head: _weight(by_start[head], also)}
     prev: dict[int, int] = {}
     for x in topo:
@@ -449,6 +475,15 @@ _LDSM_MATRICES = {"1": 1, "2": 2, "4": 4}
 _LANE_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
+def ldg_bytes(instr: Instr) -> int:
+    """Bytes one lane reads with a global load (LDG.E.128: 16, LDG.E: 4, LDG.E.U16: 2; 0 for
+    other instructions and `@!PT` placeholders)."""
+    if instr.base != "LDG" or instr.pred.strip() == "@!PT":
+        return 0
+    width = [_LANE_BYTES[m] for m in instr.op.split(".")[1:] if m in _LANE_BYTES]
+    return width[-1] if width else 4
+
+
 def smem_bytes(instr: Instr) -> int:
     """Shared-memory bytes one warp reads or writes with instr (0 for other instructions and for
     `@!PT` ones, which never execute: ptxas's placeholders)."""
@@ -508,6 +543,181 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
         r["ctas"], r["ctas_limit"] = (ctas_per_sm(arch, r["regs"], r["threads"], r["smem"])
                                       if r["threads"] else (0, "?"))
     return rows
+
+
+# --- the decode kernel -----------------------------------------------------------------------
+
+# flash_decode_kernel<T, C, kHeadDim, kRows> (cuda/flash_decode.cuh) instantiations that --decode
+# compiles and counts: (T, C, head dim, rows per CTA). 16-bit caches at the common head dims,
+# both row counts the launcher picks at d = 128, and two 8-bit formats.
+DECODE_KERNELS = [
+    ("half_t", "half_t", 64, 8),
+    ("half_t", "half_t", 128, 4),
+    ("half_t", "half_t", 128, 8),
+    ("half_t", "Code8<KvCode::kE4M3>", 128, 8),
+    ("half_t", "Code8<KvCode::kInt8>", 128, 8),
+]
+DECODE_CHUNK = 32  # keys per warp pass: one per lane (kDecodeChunk)
+# The issue limit the decode report converts instructions into: an H200 (as an H100 SXM, 132
+# SMs of 4 warp schedulers, one instruction per scheduler per cycle) at its 1.98 GHz boost
+# clock, against its 4.8 TB/s of HBM3e. A ceiling: stalls only lower what issue allows.
+H200_SMS, H200_SCHEDULERS, H200_GHZ, H200_TBPS = 132, 4, 1.98, 4.8
+
+
+def _decode_shape(mangled: str) -> tuple[int, int, str]:
+    """(head dim, rows, cache format) from flash_decode_kernel's mangled name."""
+    m = re.findall(r"Li(\d+)ELi(\d+)EE", mangled)
+    if not m:
+        raise ValueError(f"not a flash_decode_kernel instantiation: {mangled}")
+    d, rows = (int(x) for x in m[-1])
+    code = re.search(r"Code8ILNS_6KvCodeE(\d)E", mangled)
+    fmt = {"1": "int8", "2": "e4m3", "3": "e5m2"}[code.group(1)] if code else (
+        "bf16" if "nv_bfloat16" in mangled else "fp16")
+    return d, rows, fmt
+
+
+def _best(by_start: dict, head: int, body: set, ends: set, weight) -> list:
+    """The path over the body's forward edges from head to a block of ends with the largest
+    summed weight(block) (tuples compare in order)."""
+    topo, fwd = _forward_dag(by_start, head, body)
+    score, prev = {head: weight(by_start[head])}, {}
+    for x in topo:
+        for v in fwd.get(x, ()) if x in score else ():
+            cand = tuple(p + q for p, q in zip(score[x], weight(by_start[v])))
+            if v not in score or cand > score[v]:
+                score[v], prev[v] = cand, x
+    tail = max((x for x in ends if x in score), key=lambda x: score[x])
+    path = [tail]
+    while path[-1] != head:
+        path.append(prev[path[-1]])
+    return [by_start[a] for a in reversed(path)]
+
+
+def decode_pass(blocks: list[Block], d: int, rows: int) -> dict:
+    """One warp's pass over a chunk of 32 keys of flash_decode_kernel, in its steady state.
+
+    The key loop is the natural loop with the most FFMA. Each product of a pass, q K^T and P V,
+    is rows x d FFMA per lane; either may run in a loop nested in the key loop (P V always: the
+    steady loop, the paged one, the general one for partial chunks and masked pairs; q K^T for
+    8-bit caches). One trip of such a loop is its path with the most FFMA, then the most bytes
+    loaded (a row's load, not its zero fill), then the fewest instructions, and the loop runs
+    rows x d / (its FFMA per trip) trips. The pass is then the path from the key loop's head to
+    its back edge, nested loops standing for all their trips, that issues both products (2 x
+    rows x d FFMA) in the fewest instructions: a rare path (a soft cap's division, a bias, a
+    paged table, a partial chunk) adds instructions and is left out, and so are the scalar
+    fallbacks of the vector loads. A lower bound of what a pass issues, as `path` is for the
+    other kernels."""
+    by_start = {b.start: b for b in blocks}
+    loops = natural_loops(blocks)
+    ffma = lambda bs: sum(by_start[y].count("FFMA") for y in bs)  # noqa: E731
+    head = max(loops, key=lambda h: ffma(loops[h][1]))
+    latches, body = loops[head]
+    nested = {h: loops[h] for h in loops if h != head and h in body and ffma(loops[h][1])}
+    # the outermost of them (a loop nested in one of these counts within its trip)
+    nested = {h: lb for h, lb in nested.items()
+              if not any(h in bd for g, (_, bd) in nested.items() if g != h)}
+    need = rows * d
+    trips = {}
+    for h, (lat, bd) in nested.items():
+        trip = _best(by_start, h, bd, lat, lambda x: (
+            x.count("FFMA"), sum(ldg_bytes(i) for i in x.instrs), -len(x.instrs)))
+        f = sum(b.count("FFMA") for b in trip)
+        if f == 0 or need % f:
+            raise RuntimeError(f"decode: the loop at {h:#x} has {f} FFMA a trip, which does not "
+                               f"divide {rows} x {d}")
+        trips[h] = (trip, need // f)
+    # The key loop with each nested loop standing as its head alone: its instructions are all
+    # its trips', its FFMA a product's, its successors the loop's exits.
+    inside = set().union(*(bd for _, bd in nested.values())) if nested else set()
+    nodes = (body - inside) | set(nested)
+    succ, cost, products = {}, {}, {}
+    for x in nodes:
+        if x in nested:
+            trip, n = trips[x]
+            bd = nested[x][1]
+            succ[x] = sorted({v for y in bd for v in by_start[y].succ if v not in bd} & nodes)
+            cost[x], products[x] = n * sum(len(b.instrs) for b in trip), need
+        else:
+            succ[x] = [v for v in by_start[x].succ if v in nodes]
+            cost[x], products[x] = len(by_start[x].instrs), by_start[x].count("FFMA")
+    view = {x: Block(x, [], succ[x]) for x in nodes}
+    topo, fwd = _forward_dag(view, head, nodes)
+    # per block: FFMA so far (capped at both products') -> (fewest instructions, previous block)
+    goal = 2 * need
+    best: dict = {head: {min(goal, products[head]): (cost[head], None, None)}}
+    for x in topo:
+        for f, (n, _, _) in list(best.get(x, {}).items()):
+            for v in fwd[x]:
+                g, cand = min(goal, f + products[v]), n + cost[v]
+                slot = best.setdefault(v, {})
+                if g not in slot or cand < slot[g][0]:
+                    slot[g] = (cand, x, f)
+    ends = [(best[x][goal][0], x) for x in latches if goal in best.get(x, {})]
+    if not ends:
+        raise RuntimeError(f"decode: no path of the key loop at {head:#x} issues {goal} FFMA")
+    _, x = min(ends)
+    f, path = goal, []
+    while x is not None:
+        path.append(x)
+        _, px, pf = best[x][f]
+        x, f = px, pf
+    counted = []
+    for x in reversed(path):
+        counted += trips[x][0] * trips[x][1] if x in nested else [by_start[x]]
+    out = {"path": sum(len(b.instrs) for b in counted),
+           "ldg_bytes": 32 * sum(ldg_bytes(i) for b in counted for i in b.instrs),
+           "loops": [(trips[x][1], sum(len(b.instrs) for b in trips[x][0]))
+                     for x in reversed(path) if x in nested]}
+    for c in ("FFMA", "LDG", "LDS", "SHFL", "MUFU"):
+        out[c] = sum(b.count(c) for b in counted)
+    return out
+
+
+def decode_report(arch: str, src_root: Path, nvcc: str, cuobjdump: str) -> list[dict]:
+    lines = ['#include "cuda/flash_decode.cuh"', "namespace fmha {", "namespace gpu {"]
+    for t, c, d, r in DECODE_KERNELS:
+        lines.append(f"template __global__ void flash_decode_kernel<{t}, {c}, {d}, {r}>("
+                     "FwdParams, DecodeLaunch);")
+    lines += ["}  // namespace gpu", "}  // namespace fmha"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "decode.cu", Path(tmp) / f"decode.sm{arch}.cubin"
+        src.write_text("\n".join(lines) + "\n")
+        subprocess.run([nvcc, "-std", "c++17", "-O3", "-DNDEBUG", f"-I{src_root / 'csrc'}",
+                        f"-I{src_root / 'third_party'}", "-cubin", "-o", str(cubin), str(src),
+                        "-gencode", f"arch=compute_{arch},code=sm_{arch}"],
+                       check=True, capture_output=True, text=True)
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True, env=_disasm_env()).stdout
+        regs = registers(cubin, cuobjdump)
+        for name, instrs in parse(sass).items():
+            if "flash_decode_kernel" not in name:
+                continue
+            d, r, fmt = _decode_shape(name)
+            elem = 2 if fmt in ("fp16", "bf16") else 1
+            row = dict(kernel=f"decode d{d} rows {r} {fmt} cache", arch=f"sm_{arch}",
+                       regs=regs.get(name, -1), d=d, rows=r,
+                       cache_bytes=DECODE_CHUNK * 2 * d * elem)
+            row.update(decode_pass(blocks_of(instrs), d, r))
+            rows.append(row)
+    return sorted(rows, key=lambda x: (x["kernel"], x["arch"]))
+
+
+def print_decode_table(rows: list[dict]) -> None:
+    head = ["kernel", "arch", "regs", "pass", "nested loops (trips x instrs)", "FFMA", "LDG",
+            "LDS", "SHFL", "MUFU", "non-FFMA/FFMA", "K+V bytes", "loaded", "bytes/instr",
+            "issue-bound TB/s (of 4.8)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        per = r["cache_bytes"] / r["path"]
+        tbps = H200_SMS * H200_SCHEDULERS * H200_GHZ * 1e9 * per / 1e12
+        cells = [r["kernel"], r["arch"], r["regs"], r["path"],
+                 ", ".join(f"{n} x {k}" for n, k in r["loops"]),
+                 r["FFMA"], r["LDG"], r["LDS"], r["SHFL"], r["MUFU"],
+                 f"{(r['path'] - r['FFMA']) / r['FFMA']:.2f}", r["cache_bytes"], r["ldg_bytes"],
+                 f"{per:.2f}", f"{tbps:.2f} ({tbps / H200_TBPS:.0%})"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 # --- flash-attn 2 -------------------------------------------------------------------------
@@ -783,6 +993,9 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: analyse the cubins an earlier run left in DIR instead of "
                          "compiling them again (compile flags are not checked)")
+    ap.add_argument("--decode", action="store_true",
+                    help="report the decode kernel instead (DECODE_KERNELS): one warp's pass "
+                         "over 32 keys, and the read rate the issue slots allow on an H200")
     ap.add_argument("--loops", action="store_true",
                     help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()
@@ -794,6 +1007,12 @@ def main() -> int:
         print("sass_report: needs nvcc, cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump "
               "nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
+    if a.decode:
+        rows = []
+        for arch in a.arch or ["80"]:
+            rows += decode_report(arch, a.src_root.resolve(), nvcc, cuobjdump)
+        print_decode_table(rows)
+        return 0
     if a.flash_attn:
         torch_inc = find_torch_include(a.torch_include)
         if torch_inc is None or not (torch_inc / "ATen").is_dir():

@@ -48,6 +48,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/flash_decode.h"
 #include "cuda/flash_fwd.cuh"  // FwdLaunch and flash_fwd_combine_kernel
@@ -142,33 +143,48 @@ struct __align__(8) Codes8 {
   uint32_t w[2];
 };
 
-// x[0..kCols) = row[c0 .. c0 + kCols) as float, zero past n.
-template <typename T, int kCols>
-FMHA_DEVICE void load_cols(const T* row, int c0, int n, bool vec, float (&x)[kCols]) {
-  if constexpr (kCols == 8) {
-    load8(row, c0, n, vec, x);
-  } else {
-#pragma unroll
-    for (int e = 0; e < kCols; ++e) x[e] = c0 + e < n ? to_float(row[c0 + e]) : 0.0f;
-  }
-}
+// Four 16-bit elements, one 8-byte load.
+struct __align__(8) Pack4 {
+  uint32_t w[2];
+};
 
-// kCols elements of a V row as loaded, widened to float when used: floats for 16-bit
-// caches (converted at the load), the codes themselves for 8-bit ones -- a quarter of the
-// registers for the rows the P V loop keeps in flight.
+// kCols elements of a V row as loaded, widened to float when used: the elements themselves,
+// two 16-bit ones a word (four 8-bit codes, below) -- half (a quarter) of the registers
+// floats would take for the rows the P V loop keeps in flight. One 4-, 8- or 16-byte load
+// for 2, 4 or 8 columns when vec (c0 is then a multiple of kCols: the lane's columns).
 template <typename C, int kCols>
 struct RawCols {
-  float x[kCols];
+  static constexpr int kWords = (kCols + 1) / 2;
+  uint32_t w[kWords];  // element c in half c % 2 of word c / 2; 0 (the value 0) past the row
   FMHA_DEVICE void load(const C* row, int c0, int n, bool vec) {
-    load_cols<C, kCols>(row, c0, n, vec, x);
+    constexpr bool kVector = kCols == 2 || kCols == 4 || kCols == 8;
+    if (kVector && vec && c0 + kCols <= n) {
+      if constexpr (kCols == 2) w[0] = *reinterpret_cast<const uint32_t*>(row + c0);
+      if constexpr (kCols == 4) {
+        const Pack4 v = *reinterpret_cast<const Pack4*>(row + c0);
+        w[0] = v.w[0];
+        w[1] = v.w[1];
+      }
+      if constexpr (kCols == 8) {
+        const Pack8 v = *reinterpret_cast<const Pack8*>(row + c0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = v.w[i];
+      }
+    } else {
+      zero();
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (c0 + c < n) w[c / 2] |= uint32_t(bits_of(row[c0 + c])) << (16 * (c % 2));
+    }
   }
   FMHA_DEVICE void zero() {
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) x[c] = 0.0f;
+    for (int i = 0; i < kWords; ++i) w[i] = 0;
   }
   FMHA_DEVICE void widen(float (&y)[kCols]) const {
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) y[c] = x[c];
+    for (int c = 0; c < kCols; ++c)
+      y[c] = to_float(from_bits<C>(uint16_t(w[c / 2] >> (16 * (c % 2)))));
   }
 };
 template <KvCode kFormat, int kCols>
@@ -361,6 +377,9 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
   using namespace decode_detail;
   constexpr int kCols = kHeadDim / 32;       // O columns per lane
   constexpr int kUnroll = kCols >= 8 ? 4 : 8;  // V rows loaded ahead in P V
+  // The steady P V loop below, but for e4m3 caches: their widening leaves it too few
+  // registers at 3 CTAs per SM (ptxas spills on sm_90), and they take the general loop.
+  constexpr bool kSteadyLoop = !std::is_same_v<C, Code8<KvCode::kE4M3>>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int row_block = blockIdx.x % launch.row_blocks, split = blockIdx.x / launch.row_blocks;
   const int hkv = blockIdx.y, b = blockIdx.z;
@@ -423,6 +442,8 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
   }
   float* my_p = p_s + warp * kRows * kDecodeChunk;
+  // V rows the P V loop can read whole, with vector loads (the steady state's condition).
+  const bool whole_rows = launch.vec && p.head_dim_v == kHeadDim;
 
   for (int c0 = j_begin + warp * kDecodeChunk; c0 < j_end; c0 += kDecodeWarps * kDecodeChunk) {
     // S for key j = c0 + lane: this lane's key row against every q row.
@@ -511,29 +532,72 @@ __global__ void __launch_bounds__(kDecodeThreads, decode_min_ctas<C>())
     // O += P V over the chunk's keys; lane owns columns [lane * kCols, (lane + 1) * kCols).
     // kUnroll V rows are loaded before any is used, so that many loads are in flight.
     const int n = min(kDecodeChunk, j_end - c0);
-    for (int t0 = 0; t0 < n; t0 += kUnroll) {
-      RawCols<C, kCols> raw[kUnroll];
+    if (kSteadyLoop && all_clean && n == kDecodeChunk && whole_rows) {
+      // The steady state: a whole chunk whose pairs all count, from aligned rows of kHeadDim
+      // columns. No per-key bounds, weight or width tests, and P read four keys at a time.
+      // Each O element takes the keys in order, as below, so both loops give the same bits.
+      auto whole_chunk = [&](auto v_row_of) {  // v_row_of(t): the chunk's key t's V row
+        const int c_lane = lane * kCols;
+        for (int t0 = 0; t0 < kDecodeChunk; t0 += kUnroll) {
+          RawCols<C, kCols> raw[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = t0 + u;
-        const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
-        if (t < n)
-          raw[u].load(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride, lane * kCols,
-                      p.head_dim_v, launch.vec);
-        else
-          raw[u].zero();
+          for (int u = 0; u < kUnroll; ++u)  // bounds that hold: the tests fold away
+            raw[u].load(v_row_of(t0 + u), c_lane, c_lane + kCols, true);
+#pragma unroll
+          for (int u0 = 0; u0 < kUnroll; u0 += 4) {
+            float pr[kRows][4];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+              const Float4 f = *reinterpret_cast<const Float4*>(my_p + r * kDecodeChunk + t0 + u0);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) pr[r][e] = f.x[e];
+            }
+#pragma unroll
+            for (int u = u0; u < u0 + 4; ++u) {
+              float x[kCols];
+              raw[u].widen(x);
+#pragma unroll
+              for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) acc[r][c] = fmaf(pr[r][u - u0], x[c], acc[r][c]);
+            }
+          }
+        }
+      };
+      if (p.block_table) {
+        whole_chunk([&](int t) {
+          return V + shfl_idx(v_block, t) * p.v_batch_stride +
+                 int64_t(shfl_idx(v_row, t)) * p.v_row_stride;
+        });
+      } else {
+        const C* v_chunk = V + b * p.v_batch_stride + int64_t(c0) * p.v_row_stride;
+        whole_chunk([&](int t) { return v_chunk + int64_t(t) * p.v_row_stride; });
       }
+    } else {
+      for (int t0 = 0; t0 < n; t0 += kUnroll) {
+        RawCols<C, kCols> raw[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (t0 + u >= n) break;
-        float x[kCols];
-        raw[u].widen(x);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int t = t0 + u;
+          const int blk = shfl_idx(v_block, t), row = shfl_idx(v_row, t);
+          if (t < n)
+            raw[u].load(V + blk * p.v_batch_stride + int64_t(row) * p.v_row_stride,
+                        lane * kCols, p.head_dim_v, launch.vec);
+          else
+            raw[u].zero();
+        }
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float pr = my_p[r * kDecodeChunk + t0 + u];
+        for (int u = 0; u < kUnroll; ++u) {
+          if (t0 + u >= n) break;
+          float x[kCols];
+          raw[u].widen(x);
 #pragma unroll
-          for (int c = 0; c < kCols; ++c)
-            acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[c], acc[r][c]) : acc[r][c];
+          for (int r = 0; r < kRows; ++r) {
+            const float pr = my_p[r * kDecodeChunk + t0 + u];
+#pragma unroll
+            for (int c = 0; c < kCols; ++c)
+              acc[r][c] = all_clean || pr != 0.0f ? fmaf(pr, x[c], acc[r][c]) : acc[r][c];
+          }
         }
       }
     }
