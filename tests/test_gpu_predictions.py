@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_predictions as gp  # noqa: E402
 
-from fmha import bench_cuda  # noqa: E402
+from fmha import bench_cuda, bench_decode  # noqa: E402
 
 
 def _row(case, pass_, ratio, dtype="float16", impl="fmha"):
@@ -20,16 +20,33 @@ def _row(case, pass_, ratio, dtype="float16", impl="fmha"):
                 ratio_vs_sdpa=ratio)
 
 
+def _decode_row(case, entry, value, metric="fraction_of_bandwidth", seqlen_q=1,
+                dtype="float16"):
+    return dict(case=case, dtype=dtype, entry=entry, seqlen_q=seqlen_q, ms=1.0,
+                **{metric: value})
+
+
 def test_committed_predictions_name_real_rows():
     predictions = json.loads(gp.DEFAULT_PREDICTIONS.read_text())["predictions"]
     assert predictions
     cases = [c[0] for c in bench_cuda.GRID]
+    decode_cases = [c[0] for c in bench_decode.DECODE_CASES]
+    decode_entries = {*bench_decode.ENTRIES, *bench_decode.KV8_ENTRIES.values()}
+    assert any(pr.get("bench") == "decode" for pr in predictions)
     for pr in predictions:
-        assert pr["pass"] in ("fwd", "fwd+bwd"), pr
         assert 0 < pr["low"] < pr["high"], pr
+        assert pr["why"], pr
+        if pr.get("bench", "attention") == "decode":
+            assert pr["entry"] in decode_entries, pr
+            assert pr["seqlen_q"] in bench_decode.SEQLEN_Q, pr
+            assert pr["metric"] in ("fraction_of_bandwidth", "speedup_vs_16bit_cache"), pr
+            assert (pr["metric"] == "speedup_vs_16bit_cache") == (
+                pr["entry"] in bench_decode.KV8_ENTRIES.values()), pr
+            assert any(re.search(pr["cases"], c) for c in decode_cases), f"{pr['id']}: no case"
+            continue
+        assert pr["pass"] in ("fwd", "fwd+bwd"), pr
         assert pr.get("metric", "ratio_vs_sdpa") == "ratio_vs_sdpa", pr
         assert any(re.search(pr["cases"], c) for c in cases), f"{pr['id']}: no bench case"
-        assert pr["why"], pr
 
 
 def test_verdicts():
@@ -48,6 +65,22 @@ def test_verdicts():
     assert gp.verdicts(preds, failed)[0]["verdict"] == "not measured"
 
 
+def test_decode_verdicts():
+    preds = [dict(id="d", bench="decode", entry="kvcache", seqlen_q=1, cases="hkv8",
+                  metric="fraction_of_bandwidth", low=0.6, high=0.9, why="x")]
+    rows = [_decode_row("b8-hq32-hkv8-sk4096", "kvcache", 0.7),
+            _decode_row("b32-hq32-hkv8-sk1024", "kvcache", 0.8),
+            _decode_row("b8-hq32-hkv8-sk4096", "kvcache-paged16", 0.1),   # another entry
+            _decode_row("b8-hq32-hkv8-sk4096", "kvcache", 0.1, seqlen_q=4),  # another seqlen_q
+            _decode_row("b1-hq8-hkv1-sk65536", "kvcache", 0.1)]          # another case
+    (r,) = gp.verdicts(preds, [], rows)
+    assert (r["n"], r["measured_min"], r["measured_max"], r["verdict"]) == (2, 0.7, 0.8, "inside")
+    # attention rows never stand for decode ones, nor decode rows for attention predictions
+    assert gp.verdicts(preds, rows)[0]["verdict"] == "not measured"
+    attn = [dict(id="a", **{"pass": "fwd"}, cases=".*", low=0.7, high=0.9, why="x")]
+    assert gp.verdicts(attn, [], rows)[0]["verdict"] == "not measured"
+
+
 def test_main_writes_the_table(tmp_path, capsys):
     # One measured row inside the committed "fwd d128" range, whatever that range is now.
     (pr,) = [x for x in json.loads(gp.DEFAULT_PREDICTIONS.read_text())["predictions"]
@@ -62,8 +95,21 @@ def test_main_writes_the_table(tmp_path, capsys):
             f"{mid:.2f}–{mid:.2f} (1) | inside |") in printed
     assert printed.strip() in out.read_text()
     assert gp.main([str(tmp_path / "missing.json")]) == 2
+    # with the decode rows: a committed decode prediction is measured too
+    (dp,) = [x for x in json.loads(gp.DEFAULT_PREDICTIONS.read_text())["predictions"]
+             if x["id"] == "decode group 4"]
+    dmid = round((dp["low"] + dp["high"]) / 2, 2)
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps(dict(meta={}, rows=[
+        _decode_row("b8-hq32-hkv8-sk4096", dp["entry"], dmid)])))
+    assert gp.main([str(bench), "--decode", str(decode), "--out", str(out)]) == 0
+    assert (f"| decode group 4 | fraction_of_bandwidth | {dp['low']:.2f}–{dp['high']:.2f} | "
+            f"{dmid:.2f}–{dmid:.2f} (1) | inside |") in capsys.readouterr().out
 
 
 def test_gpu_check_runs_it():
     script = (ROOT / "tools" / "gpu_check.sh").read_text()
     assert 'tools/gpu_predictions.py' in script and '"$OUT/bench.json"' in script
+    # after the decode phase, with its rows
+    assert script.index('run_phase decode') < script.index('run_phase predictions')
+    assert '--decode "$OUT/decode.json"' in script

@@ -10,12 +10,12 @@
 #
 # Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 470 s, so the
 # whole script stays under 8 minutes): environment, build, tests, benchmark (fmha vs torch
-# SDPA's flash backend), predictions (the bench against benchmarks/gpu/predictions.json, the
-# speeds predicted before any GPU ran the kernels: tools/gpu_predictions.py), decode (KV caches
-# vs the measured HBM read bandwidth), fmha-bench --cuda. A failing phase is recorded and the
-# next one runs; the exit status is non-zero when any phase failed. Without a GPU the script still
-# builds (for FMHA_CUDA_ARCHS, default 80) and stops with a message at the first phase that
-# needs the GPU.
+# SDPA's flash backend), decode (KV caches vs the measured HBM read bandwidth), predictions (the
+# benchmark's and decode's rows against benchmarks/gpu/predictions.json, the speeds predicted
+# before any GPU ran the kernels: tools/gpu_predictions.py), fmha-bench --cuda. A failing
+# phase is recorded and the next one runs; the exit status is non-zero when any phase failed.
+# Without a GPU the script still builds (for FMHA_CUDA_ARCHS, default 80) and stops with a
+# message at the first phase that needs the GPU.
 #
 # OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), bench.log, bench.json,
 # bench.csv, bench.md, predictions.md (+ .log), decode.log, decode.json, fmha-bench-cuda.txt
@@ -167,14 +167,16 @@ fi
 
 # ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
 run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench_cuda --out "$OUT/bench.json"
+run_phase decode 90 "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode \
+  --kv-dtypes int8,float8_e4m3fn,float8_e5m2 --out "$OUT/decode.json"
 if [[ -f "$OUT/bench.json" ]]; then
+  decode_json=()
+  [[ -f "$OUT/decode.json" ]] && decode_json=(--decode "$OUT/decode.json")
   run_phase predictions 20 "$OUT/predictions.log" "$PY" tools/gpu_predictions.py \
-    "$OUT/bench.json" --out "$OUT/predictions.md"
+    "$OUT/bench.json" ${decode_json[@]+"${decode_json[@]}"} --out "$OUT/predictions.md"
 else
   skip_phase predictions "no bench.json"
 fi
-run_phase decode 90 "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode \
-  --kv-dtypes int8,float8_e4m3fn,float8_e5m2 --out "$OUT/decode.json"
 scripts="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
 if [[ -x "$scripts/fmha-bench" ]]; then
   run_phase fmha-bench 60 "$OUT/fmha-bench-cuda.txt" "$scripts/fmha-bench" --cuda --reps 10

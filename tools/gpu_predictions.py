@@ -3,12 +3,17 @@
 them (benchmarks/gpu/predictions.json, reasoned in csrc/cuda/NOTES.md, "Predictions for a GPU
 run"), beside what `python -m fmha.bench_cuda` measured (its --out JSON).
 
-    python tools/gpu_predictions.py OUT/bench.json [--predictions FILE] [--out OUT/predictions.md]
+    python tools/gpu_predictions.py OUT/bench.json [--decode OUT/decode.json]
+                                    [--predictions FILE] [--out OUT/predictions.md]
 
-Each prediction names the rows it covers (pass, dtypes, a regex on the case name) and a range
-for one field of fmha's rows (ratio_vs_sdpa: SDPA flash's time over fmha's). The table gives
-the measured minimum and maximum over those rows and a verdict: inside the range, below it,
-above it, or not measured (no row, or every row failed). tools/gpu_check.sh runs it last.
+Each prediction names the rows it covers and a range for one field of them. Attention rows
+(bench.json): pass, dtypes, a regex on the case name, and a field of fmha's rows
+(ratio_vs_sdpa: SDPA flash's time over fmha's). Decode rows (`"bench": "decode"`, from
+`python -m fmha.bench_cuda --decode`'s JSON): entry (kvcache, kvcache-paged16,
+kvcache-int8, ...), seqlen_q, dtypes, a regex on the case name, and a field
+(fraction_of_bandwidth, speedup_vs_16bit_cache). The table gives the measured minimum and
+maximum over those rows and a verdict: inside the range, below it, above it, or not measured
+(no row, or every row failed). tools/gpu_check.sh runs it last.
 Exit status 0 whatever the verdicts (a missed prediction is a finding, not a failure); 2 when
 a file cannot be read.
 """
@@ -25,16 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PREDICTIONS = ROOT / "benchmarks" / "gpu" / "predictions.json"
 
 
-def verdicts(predictions: list[dict], rows: list[dict]) -> list[dict]:
+def _covers(pr: dict, r: dict) -> bool:
+    """Whether row r (an attention row, or a decode row for `"bench": "decode"`) is one of
+    prediction pr's."""
+    if r.get("dtype") not in pr.get("dtypes", ["float16", "bfloat16"]):
+        return False
+    if not re.search(pr.get("cases", ".*"), r.get("case", "")):
+        return False
+    if pr.get("bench", "attention") == "decode":
+        return r.get("entry") == pr["entry"] and r.get("seqlen_q") == pr.get("seqlen_q", 1)
+    return r.get("impl") == "fmha" and r.get("pass_") == pr["pass"]
+
+
+def verdicts(predictions: list[dict], rows: list[dict], decode_rows: list[dict] = ()
+             ) -> list[dict]:
     """One result per prediction: its rows' measured range and where it falls."""
     out = []
     for pr in predictions:
         field = pr.get("metric", "ratio_vs_sdpa")
-        case_re = re.compile(pr.get("cases", ".*"))
-        values = [r[field] for r in rows
-                  if r.get("impl") == "fmha" and r.get("pass_") == pr["pass"]
-                  and r.get("dtype") in pr.get("dtypes", ["float16", "bfloat16"])
-                  and case_re.search(r.get("case", "")) and r.get(field) is not None]
+        source = decode_rows if pr.get("bench", "attention") == "decode" else rows
+        values = [r[field] for r in source if _covers(pr, r) and r.get(field) is not None]
         lo, hi = pr["low"], pr["high"]
         if not values:
             verdict = "not measured"
@@ -67,19 +82,24 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", type=Path, help="python -m fmha.bench_cuda's --out JSON")
+    ap.add_argument("--decode", type=Path, default=None,
+                    help="python -m fmha.bench_cuda --decode's --out JSON (decode predictions "
+                         "read as not measured without it)")
     ap.add_argument("--predictions", type=Path, default=DEFAULT_PREDICTIONS)
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     a = ap.parse_args(argv)
     try:
         predictions = json.loads(a.predictions.read_text())["predictions"]
         rows = json.loads(a.bench.read_text())["rows"]
+        decode_rows = json.loads(a.decode.read_text())["rows"] if a.decode else []
     except (OSError, ValueError, KeyError) as e:
         print(f"gpu_predictions: {e}", file=sys.stderr)
         return 2
-    text = table(verdicts(predictions, rows))
+    text = table(verdicts(predictions, rows, decode_rows))
     print(text)
     if a.out:
-        a.out.write_text(f"Predicted (`{a.predictions.name}`) vs measured (`{a.bench}`)\n\n"
+        measured = f"`{a.bench}`" + (f" and `{a.decode}`" if a.decode else "")
+        a.out.write_text(f"Predicted (`{a.predictions.name}`) vs measured ({measured})\n\n"
                          f"{text}\n")
     return 0
 

@@ -24,6 +24,15 @@ flash-attn's kernels below).
     python tools/sass_report.py --arch 90 csrc/cuda/instantiations/flash_fwd_hdim128_fp16.cu
     python tools/sass_report.py --src-root /tmp/old-checkout ...  # another tree's sources
 
+The decode kernel (csrc/cuda/flash_decode.cuh) runs its products on CUDA cores: `--decode`
+compiles the flash_decode_kernel instantiations of DECODE_KERNELS and counts one warp's pass
+over a 32-key chunk (decode_pass: the path that issues both products, q K^T and P V, in the
+fewest instructions), with its FFMA, loads and bytes read, and what that means for reading the
+cache: bytes of K and V per instruction, and the read rate an H200's issue slots would allow
+(against its 4.8 TB/s). Run it with --src-root on an older tree to compare.
+
+    python tools/sass_report.py --decode --arch 80 --arch 90
+
 flash-attn 2's kernels, for comparison (its sources are pointed to, never copied here): give a
 flash-attn source tree -- a git checkout with its csrc/cutlass submodule, or the PyPI sdist
 (`pip download --no-deps --no-binary :all: flash-attn==2.8.3`), unpacked or as the .tar.gz --
@@ -549,13 +558,15 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
 
 # flash_decode_kernel<T, C, kHeadDim, kRows> (cuda/flash_decode.cuh) instantiations that --decode
 # compiles and counts: (T, C, head dim, rows per CTA). 16-bit caches at the common head dims,
-# both row counts the launcher picks at d = 128, and two 8-bit formats.
+# and both row counts the launcher picks at d = 128 for them and for two 8-bit formats.
 DECODE_KERNELS = [
     ("half_t", "half_t", 64, 8),
     ("half_t", "half_t", 128, 4),
     ("half_t", "half_t", 128, 8),
-    ("half_t", "Code8<KvCode::kE4M3>", 128, 8),
+    ("half_t", "Code8<KvCode::kInt8>", 128, 4),
     ("half_t", "Code8<KvCode::kInt8>", 128, 8),
+    ("half_t", "Code8<KvCode::kE4M3>", 128, 4),
+    ("half_t", "Code8<KvCode::kE4M3>", 128, 8),
 ]
 DECODE_CHUNK = 32  # keys per warp pass: one per lane (kDecodeChunk)
 # The issue limit the decode report converts instructions into: an H200 (as an H100 SXM, 132
@@ -593,20 +604,24 @@ def _best(by_start: dict, head: int, body: set, ends: set, weight) -> list:
     return [by_start[a] for a in reversed(path)]
 
 
-def decode_pass(blocks: list[Block], d: int, rows: int) -> dict:
+def decode_pass(blocks: list[Block], d: int, rows: int, also: tuple = ()) -> dict:
     """One warp's pass over a chunk of 32 keys of flash_decode_kernel, in its steady state.
 
     The key loop is the natural loop with the most FFMA. Each product of a pass, q K^T and P V,
     is rows x d FFMA per lane; either may run in a loop nested in the key loop (P V always: the
     steady loop, the paged one, the general one for partial chunks and masked pairs; q K^T for
     8-bit caches). One trip of such a loop is its path with the most FFMA, then the most bytes
-    loaded (a row's load, not its zero fill), then the fewest instructions, and the loop runs
-    rows x d / (its FFMA per trip) trips. The pass is then the path from the key loop's head to
-    its back edge, nested loops standing for all their trips, that issues both products (2 x
-    rows x d FFMA) in the fewest instructions: a rare path (a soft cap's division, a bias, a
-    paged table, a partial chunk) adds instructions and is left out, and so are the scalar
-    fallbacks of the vector loads. A lower bound of what a pass issues, as `path` is for the
-    other kernels."""
+    read by unguarded loads (a row's load, not its zero fill; a guarded vector load and its
+    scalar fallback, which no trip runs both of, count nothing), then the most `also` opcodes,
+    then the fewest instructions, and the loop runs rows x d / (its FFMA per trip) trips. The pass is then the
+    path from the key loop's head to its back edge, nested loops standing for all their trips,
+    that issues both products (2 x rows x d FFMA) in the fewest instructions: a rare path (a
+    soft cap's division, a bias, a paged table, a partial chunk) adds instructions and is left
+    out, and so are the scalar fallbacks of the vector loads. A lower bound of what a pass
+    issues, as `path` is for the other kernels; "ldg_bytes" (what the path's loads read, per
+    warp) shows when it is too low: a loop whose row loads are all guarded and may be skipped
+    (a zero fill past the chunk's end) is counted without them, and then reads less than the
+    chunk's K and V -- name their opcode in `also` to count them."""
     by_start = {b.start: b for b in blocks}
     loops = natural_loops(blocks)
     ffma = lambda bs: sum(by_start[y].count("FFMA") for y in bs)  # noqa: E731
@@ -620,7 +635,8 @@ def decode_pass(blocks: list[Block], d: int, rows: int) -> dict:
     trips = {}
     for h, (lat, bd) in nested.items():
         trip = _best(by_start, h, bd, lat, lambda x: (
-            x.count("FFMA"), sum(ldg_bytes(i) for i in x.instrs), -len(x.instrs)))
+            x.count("FFMA"), sum(ldg_bytes(i) for i in x.instrs if not i.pred),
+            *(sum(i.op == op for i in x.instrs) for op in also), -len(x.instrs)))
         f = sum(b.count("FFMA") for b in trip)
         if f == 0 or need % f:
             raise RuntimeError(f"decode: the loop at {h:#x} has {f} FFMA a trip, which does not "
@@ -673,7 +689,8 @@ def decode_pass(blocks: list[Block], d: int, rows: int) -> dict:
     return out
 
 
-def decode_report(arch: str, src_root: Path, nvcc: str, cuobjdump: str) -> list[dict]:
+def decode_report(arch: str, src_root: Path, nvcc: str, cuobjdump: str, also: tuple = ()
+                  ) -> list[dict]:
     lines = ['#include "cuda/flash_decode.cuh"', "namespace fmha {", "namespace gpu {"]
     for t, c, d, r in DECODE_KERNELS:
         lines.append(f"template __global__ void flash_decode_kernel<{t}, {c}, {d}, {r}>("
@@ -698,7 +715,7 @@ def decode_report(arch: str, src_root: Path, nvcc: str, cuobjdump: str) -> list[
             row = dict(kernel=f"decode d{d} rows {r} {fmt} cache", arch=f"sm_{arch}",
                        regs=regs.get(name, -1), d=d, rows=r,
                        cache_bytes=DECODE_CHUNK * 2 * d * elem)
-            row.update(decode_pass(blocks_of(instrs), d, r))
+            row.update(decode_pass(blocks_of(instrs), d, r, also))
             rows.append(row)
     return sorted(rows, key=lambda x: (x["kernel"], x["arch"]))
 
@@ -974,7 +991,8 @@ def main() -> int:
     ap.add_argument("--also", action="append", default=[], metavar="OPCODE",
                     help="prefer paths through this exact opcode too (repeatable), after HMMA "
                          "and LDGSTS: e.g. LDS.128 takes the strong zero's vote scan, which "
-                         "calls with a mask, bias, dropout or window run")
+                         "calls with a mask, bias, dropout or window run; with --decode, in the "
+                         "nested loops' trips: e.g. LDG.E.U16 takes guarded row loads")
     ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
                     help="count an inner loop with HMMA on the path N times per pass (default 1): "
                          "the main backward's dQ work units where a warp runs several "
@@ -1010,7 +1028,7 @@ def main() -> int:
     if a.decode:
         rows = []
         for arch in a.arch or ["80"]:
-            rows += decode_report(arch, a.src_root.resolve(), nvcc, cuobjdump)
+            rows += decode_report(arch, a.src_root.resolve(), nvcc, cuobjdump, tuple(a.also))
         print_decode_table(rows)
         return 0
     if a.flash_attn:
