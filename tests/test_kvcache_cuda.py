@@ -100,26 +100,75 @@ def test_head_dims_and_wide_groups(rng):
 # Whole 32-key chunks whose pairs all count run the decode kernel's steady P V loop
 # (flash_decode.cuh): sequences of several chunks and key splits, GQA groups that fill 4- and
 # 8-row CTAs or part of one, lanes that load V by 2, 3, 4 and 8 columns, contiguous and paged.
-# A head_dim_v short of its tile, and a window, take the general loop on the same calls.
-WHOLE_CHUNKS = {  # name: (heads_q, heads_kv, head_dim, head_dim_v, layout, keywords)
-    "d64-group8": (8, 1, 64, 64, CONTIGUOUS, {}),
-    "d128-group4-paged16": (8, 2, 128, 128, 16, {}),
-    "d96-group2": (2, 1, 96, 96, CONTIGUOUS, {}),
-    "d256-group4-paged7": (4, 1, 256, 256, 7, {}),
-    "d128-dv100-paged16": (4, 2, 128, 100, 16, {}),
-    "d64-group8-window": (8, 1, 64, 64, CONTIGUOUS, dict(window=(70, 0))),
+# A window only moves where a row's keys start (one query: every chunk still whole). A
+# head_dim_v short of its tile takes the general loop for every chunk, and three causal queries
+# for the last chunk, whose pairs the mask splits.
+WHOLE_CHUNKS = {  # name: (heads_q, heads_kv, seqlen_q, head_dim, head_dim_v, layout, keywords)
+    "d64-group8": (8, 1, 1, 64, 64, CONTIGUOUS, {}),
+    "d128-group4-paged16": (8, 2, 1, 128, 128, 16, {}),
+    "d96-group2": (2, 1, 1, 96, 96, CONTIGUOUS, {}),
+    "d256-group4-paged7": (4, 1, 1, 256, 256, 7, {}),
+    "d128-dv100-paged16": (4, 2, 1, 128, 100, 16, {}),
+    "d64-group8-window": (8, 1, 1, 64, 64, CONTIGUOUS, dict(window=(70, 0))),
+    "d64-group2-causal-3-queries": (2, 1, 3, 64, 64, CONTIGUOUS, dict(causal=True)),
 }
 
 
 @pytest.mark.parametrize("name", list(WHOLE_CHUNKS))
 def test_whole_chunks_match_the_reference(rng, name):
-    hq, hkv, d, dv, layout, kw = WHOLE_CHUNKS[name]
+    hq, hkv, sq, d, dv, layout, kw = WHOLE_CHUNKS[name]
     lib, dtype = lib_dtype(list(WHOLE_CHUNKS).index(name))
-    check_case(rng, (hq, hkv, 1, 1, d, dv, kw), layout, lib, dtype, capacity=300,
+    check_case(rng, (hq, hkv, sq, 1, d, dv, kw), layout, lib, dtype, capacity=300,
                lens=[0, 75, 299])
 
 
 # ============================================================================ 2. bitwise
+
+def _misaligned(x):
+    """x's values in an array whose data starts one element past a 16-byte boundary: a call
+    with it takes the element-wise loads and the general P V loop (launch.vec is false)."""
+    n = int(np.prod(x.shape))
+    if isinstance(x, np.ndarray):
+        flat = np.empty(n + 16, x.dtype)
+        off = (-flat.ctypes.data) % 16 // x.itemsize + 1
+        out = flat[off:off + n].reshape(x.shape)
+        out[...] = x
+    else:
+        import torch
+        flat = torch.empty(n + 16, dtype=x.dtype)
+        off = (-flat.data_ptr()) % 16 // x.element_size() + 1
+        out = flat[off:off + n].view(x.shape)
+        out.copy_(x)
+    return out
+
+
+@pytest.mark.parametrize("name", ["d64-group8", "d128-group4-paged16", "d96-group2",
+                                  "d256-group4-paged7"])
+def test_steady_loop_equals_the_general_loop_bitwise(rng, name):
+    """The steady P V loop takes each O element's keys in the order the general loop does:
+    the same caches read through aligned rows (steady loop) and through a V cache one element
+    off 16 bytes (element-wise loads, general loop) give equal out and lse, bit for bit. Twice:
+    random values, and values whose sum shows the order -- q = 0 (every P exactly 1) and V
+    rows cycling B, s, -B, s with B = 2^15, s = 2^-10, where float32 drops s added to +-B."""
+    hq, hkv, sq, d, dv, layout, kw = WHOLE_CHUNKS[name]
+    lib, dtype = lib_dtype(list(WHOLE_CHUNKS).index(name))
+    c = Call(rng, (hq, hkv, sq, 0, d, dv, kw), layout, lib, dtype, capacity=300,
+             lens=[0, 75, 300])
+    v64, table = c.caches.v64.copy(), c.caches.table
+    cycle = (2.0 ** 15, 2.0 ** -10, -2.0 ** 15, 2.0 ** -10)
+    for b, n in enumerate(c.lens):
+        for j in range(n):
+            at = (b, j) if table is None else (table[b, j // layout], j % layout)
+            v64[at] = cycle[j % 4]
+    lens = int32(c.lens, lib)
+    for q, v_cache in ((c.q, c.v_cache),
+                       (convert(np.zeros(c.q.shape), dtype, lib), convert(v64, dtype, lib))):
+        got = call(q, c.k_cache, v_cache, None, None, lens, c.table, **c.kw)
+        want = call(q, c.k_cache, _misaligned(v_cache), None, None, lens, c.table, **c.kw)
+        for g, w in zip(got, want):
+            assert raw(g) == raw(w)
+    check_refused(0)
+
 
 def _pool(rows, lens, block_size, max_blocks, rng):
     """rows (batch, n, heads, d) as a pool of scattered blocks of block_size rows (2 spare)

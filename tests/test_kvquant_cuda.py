@@ -79,17 +79,19 @@ def test_append_and_attention_match_the_reference(i):
         lens = lens + new
 
 
-@pytest.mark.parametrize("fmt", kvquant.FORMATS)
-def test_whole_chunks_match_the_reference(fmt):
-    """Sequences of several whole 32-key chunks, which run the decode kernel's steady P V loop:
-    head_dim 128 (its tile), GQA 8:1 (an 8-row CTA), 75 and 300 keys (two splits), dynamic
-    scales, contiguous and paged, float16 queries."""
-    rng = np.random.default_rng(23)
+@pytest.mark.parametrize("fmt,d,group", [(f, 128, 8) for f in kvquant.FORMATS] +
+                         [("int8", 64, 4), ("float8_e5m2", 256, 8)])
+def test_whole_chunks_match_the_reference(fmt, d, group):
+    """Sequences of several whole 32-key chunks, which run the decode kernel's steady P V loop
+    (not e4m3's: it keeps the general one): head dims in their tiles (64, 128, 256: 2, 4, 8
+    codes a lane), GQA groups of 4 and 8 (4- and 8-row CTAs; d = 256 takes 4 rows a CTA), 75
+    and 300 keys (two splits), dynamic scales, contiguous and paged, float16 queries."""
+    rng = np.random.default_rng(23 + d + group)
     for paged in (False, True):
         kc, vc, ks, vs, table = make_cache(rng, fmt, "dynamic", paged=paged, cap=304, hkv=1,
-                                           d=128, block=16)
+                                           d=d, block=16)
         lens = torch.tensor([75, 300], dtype=torch.int32)
-        q = torch.from_numpy(rng.standard_normal((2, 1, 8, 128)) * 0.3).half()
+        q = torch.from_numpy(rng.standard_normal((2, 1, group, d)) * 0.3).half()
         out, lse = attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                           k_scale=ks, v_scale=vs, return_lse=True)
         check_refused(0)

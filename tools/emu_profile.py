@@ -41,12 +41,15 @@ def aligned(rng, shape, dtype=np.float16, align=256):
 #: the backward's steps), two or more key blocks, so the steady-state loop runs; bias adds the
 #: "extras" kernels.
 CASES = [
+    ("d32", 1, 128, 128, 2, 32, {}),
     ("d64", 1, 128, 128, 2, 64, {}),
-    ("d128", 1, 128, 128, 2, 128, {}),
     ("d96", 1, 128, 128, 2, 96, {}),
+    ("d128", 1, 128, 128, 2, 128, {}),
+    ("d256", 1, 128, 128, 2, 256, {}),
     ("d64 causal+bias", 1, 128, 128, 2, 64, {"causal": True, "bias": True}),
     # the backward's two other kernels: dQ without atomics, and dbias
     ("d128 deterministic", 1, 128, 128, 2, 128, {"deterministic": True}),
+    ("d32 deterministic", 1, 128, 128, 2, 32, {"deterministic": True}),
     ("d64 bias grad", 1, 128, 128, 2, 64, {"bias": True, "bias_grad": True}),
 ]
 #: Keywords only the backward takes.

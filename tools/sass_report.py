@@ -615,7 +615,8 @@ def decode_pass(blocks: list[Block], d: int, rows: int, also: tuple = ()) -> dic
     scalar fallback, which no trip runs both of, count nothing), then the most `also` opcodes,
     then the fewest instructions, and the loop runs rows x d / (its FFMA per trip) trips. The pass is then the
     path from the key loop's head to its back edge, nested loops standing for all their trips,
-    that issues both products (2 x rows x d FFMA) in the fewest instructions: a rare path (a
+    that issues both products (at least 2 x rows x d FFMA: the count is capped there, so the
+    FFMA of a rare region count too) in the fewest instructions: a rare path (a
     soft cap's division, a bias, a paged table, a partial chunk) adds instructions and is left
     out, and so are the scalar fallbacks of the vector loads. A lower bound of what a pass
     issues, as `path` is for the other kernels; "ldg_bytes" (what the path's loads read, per

@@ -139,7 +139,9 @@ struct FlashBwdDqConfig {
   static constexpr int kBlockM = 64, kBlockN = kHeadDim_ >= 96 ? 32 : 64;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kPad = 8, kStride = kHeadDim + kPad;
-  using Layout = tile::Padded<kStride>;
+  // Rows copied in order (tile::FullBlock::kPairRows off): at d = 32 the paired order spills
+  // this kernel 4 bytes (ptxas 13.0, sm_80), so its cp.async stores take 2 wavefronts a phase.
+  using Layout = tile::Padded<kStride, /*kPairRows=*/false>;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
   // Qi, dOi once; Kj, Vj (single stage: this path trades speed for reproducibility).
   static constexpr size_t kSmemBytes = size_t(2 * kTileQ + 2 * kTileKV) * 2;

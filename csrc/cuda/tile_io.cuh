@@ -49,10 +49,11 @@ FMHA_DEVICE void store_acc(T* g, int64_t ld, const float (&acc)[kNTiles][4], int
 // layout one XOR of the base by a constant. Preconditions: the tile's offset, R and C are
 // multiples of 64 elements, 8 and 8 (C % 8 is dropped), and c and C share no chunk bit
 // (c & C & 56 == 0, e.g. c < 8 or C a multiple of 64).
-template <int kStride_>
+template <int kStride_, bool kPairRows_ = true>
 struct Padded {
   static constexpr int kStride = kStride_;
   static constexpr bool kPadded = true;
+  static constexpr bool kPairRows = kPairRows_;  // FullBlock's copy order at tile 32 (below)
   FMHA_DEVICE static constexpr int offset(int r, int c) { return r * kStride + c; }
   FMHA_DEVICE static constexpr int at(int base, int R, int C) { return base + R * kStride + C; }
 };
@@ -60,6 +61,7 @@ template <int kCols>
 struct Swizzled {
   static constexpr int kStride = kCols;
   static constexpr bool kPadded = false;
+  static constexpr bool kPairRows = false;
   static_assert(kCols % 64 == 0, "rows of whole 8-chunk groups");
   // Bits 3-5 of c are its chunk within an 8-chunk group of 128 bytes.
   FMHA_DEVICE static constexpr int offset(int r, int c) { return r * kCols + (c ^ ((r & 7) << 3)); }
@@ -70,8 +72,8 @@ struct Swizzled {
 
 // The steady-state copy of `load` below: rows [row0, row0 + kRows) all inside the matrix,
 // cols == kCols and 16-byte aligned rows (`load` checks), so every chunk is whole. A thread
-// copies chunk column tid % kChunksPerRow of rows tid / kChunksPerRow + i * kRowsPerPass: one
-// pointer add and one cp.async per chunk, no bounds test, and the shared offsets constant.
+// copies chunk column tid % kChunksPerRow of rows row_of(tid) + i * kRowsPerPass: one pointer
+// add and one cp.async per chunk, no bounds test, and the shared offsets constant.
 // kUsable is false where the threads do not tile the block that way (96-wide rows): those
 // configs keep `load` for every block.
 template <typename T, int kRows, int kCols, typename Layout, int kThreads>
@@ -81,17 +83,29 @@ struct FullBlock {
   static constexpr bool kUsable = kThreads % kChunksPerRow == 0 && kRowsPerPass > 0 &&
                                   kRows % kRowsPerPass == 0 &&
                                   (Layout::kPadded || kRowsPerPass % 8 == 0);
+  // Rows of 4 chunks padded to 80 bytes (the 32 tile): an 8-lane phase of cp.async stores two
+  // rows, which rows r and r + 1 would put on 16 shared bytes of the same banks (2 wavefronts).
+  // Rows r and r + 4 of each 8 lie 320 bytes apart, in the two halves of the 32 banks: the
+  // phases take rows (0, 4), (1, 5), (2, 6), (3, 7) of each 8, and still read 64 whole bytes of
+  // each row from global memory. A layout may keep the rows in order (Padded<.., false>).
+  static constexpr bool kPairRows = kChunksPerRow == 4 && Layout::kPairRows &&
+                                    Layout::kStride == 40 && kRowsPerPass % 8 == 0;
 
+  // The row of the block that thread tid's first chunk is in.
+  FMHA_DEVICE static constexpr int row_of(int tid) {
+    const int q = tid / kChunksPerRow;
+    return kPairRows ? (q & ~7) | ((q & 1) << 2) | ((q >> 1) & 3) : q;
+  }
   FMHA_DEVICE static void load(T* smem, const T* g, int64_t ld, int row0, int tid) {
     load_at(smem, g + int64_t(row0) * ld + thread_offset(ld, tid), ld, tid);
   }
   // The offset of this thread's first chunk from the block's first element.
   FMHA_DEVICE static int64_t thread_offset(int64_t ld, int tid) {
-    return int64_t(tid / kChunksPerRow) * ld + (tid % kChunksPerRow) * 8;
+    return int64_t(row_of(tid)) * ld + (tid % kChunksPerRow) * 8;
   }
   // The offset of this thread's first chunk in the tile.
   FMHA_DEVICE static int smem_offset(int tid) {
-    return Layout::offset(tid / kChunksPerRow, (tid % kChunksPerRow) * 8);
+    return Layout::offset(row_of(tid), (tid % kChunksPerRow) * 8);
   }
   // src: this thread's first chunk of the block (g + row0 * ld + thread_offset).
   FMHA_DEVICE static void load_at(T* smem, const T* src, int64_t ld, int tid) {
