@@ -511,12 +511,16 @@ def smem_bytes(instr: Instr) -> int:
 def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> dict:
     """One pass's instructions ("path") and COUNTED opcodes, an inner loop with HMMA on the path
     counted inner_trips times; "smem_bytes": what the pass's warp moves through shared memory
-    (ldmatrix, LDS, STS, cp.async stores)."""
+    (ldmatrix, LDS, STS, cp.async stores); "int": its integer and address instructions
+    (INT_OPS, register moves aside); "ex2": its MUFU.EX2, the exponentials."""
     extra = inner_trip(blocks, loop) * (inner_trips - 1)
     counts = {"path": loop.path_count() + sum(len(b.instrs) for b in extra)}
     for c in COUNTED:
         counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
-    counts["smem_bytes"] = sum(smem_bytes(i) for b in loop.path + extra for i in b.instrs)
+    instrs = [i for b in loop.path + extra for i in b.instrs]
+    counts["smem_bytes"] = sum(smem_bytes(i) for i in instrs)
+    counts["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV") for i in instrs)
+    counts["ex2"] = sum(i.op.startswith("MUFU.EX2") for i in instrs)
     return counts
 
 
@@ -937,6 +941,8 @@ def fa_report(fa_src: Path, cutlass: Path | None, torch_inc: Path, archs: list[s
                     row["smem_bytes"] = sum(smem_bytes(i) for b in loop.path for i in b.instrs)
                     row["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV")
                                      for b in loop.path for i in b.instrs)
+                    row["ex2"] = sum(i.op.startswith("MUFU.EX2") for b in loop.path
+                                     for i in b.instrs)
                     rows.append(row)
     return rows
 
@@ -957,15 +963,15 @@ def print_fa_details(rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "non-HMMA/HMMA",
-            "smem bytes/HMMA"]
+    head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "of which MUFU.EX2",
+            "int/addr", "non-HMMA/HMMA", "smem bytes/HMMA"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         ratio = (r["path"] - r["HMMA"]) / r["HMMA"] if r["HMMA"] else float("nan")
         per = r["smem_bytes"] / r["HMMA"] if r["HMMA"] else float("nan")
         cells = [r["kernel"], r["arch"], r["regs"], r["body"], r["path"], *(r[c] for c in COUNTED),
-                 f"{ratio:.2f}", f"{per:.0f}"]
+                 r.get("ex2", "-"), r.get("int", "-"), f"{ratio:.2f}", f"{per:.0f}"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
