@@ -174,7 +174,8 @@ def test_emulator_rules(programs):
     res = _assert_all_pass(programs.run("plain", "emu.*"), expect_at_least=17)
     assert {"emu.deadlock", "emu.divergent_syncthreads", "emu.exit_before_syncthreads",
             "emu.collective_inactive_lanes", "emu.cp_async_deferred", "emu.traffic_ldmatrix",
-            "emu.traffic_cp_async", "emu.exit_completes_syncwarp"} <= set(res)
+            "emu.traffic_cp_async", "emu.exit_completes_syncwarp",
+            "emu.vote_reads_own_chunks"} <= set(res)
 
 
 # ----------------------------------------------------------------------------- sanitizers

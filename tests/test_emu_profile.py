@@ -2,8 +2,9 @@
 (fmha._cuda_emu.traffic(); the counters themselves are checked on planted patterns by the
 emu.traffic_* cases of tests/cuda_emu/emulator_checks.cu, run by tests/test_cuda_emu.py).
 
-What the shipped FlashAttention-2 kernels guarantee today, as regressions to catch: no bank
-conflict in any ldmatrix, none in the cp.async stores at head-dim tiles 32, 64, 128 and 256
+What the shipped FlashAttention-2 kernels guarantee today in these cases (whole-block copies
+of 256-byte-aligned inputs), as regressions to catch: no bank conflict in any ldmatrix, none
+in the cp.async stores at head-dim tiles 32, 64, 128 and 256
 (the 32 tile's copies pair rows r and r + 4 in each phase: tile::FullBlock::kPairRows), every
 global byte a cp.async fetches used (256-byte-aligned inputs). The 96 tile's cp.async stores
 take 4 wavefronts where 3 would do (its 12 chunks per row make every second 8-lane phase

@@ -144,6 +144,21 @@ def _nan_v_causal_d64(rng):
     return q, k, v, do, dict(causal=True)
 
 
+def _nan_causal_d32(rng):
+    # The 32 tile's whole-block copies pair rows r and r + 4 of each 8 in a phase (tile_io.cuh,
+    # FullBlock::kPairRows): a non-finite value in each tile the strong zero checks after them
+    # (V and K in the forward, K, Q and dout in the backward), next to rows of the same block
+    # that must stay finite. That each thread's check reads back only the chunks it copied is
+    # the emulator self-test emu.vote_reads_own_chunks (tests/cuda_emu/emulator_checks.cu), run
+    # under the race checker too.
+    q, k, v, do = _inputs(rng, sq=100, sk=100, d=32)
+    v[0, 41, 0, 5] = NAN   # head 0: rows >= 41 NaN, rows 32-40 must not be
+    k[0, 75, 1, 9] = INF   # head 1: rows >= 75 non-finite
+    q[0, 22, 1, 30] = NAN  # row 22 of head 1
+    do[0, 60, 0, 17] = NAN  # the gradients of row 60 of head 0
+    return q, k, v, do, dict(causal=True)
+
+
 def _inf_q_nan_v(rng):
     # A row whose every score is -inf (an Inf in q against keys of one sign) gives all of its
     # keys weight 0, but they take part: a NaN in a visible v still reaches it (0 * NaN). Its
@@ -185,6 +200,7 @@ SCENARIOS = {
     "nan_v_decode_gqa": _nan_v_decode_gqa,
     "nan_v_causal_d128": _nan_v_causal_d128,
     "nan_v_causal_d64": _nan_v_causal_d64,
+    "nan_causal_d32": _nan_causal_d32,
     "inf_q_nan_v": _inf_q_nan_v,
     "inf_q_row_inner": _inf_q_row_inner,
 }

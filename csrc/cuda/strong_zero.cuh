@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "cuda/primitives.cuh"
+#include "cuda/tile_io.cuh"  // FullBlock::row_of: the order tile::load copies chunks in
 
 namespace fmha {
 namespace gpu {
@@ -76,13 +77,15 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
     // address.
     constexpr bool kWholeRows = kThreads % kChunksPerRow == 0 &&
                                 (Layout::kPadded || (kThreads / kChunksPerRow) % 8 == 0);
-    const T* first = smem + Layout::offset(tid / kChunksPerRow, (tid % kChunksPerRow) * 8);
+    // The row of chunk k, in the order tile::load copied it (tile_io.cuh, FullBlock::row_of).
+    using Copy = tile::FullBlock<T, kRows, kCols, Layout, kThreads>;
+    const T* first = smem + Layout::offset(Copy::row_of(tid), (tid % kChunksPerRow) * 8);
 #pragma unroll 4
     for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
       const int chunk = tid + i * kThreads;
       if (kChunks % kThreads != 0 && chunk >= kChunks) break;
       const T* at = kWholeRows ? first + i * (kThreads / kChunksPerRow) * Layout::kStride
-                               : smem + Layout::offset(chunk / kChunksPerRow, (chunk % kChunksPerRow) * 8);
+                               : smem + Layout::offset(Copy::row_of(chunk), (chunk % kChunksPerRow) * 8);
       const Chunk x = *reinterpret_cast<const Chunk*>(at);
       carry |= ((x.w[0] & kExp2) + kOne2) | ((x.w[1] & kExp2) + kOne2) |
                ((x.w[2] & kExp2) + kOne2) | ((x.w[3] & kExp2) + kOne2);

@@ -88,12 +88,15 @@ struct FullBlock {
   // Rows r and r + 4 of each 8 lie 320 bytes apart, in the two halves of the 32 banks: the
   // phases take rows (0, 4), (1, 5), (2, 6), (3, 7) of each 8, and still read 64 whole bytes of
   // each row from global memory. A layout may keep the rows in order (Padded<.., false>).
+  // `load`'s checked copy and strong_zero.cuh's has_nonfinite take the same order (row_of),
+  // so every thread still reads back only the chunks it copied itself.
   static constexpr bool kPairRows = kChunksPerRow == 4 && Layout::kPairRows &&
-                                    Layout::kStride == 40 && kRowsPerPass % 8 == 0;
+                                    Layout::kStride == 40 && kRowsPerPass % 8 == 0 &&
+                                    kRows % 8 == 0;
 
-  // The row of the block that thread tid's first chunk is in.
-  FMHA_DEVICE static constexpr int row_of(int tid) {
-    const int q = tid / kChunksPerRow;
+  // The row of the block that chunk k (k = tid + i kThreads: thread tid's i-th) is in.
+  FMHA_DEVICE static constexpr int row_of(int k) {
+    const int q = k / kChunksPerRow;
     return kPairRows ? (q & ~7) | ((q & 1) << 2) | ((q >> 1) & 3) : q;
   }
   FMHA_DEVICE static void load(T* smem, const T* g, int64_t ld, int row0, int tid) {
@@ -148,7 +151,7 @@ FMHA_DEVICE void load(T* smem, const T* g, int64_t ld, int rows, int cols, int r
     for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
       const int chunk = tid + i * kThreads;
       if (kChunks % kThreads != 0 && chunk >= kChunks) break;
-      const int r = chunk / kChunksPerRow, c = (chunk % kChunksPerRow) * 8;
+      const int r = Full::row_of(chunk), c = (chunk % kChunksPerRow) * 8;
       const int gr = row0 + r;
       const int valid = (gr < rows && c < cols) ? min(cols - c, 8) : 0;
       // A chunk with nothing to read still needs a valid source address: the matrix base.

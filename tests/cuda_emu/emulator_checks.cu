@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "cuda/primitives.cuh"
+#include "cuda/strong_zero.cuh"
+#include "cuda/tile_io.cuh"
 #include "emu_test.h"
 
 using namespace fmha::gpu;
@@ -368,6 +370,44 @@ EMU_TEST("emu.traffic_cp_async",
                   "/4 wavefronts, " + std::to_string(w.sectors) + " sectors, 512 bytes; " +
                   counts(k));
   }
+  return pass();
+}
+
+// ---- the strong zero's vote reads back only what each thread copied ----
+// tile::load's copies of a 32-wide tile pair rows r and r + 4 in each phase (tile_io.cuh,
+// FullBlock::kPairRows). strong_zero::has_nonfinite runs right after each thread's own
+// cp.async wait, before the barrier that ORs the votes: it must read the chunks its thread
+// copied, in the same order, or it reads another thread's before they land (a hazard for the
+// race checker, and a missed NaN on a GPU).
+__global__ void vote_own_chunks_kernel(const half_t* g, int rows, int* out) {
+  using Layout = tile::Padded<40>;
+  FMHA_DYNAMIC_SHARED(half_t, s);
+  const int tid = threadIdx.x;
+  tile::load<half_t, 64, 32, Layout, 128>(s, g, 32, rows, 32, 0, true, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  const int nonfinite =
+      __syncthreads_or(strong_zero::has_nonfinite<half_t, 64, 32, Layout, 128>(s, true, tid));
+  if (tid == 0) *out = nonfinite;
+}
+EMU_TEST("emu.vote_reads_own_chunks",
+         "cuda/strong_zero.cuh has_nonfinite: each thread checks the chunks it copied itself, "
+         "in tile::load's order (rows paired in the 32 tile), so the vote needs no barrier") {
+  static_assert(tile::FullBlock<half_t, 64, 32, tile::Padded<40>, 128>::kPairRows,
+                "the 32 tile's rows are paired");
+  alignas(256) static half_t g[64 * 32];
+  for (int i = 0; i < 64 * 32; ++i) g[i] = from_float<half_t>(0.25f * float(i % 7));
+  // whole block (FullBlock) and a tail of 60 rows (the checked copy), with and without a NaN
+  for (int rows : {64, 60})
+    for (bool nan : {false, true}) {
+      g[41 * 32 + 5] = from_float<half_t>(nan ? NAN : 1.0f);
+      int out = -1;
+      FMHA_LAUNCH(vote_own_chunks_kernel, dim3(1), dim3(128), 64 * 40 * 2, nullptr, g, rows,
+                  &out);
+      if (out != int(nan))
+        return fail("rows " + std::to_string(rows) + (nan ? ", a NaN in row 41" : ", all finite") +
+                    ": the vote said " + std::to_string(out));
+    }
   return pass();
 }
 
