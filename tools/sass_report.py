@@ -344,6 +344,26 @@ def _forward_dag(by_start: dict, head: int, body: set) -> tuple[list, dict]:
     return topo, fwd
 
 
+def _best(by_start: dict, head: int, body: set, ends: set, weight) -> list:
+    """The path over the body's forward edges from head to a block of ends with the largest
+    summed weight(block) (tuples compare in order)."""
+    topo, fwd = _forward_dag(by_start, head, body)
+    score, prev = {head: weight(by_start[head])}, {}
+    for x in topo:
+        for v in fwd.get(x, ()) if x in score else ():
+            cand = tuple(p + q for p, q in zip(score[x], weight(by_start[v])))
+            if v not in score or cand > score[v]:
+                score[v], prev[v] = cand, x
+    reached = [x for x in ends if x in score]
+    if not reached:
+        raise RuntimeError(f"no forward path from {head:#x} to a latch in the loop body")
+    tail = max(reached, key=lambda x: score[x])
+    path = [tail]
+    while path[-1] != head:
+        path.append(prev[path[-1]])
+    return [by_start[a] for a in reversed(path)]
+
+
 def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None = None
                       ) -> LoopStats | None:
     """The natural loop with the most HMMA (ties: the fewest instructions -- the inner of two
@@ -368,25 +388,9 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
         return None
     head = ranked[0][2]
     latches, body = loops[head]
-    topo, fwd = _forward_dag(by_start, head, body)
-    score = {head: _weight(by_start[head], also)}
-    prev: dict[int, int] = {}
-    for x in topo:
-        if x not in score:
-            continue
-        for v in fwd[x]:
-            cand = tuple(p + q for p, q in zip(score[x], _weight(by_start[v], also)))
-            if v not in score or cand > score[v]:
-                score[v], prev[v] = cand, x
-    ends = [x for x in latches if x in score]
-    if not ends:
-        raise RuntimeError(f"no forward path from {head:#x} to a latch in the loop body")
-    tail = max(ends, key=lambda x: score[x])
-    path = [tail]
-    while path[-1] != head:
-        path.append(prev[path[-1]])
-    return LoopStats(head, by_start[tail].instrs[-1].addr, sum(len(by_start[y].instrs)
-                     for y in body), [by_start[a] for a in reversed(path)])
+    path = _best(by_start, head, body, latches, lambda x: _weight(x, also))
+    return LoopStats(head, path[-1].instrs[-1].addr, sum(len(by_start[y].instrs) for y in body),
+                     path)
 
 
 def registers(cubin: Path, cuobjdump: str, field: str = "REG") -> dict[str, int]:
@@ -589,23 +593,6 @@ def _decode_shape(mangled: str) -> tuple[int, int, str]:
     fmt = {"1": "int8", "2": "e4m3", "3": "e5m2"}[code.group(1)] if code else (
         "bf16" if "nv_bfloat16" in mangled else "fp16")
     return d, rows, fmt
-
-
-def _best(by_start: dict, head: int, body: set, ends: set, weight) -> list:
-    """The path over the body's forward edges from head to a block of ends with the largest
-    summed weight(block) (tuples compare in order)."""
-    topo, fwd = _forward_dag(by_start, head, body)
-    score, prev = {head: weight(by_start[head])}, {}
-    for x in topo:
-        for v in fwd.get(x, ()) if x in score else ():
-            cand = tuple(p + q for p, q in zip(score[x], weight(by_start[v])))
-            if v not in score or cand > score[v]:
-                score[v], prev[v] = cand, x
-    tail = max((x for x in ends if x in score), key=lambda x: score[x])
-    path = [tail]
-    while path[-1] != head:
-        path.append(prev[path[-1]])
-    return [by_start[a] for a in reversed(path)]
 
 
 def decode_pass(blocks: list[Block], d: int, rows: int, also: tuple = ()) -> dict:
