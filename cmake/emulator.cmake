@@ -1,14 +1,19 @@
 # fmha._cuda_emu: fmha's CUDA kernels compiled by the host C++ compiler against the SIMT
 # emulator (csrc/cuda/emu), as a second Python extension, so that tests run the CUDA kernels
-# on machines without a GPU (CI). Needs no nvcc. Off with -DFMHA_BUILD_EMULATOR=OFF or the
-# environment variable FMHA_BUILD_EMULATOR=0.
+# on machines without a GPU (CI). Needs no nvcc. Test machinery: built only with
+# FMHA_BUILD_TESTING=ON; within such a build, -DFMHA_BUILD_EMULATOR=OFF or the environment
+# variable FMHA_BUILD_EMULATOR=0 leaves it out (a quicker build for work on the CPU side).
 #
 # The sanitizer builds of the same sources (AddressSanitizer, the emulator's race checker,
 # ThreadSanitizer) are a separate project, tests/cuda_emu/CMakeLists.txt, built by
 # tests/test_cuda_emu.py.
-option(FMHA_BUILD_EMULATOR "Build fmha._cuda_emu (the CUDA kernels run by the CPU emulator)" ON)
+option(FMHA_BUILD_EMULATOR "Build fmha._cuda_emu (the CUDA kernels run by the CPU emulator) in a testing build" ON)
 if(DEFINED ENV{FMHA_BUILD_EMULATOR} AND "$ENV{FMHA_BUILD_EMULATOR}" MATCHES "^(0|OFF|off|false|FALSE|no)$")
   set(FMHA_BUILD_EMULATOR OFF)
+endif()
+if(NOT FMHA_BUILD_TESTING)
+  message(STATUS "fmha: CUDA emulator module not built (test machinery; FMHA_BUILD_TESTING=ON builds it)")
+  return()
 endif()
 if(NOT FMHA_BUILD_EMULATOR)
   message(STATUS "fmha: CUDA emulator module disabled (FMHA_BUILD_EMULATOR=OFF)")

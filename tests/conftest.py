@@ -93,6 +93,37 @@ def restore_threads():
     fmha.set_num_threads(None)
 
 
+# ----------------------------------------------------------------------------- testing build
+
+def _testing_build() -> bool:
+    from fmha import _C
+    return bool(getattr(_C, "testing_build", False))
+
+
+def pytest_sessionstart(session):
+    # The suite is meant to run on a testing build (FMHA_BUILD_TESTING=ON: fmha._cuda_emu and
+    # the test probes of fmha._C). On a plain install the tests that need them skip with that
+    # reason; under CI they would be skips presented as a pass, so CI stops here instead.
+    import os
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        import importlib.util
+        missing = [what for what, ok in (
+            ("the test probes of fmha._C", _testing_build()),
+            ("fmha._cuda_emu", importlib.util.find_spec("fmha._cuda_emu") is not None)) if not ok]
+        if missing:
+            pytest.exit(f"CI needs a testing build (FMHA_BUILD_TESTING=ON pip install ...): "
+                        f"{' and '.join(missing)} missing", returncode=1)
+
+
+def probes():
+    """fmha._C with its test probes (philox4x32_10, cpu_exp, ...): present only in a testing
+    build (FMHA_BUILD_TESTING=ON); elsewhere the calling test skips, saying so."""
+    from fmha import _C
+    if not _testing_build():
+        pytest.skip("fmha._C was built without its test probes (FMHA_BUILD_TESTING=ON adds them)")
+    return _C
+
+
 # ----------------------------------------------------------------------------- backends
 
 BACKENDS = ("cpu", "emu", "gpu")
@@ -132,7 +163,7 @@ def _backend_module(name):
         try:
             from fmha import _cuda_emu
         except ImportError:
-            pytest.skip("fmha._cuda_emu is not built (FMHA_BUILD_EMULATOR=OFF)")
+            pytest.skip("fmha._cuda_emu is not built (FMHA_BUILD_TESTING=ON builds it)")
         return _cuda_emu
     why = _why_no_gpu()
     if why:

@@ -16,17 +16,17 @@ import tempfile
 from fmha import _C
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
-# (test_memory.py runs once, in the main pass: the O(n) memory it checks is the shared
+# (api/test_memory.py runs once, in the main pass: the O(n) memory it checks is the shared
 # driver's tiling, the same at every level, and at the scalar level it took 90 s of CI.)
-KERNEL_SUITES = ["test_cpu_attention.py", "test_core.py", "test_torch_ops.py",
+KERNEL_SUITES = ["kernels/test_cpu_attention.py", "kernels/test_core.py", "api/test_torch_ops.py",
                  # the CPU half of the differential fuzz (the CUDA half does not depend on the
                  # CPU level); ~10 s per level at 40 examples each
-                 "test_fuzz.py::test_fuzz_cpu", "test_fuzz.py::test_fuzz_cpu_varlen",
-                 "test_fuzz.py::test_fuzz_cpu_nonfinite", "test_nonfinite.py::test_nonfinite_cpu",
+                 "kernels/test_fuzz.py::test_fuzz_cpu", "kernels/test_fuzz.py::test_fuzz_cpu_varlen",
+                 "kernels/test_fuzz.py::test_fuzz_cpu_nonfinite", "kernels/test_nonfinite.py::test_nonfinite_cpu",
                  # the decode kernel (KV caches): each level has its own products; ~4 s
-                 "test_kvcache.py",
+                 "kvcache/test_kvcache.py",
                  # 8-bit caches: each level has its own conversion of the codes; ~2 s
-                 "test_kvquant.py"]
+                 "kvcache/test_kvquant.py"]
 
 
 def main() -> int:

@@ -76,6 +76,48 @@ void forward_kvcache(py::object q, py::object k_cache, py::object v_cache, py::o
       cpu_forward, cuda_forward);
 }
 
+
+#if FMHA_TESTING_PROBES
+// The test probes: pieces of the core exposed so that tests can hold them to their
+// definitions (the thread pool's sizing rule, Philox against the published vectors, the
+// kernels' exp and 8-bit code widening). Built only with FMHA_BUILD_TESTING=ON; a user's
+// fmha._C has none of them.
+void def_testing_probes(py::module_& m) {
+  m.def("pool_helpers_for", &pool_helpers_for, py::arg("n_tasks"), py::arg("n_threads"),
+        py::arg("work_ns"),
+        "How many helper threads the CPU thread pool wakes for a region of n_tasks tasks and "
+        "work_ns nanoseconds of estimated single-thread work (for tests and benchmarks).");
+  m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+    const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
+    return std::array<uint32_t, 4>{r.x[0], r.x[1], r.x[2], r.x[3]};
+  }, py::arg("counter"), py::arg("key"));
+  m.def("dropout_threshold", &dropout_threshold, py::arg("p"));
+  m.def("cpu_exp", [](py::object x, py::object y, bool lean) {
+    View vx = import("x", x, false), vy = import("y", y, true);
+    FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
+                       vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.code == kDLFloat &&
+                       vx.dtype.bits == 32 && vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
+                       vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
+                   "x, y: expected contiguous 1-D float32 host arrays of one length");
+    cpu_exp(static_cast<const float*>(vx.data), static_cast<float*>(vy.data), vx.size(0), lean);
+  }, py::arg("x"), py::arg("y"), py::arg("lean") = false,
+        "y = exp(x) as the CPU kernels' softmax computes it (lean: for 16-bit inputs, x <= 0)");
+  m.def("cpu_decode_kv_codes", [](int code, py::object x, py::object y) {
+    View vx = import("x", x, false), vy = import("y", y, true);
+    FMHA_CHECK_ARG(code >= 1 && code <= 3, "code: expected 1 (int8), 2 (float8_e4m3fn) or 3 "
+                   "(float8_e5m2), got ", code);
+    FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
+                       vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.bits == 8 &&
+                       vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
+                       vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
+                   "x, y: expected contiguous 1-D host arrays of one length, bytes and float32");
+    cpu_decode_kv_codes(code, static_cast<const uint8_t*>(vx.data), static_cast<float*>(vy.data),
+                        vx.size(0));
+  }, py::arg("code"), py::arg("x"), py::arg("y"),
+        "y = the values of the 8-bit cache codes x, as the CPU kernels decode them");
+}
+#endif
+
 }  // namespace
 }  // namespace fmha
 
@@ -116,39 +158,6 @@ PYBIND11_MODULE(_C, m) {
         "Runs the CPU kernels' parallel regions on the OpenMP runtime the process loaded from "
         "`path` (torch's libgomp); \"\" returns to fmha's own pool. False if none is loaded.");
   m.def("using_openmp_runtime", &using_openmp_runtime);
-  m.def("pool_helpers_for", &pool_helpers_for, py::arg("n_tasks"), py::arg("n_threads"),
-        py::arg("work_ns"),
-        "How many helper threads the CPU thread pool wakes for a region of n_tasks tasks and "
-        "work_ns nanoseconds of estimated single-thread work (for tests and benchmarks).");
-  // The kernels' own Philox, exposed so tests can hold it to the published vectors.
-  m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
-    const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
-    return std::array<uint32_t, 4>{r.x[0], r.x[1], r.x[2], r.x[3]};
-  }, py::arg("counter"), py::arg("key"));
-  m.def("dropout_threshold", &dropout_threshold, py::arg("p"));
-  m.def("cpu_exp", [](py::object x, py::object y, bool lean) {
-    View vx = import("x", x, false), vy = import("y", y, true);
-    FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
-                       vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.code == kDLFloat &&
-                       vx.dtype.bits == 32 && vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
-                       vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
-                   "x, y: expected contiguous 1-D float32 host arrays of one length");
-    cpu_exp(static_cast<const float*>(vx.data), static_cast<float*>(vy.data), vx.size(0), lean);
-  }, py::arg("x"), py::arg("y"), py::arg("lean") = false,
-        "y = exp(x) as the CPU kernels' softmax computes it (lean: for 16-bit inputs, x <= 0)");
-  m.def("cpu_decode_kv_codes", [](int code, py::object x, py::object y) {
-    View vx = import("x", x, false), vy = import("y", y, true);
-    FMHA_CHECK_ARG(code >= 1 && code <= 3, "code: expected 1 (int8), 2 (float8_e4m3fn) or 3 "
-                   "(float8_e5m2), got ", code);
-    FMHA_CHECK_ARG(vx.ndim == 1 && vy.ndim == 1 && vx.size(0) == vy.size(0) &&
-                       vx.stride(0) == 1 && vy.stride(0) == 1 && vx.dtype.bits == 8 &&
-                       vy.dtype.code == kDLFloat && vy.dtype.bits == 32 &&
-                       vx.device.device_type == kDLCPU && vy.device.device_type == kDLCPU,
-                   "x, y: expected contiguous 1-D host arrays of one length, bytes and float32");
-    cpu_decode_kv_codes(code, static_cast<const uint8_t*>(vx.data), static_cast<float*>(vy.data),
-                        vx.size(0));
-  }, py::arg("code"), py::arg("x"), py::arg("y"),
-        "y = the values of the 8-bit cache codes x, as the CPU kernels decode them");
   m.def("cpu_fma_peak_gflops", &cpu_fma_peak_gflops, py::arg("threads"),
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_bf16_dot_peak_gflops", &cpu_bf16_dot_peak_gflops, py::arg("threads"),
@@ -158,6 +167,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bytes") = int64_t(512) << 20, py::call_guard<py::gil_scoped_release>(),
         "Read bandwidth (GB/s) of `threads` threads summing a `bytes` buffer, best of five");
   m.def("cuda_built", &cuda_built);
+#if FMHA_TESTING_PROBES
+  def_testing_probes(m);
+  m.attr("testing_build") = true;
+#else
+  m.attr("testing_build") = false;
+#endif
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_status", &cuda_status);
   m.def("cuda_capability", &cuda_capability, py::arg("device"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CMAKE = shutil.which("cmake")
 needs_cmake = pytest.mark.skipif(CMAKE is None, reason="cmake not found")
 
@@ -101,15 +101,13 @@ def test_sass_for_every_arch_ptx_for_the_highest(tmp_path, archs, cmake_archs):
     assert f"archs={cmake_archs}\n" in out
 
 
-@needs_cmake
-def test_configure_passes_the_mask_to_the_emulator_targets(tmp_path):
-    """A real configure (CPU-only, so no nvcc needed): the emulator's kernels are compiled
-    with the mask of FMHA_EMU_HEAD_DIMS and only the matching instantiation files."""
+def _configure_copy(tmp_path, **env_overrides):
+    """A real configure (CPU-only, so no nvcc needed) of a copy of the build files with three
+    stand-in instantiation files (configure only globs them; nothing is compiled). Returns
+    (cmake's stdout, build.ninja)."""
     pybind11 = pytest.importorskip("pybind11")
     if shutil.which("ninja") is None and shutil.which("ninja", path=os.path.dirname(sys.executable)) is None:
         pytest.skip("ninja not found")
-    # A copy of the build files with three stand-in instantiation files (configure only
-    # globs them; nothing is compiled).
     src = tmp_path / "src"
     shutil.copytree(ROOT / "cmake", src / "cmake")
     shutil.copytree(ROOT / "csrc", src / "csrc", ignore=shutil.ignore_patterns("instantiations"))
@@ -118,21 +116,43 @@ def test_configure_passes_the_mask_to_the_emulator_targets(tmp_path):
     inst.mkdir()
     for name in ("flash_fwd_hdim64_fp16", "flash_bwd_hdim96_bf16", "flash_fwd_hdim256_bf16_split"):
         (inst / f"{name}.cu").write_text("// stand-in\n")
-    env = dict(os.environ, FMHA_DISABLE_CUDA="1", FMHA_EMU_HEAD_DIMS="64,256",
-               FMHA_BUILD_EMULATOR="1", PATH=os.path.dirname(sys.executable) + os.pathsep +
-               os.environ.get("PATH", ""))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FMHA_BUILD_TESTING", "FMHA_BUILD_EMULATOR", "FMHA_EMU_HEAD_DIMS")}
+    env.update(FMHA_DISABLE_CUDA="1", PATH=os.path.dirname(sys.executable) + os.pathsep +
+               os.environ.get("PATH", ""), **env_overrides)
     p = subprocess.run([CMAKE, "-S", str(src), "-B", str(tmp_path / "b"), "-G", "Ninja",
                         f"-DPython_EXECUTABLE={sys.executable}",
                         f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "CUDA disabled" in p.stdout
-    assert "fmha._cuda_emu (head-dim tiles 64;256)" in p.stdout
-    ninja = (tmp_path / "b" / "build.ninja").read_text()
+    return p.stdout, (tmp_path / "b" / "build.ninja").read_text()
+
+
+@needs_cmake
+def test_configure_passes_the_mask_to_the_emulator_targets(tmp_path):
+    """A testing build's emulator kernels are compiled with the mask of FMHA_EMU_HEAD_DIMS and
+    only the matching instantiation files."""
+    out, ninja = _configure_copy(tmp_path, FMHA_BUILD_TESTING="ON", FMHA_EMU_HEAD_DIMS="64,256")
+    assert "fmha._cuda_emu (head-dim tiles 64;256)" in out
     masks = set(re.findall(r"-DFMHA_CUDA_HDIM_MASK=(\S+)", ninja))
     assert masks == {"0x12"}, masks
     emulated = set(re.findall(r"csrc_cuda_instantiations_(\w+?)_cu\.emu\.cpp\.o:", ninja))
     assert emulated == {"flash_fwd_hdim64_fp16", "flash_fwd_hdim256_bf16_split"}, emulated
+
+
+@needs_cmake
+@pytest.mark.parametrize("testing", ["OFF", "ON"])
+def test_test_machinery_builds_only_when_asked(tmp_path, testing):
+    """A default configure builds the library alone: no fmha._cuda_emu target and no test
+    probes compiled into fmha._C. FMHA_BUILD_TESTING=ON brings both."""
+    env = {} if testing == "OFF" else {"FMHA_BUILD_TESTING": "ON"}
+    out, ninja = _configure_copy(tmp_path, **env)
+    assert f"test machinery (FMHA_BUILD_TESTING): {testing}" in out
+    emulator = re.search(r"^build \S*_cuda_emu\S*\.so", ninja, re.M) is not None
+    probes = "-DFMHA_TESTING_PROBES=1" in ninja
+    assert (emulator, probes) == ((testing == "ON"),) * 2, (emulator, probes)
+    assert re.search(r"^build \S*_C\S*\.so", ninja, re.M), "fmha._C is always built"
 
 
 def _fmha_bench():

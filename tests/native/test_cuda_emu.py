@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EMU_TESTS = ROOT / "tests" / "cuda_emu"
 sys.path.insert(0, str(ROOT / "tools"))
 import ptxas_check  # noqa: E402

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import fmha
 from fmha import kvquant, reference
 from fmha.kvcache import attention_with_kvcache
 
 torch = pytest.importorskip("torch")
 
+from conftest import probes  # noqa: E402
 from kvquant_cases import TORCH_DTYPES, assert_appended, dense, make_cache  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def test_kernels_decode_every_code(fmt):
     several alignments, is the reference decoder's value exactly."""
     codes = np.concatenate([np.arange(256, dtype=np.uint8)] * 3)[5:]
     y = np.empty(codes.shape, np.float32)
-    fmha._C.cpu_decode_kv_codes(kvquant.CODES[fmt], codes, y)
+    probes().cpu_decode_kv_codes(kvquant.CODES[fmt], codes, y)
     np.testing.assert_array_equal(y, kvquant.decode_table(fmt)[codes].astype(np.float32))
 
 

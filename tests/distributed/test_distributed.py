@@ -66,7 +66,7 @@ def test_ring_example_under_torchrun(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    example = Path(__file__).resolve().parents[1] / "examples" / "ring_attention.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "ring_attention.py"
     # --standalone: torchrun picks a free port for its rendezvous itself.
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", str(example), "--seqlen", "8192"],

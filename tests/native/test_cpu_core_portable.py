@@ -37,7 +37,7 @@ from fmha._philox import dropout_keep_mask
 
 from conftest import LOW_PRECISION, assert_close, naive_results, round_to
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "tests" / "cpu_core"
 LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
 AARCH64_CXX = "aarch64-linux-gnu-g++"

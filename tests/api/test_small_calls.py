@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 
 import fmha
-from fmha import _C
 from fmha._validate import _SPEC_CACHE, prepare
 
 torch = pytest.importorskip("torch")
+
+from conftest import probes  # noqa: E402
 
 MIN_WORK_PER_THREAD_NS = 20000  # kMinWorkPerThreadNs in csrc/fmha/threads.cpp
 
@@ -43,7 +44,7 @@ MIN_WORK_PER_THREAD_NS = 20000  # kMinWorkPerThreadNs in csrc/fmha/threads.cpp
     (5, 1, 10**12, 0),
 ])
 def test_pool_helpers_for(n_tasks, threads, work, helpers):
-    assert _C.pool_helpers_for(n_tasks, threads, work) == helpers
+    assert probes().pool_helpers_for(n_tasks, threads, work) == helpers
 
 
 @pytest.mark.parametrize("sk", [16, 256, 700, 4096])

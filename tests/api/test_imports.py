@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = ROOT / "python" / "fmha"
 TESTS_DIR = ROOT / "tests"
 
@@ -137,10 +137,10 @@ def _test_module_imports(path: Path, test_modules: set) -> list:
 
 
 def test_no_test_module_imports_another():
-    test_modules = {p.stem for p in TESTS_DIR.glob("test_*.py")}
+    test_modules = {p.stem for p in TESTS_DIR.rglob("test_*.py")}
     assert "test_imports" in test_modules
     offenders = {}
-    for path in sorted(TESTS_DIR.glob("test_*.py")):
+    for path in sorted(TESTS_DIR.rglob("test_*.py")):
         hits = _test_module_imports(path, test_modules)
         if hits:
             offenders[path.name] = hits

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_lm.py"
 # One thread: the short run is dominated by tiny ops, where two threads only add
 # synchronisation (and suffer most when the cores are shared).
 SHORT = ["--steps", "25", "--batch", "8", "--context", "32", "--d-model", "32", "--heads",
@@ -77,7 +77,7 @@ def test_vit_example_small(tmp_path):
     """examples/vit.py on its 2-layer stand-in: both implementations run forward and a
     training step, the result file records them, and the logits agree."""
     spec = importlib.util.spec_from_file_location(
-        "vit_example", Path(__file__).resolve().parents[1] / "examples" / "vit.py")
+        "vit_example", Path(__file__).resolve().parents[2] / "examples" / "vit.py")
     vit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vit)
     out = tmp_path / "vit.json"

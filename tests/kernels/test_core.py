@@ -15,16 +15,17 @@ import fmha
 from fmha import _C, _philox, reference
 
 from cases import kat_rows, keep_mask_read_back
+from conftest import probes
 
 
 @pytest.mark.parametrize("counter,key,expected", kat_rows())
 def test_kernel_philox_known_answers(counter, key, expected):
-    assert list(_C.philox4x32_10(list(counter), list(key))) == list(expected)
+    assert list(probes().philox4x32_10(list(counter), list(key))) == list(expected)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.999])
 def test_kernel_dropout_threshold_matches_python(p):
-    assert _C.dropout_threshold(p) == _philox.dropout_threshold(p)
+    assert probes().dropout_threshold(p) == _philox.dropout_threshold(p)
 
 
 def test_kernel_dropout_mask_is_the_contract_and_keeps_1_minus_p():
@@ -53,8 +54,8 @@ def test_kernel_dropout_mask_independent_of_threads_and_isa():
     for isa in _supported_isas():
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fmha_mask_{isa}_{os.getpid()}.npy")
         env = dict(os.environ, FMHA_CPU_ISA=isa)
-        subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), path],
-                       check=True, env=env)
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        subprocess.run([sys.executable, "-c", code, tests, path], check=True, env=env)
         assert np.array_equal(np.load(path), masks[0]), isa
         os.remove(path)
 
@@ -228,14 +229,14 @@ def test_kernel_exp_accuracy():
     x = np.concatenate([np.linspace(-87.0, 0.0, 2_000_003, dtype=np.float32),
                         np.float32([-1e-30, -0.5, -np.log(2.0), -20.0])])
     y = np.empty_like(x)
-    _C.cpu_exp(x, y)
+    probes().cpu_exp(x, y)
     exact = np.exp(x.astype(np.float64))
     rel = np.abs(y - exact) / exact
     assert rel.max() < 4e-7, float(rel.max())
     assert y[np.argmin(np.abs(x))] == 1.0  # exp(0) exactly
     below = np.float32([-87.5, -100.0, -1e30, -np.inf])
     out = np.empty_like(below)
-    _C.cpu_exp(below, out)
+    probes().cpu_exp(below, out)
     assert np.array_equal(out, np.zeros_like(out))  # flushed: never a denormal, never NaN
 
 
@@ -248,7 +249,7 @@ def test_kernel_lean_exp_accuracy():
                         -np.logspace(-30, 0, 10_001).astype(np.float32),
                         np.float32([-0.5, -np.log(2.0), -20.0, -0.34657359, -0.34657362])])
     y = np.empty_like(x)
-    _C.cpu_exp(x, y, lean=True)
+    probes().cpu_exp(x, y, lean=True)
     exact = np.exp(x.astype(np.float64))
     rel = np.abs(y - exact) / exact
     fused = _C.cpu_isa() != "scalar"
@@ -263,5 +264,5 @@ def test_kernel_lean_exp_accuracy():
         x = np.full(40, -1.0, np.float32)
         x[shift:shift + len(edges)] = edges
         out = np.empty_like(x)
-        _C.cpu_exp(x, out, lean=True)
+        probes().cpu_exp(x, out, lean=True)
         np.testing.assert_array_equal(out[shift:shift + len(edges)], want)
