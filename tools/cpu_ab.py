@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B timing of a change to the CPU kernels, in one process.
 
-On a shared VM one build's speed drifts by +-20% between runs (benchmarks/NOTES.md), so timing
+On a shared VM one build's speed drifts by +-20% between runs (docs/cpu_kernels.md), so timing
 the old and the new build one after the other cannot resolve a 5% change. This tool compiles
 the CPU kernels (csrc/cpu/forward.h, backward.h) twice -- from a git revision (A, default HEAD)
 and from the working tree (B) -- into two namespaces of one program (tools/cpu_ab/), which
