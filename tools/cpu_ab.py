@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B timing of a change to the CPU kernels, in one process.
 
-On a shared VM one build's speed drifts by +-20% between runs (benchmarks/NOTES.md), so timing
+On a shared VM one build's speed drifts by +-20% between runs (docs/cpu_kernels.md), so timing
 the old and the new build one after the other cannot resolve a 5% change. This tool compiles
 the CPU kernels (csrc/cpu/forward.h, backward.h) twice -- from a git revision (A, default HEAD)
 and from the working tree (B) -- into two namespaces of one program (tools/cpu_ab/), which
@@ -14,7 +14,8 @@ still where the GFLOP/s do not. It also checks that A and B give the same bits.
     python tools/cpu_ab.py --case 8,32,4096,128,0,1,8 --mode fwd   # one query, GQA 32/8
 
 The rest of the library (thread pool, dispatch) is linked from an existing build
-(--build-dir, default build/full: the README's editable install). Only code under csrc/cpu
+(--build-dir, default build/full: `pip install --no-build-isolation -e .
+-Cbuild-dir=build/full`, docs/guides/building.md). Only code under csrc/cpu
 and the headers it includes may differ between A and B.
 """
 
@@ -79,7 +80,7 @@ def build(base_rev: str, isa: str, build_dir: Path, work: Path) -> Path:
     missing = [str(p) for p in libs if not p.exists()]
     if missing:
         sys.exit(f"cpu_ab: {', '.join(missing)} not found: build the library first "
-                 "(the README's install command) or pass --build-dir")
+                 "(an editable install, docs/guides/building.md) or pass --build-dir")
     cxx = shutil.which("c++") or shutil.which("g++") or sys.exit("cpu_ab: no C++ compiler")
     base = export_tree(base_rev, work / "base")
     flags = isa_flags(isa)

@@ -1,4 +1,4 @@
-"""Where the error of a key-constant bias's dbias comes from (csrc/cuda/NOTES.md, "dbias").
+"""Where the error of a key-constant bias's dbias comes from (docs/cuda_kernels.md, "The backward").
 
 The exact gradient of a bias constant along the keys is 0. FlashAttention-2 computes it as
 sum_j dS_ij with D = rowsum(dO o O) from the stored float16 O, so what it returns is D's

@@ -13,7 +13,7 @@ Ordinary loads and stores (the decode kernel's, the epilogues') are plain C++ in
 and are not counted. No GPU is needed; the numbers are exact for the model, not timed.
 
     python tools/emu_profile.py                      # Markdown table on stdout
-    python tools/emu_profile.py --out benchmarks/gpu/emu_traffic_<date>.md   # with a header
+    python tools/emu_profile.py --out emu_traffic.md   # with a header
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ Shapes: batch 1, 2 heads, 128 queries and 128 keys (one or two query tiles: 128 
 the backward's dQ kernel without atomics, "d64 bias grad" the dbias kernel. Columns: ldmatrix
 and cp.async-store shared-memory wavefronts over the conflict-free ideal (1.00 = no bank
 conflict); global load efficiency = bytes asked for / (32 x sectors touched). Reading:
-`csrc/cuda/NOTES.md`, "Shared-memory traffic".
+`docs/cuda_kernels.md`, "Shared-memory traffic".
 
 """
 

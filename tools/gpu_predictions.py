@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Predicted vs measured: the CUDA kernels' expected speed, written down before any GPU ran
-them (benchmarks/gpu/predictions.json, reasoned in csrc/cuda/NOTES.md, "Predictions for a GPU
-run"), beside what `python -m fmha.bench_cuda` measured (its --out JSON).
+them (benchmarks/gpu/predictions.json, reasoned in docs/cuda_kernels.md, "Open predictions
+for the first GPU run"), beside what `python -m fmha.bench_cuda` measured (its --out JSON).
 
     python tools/gpu_predictions.py OUT/bench.json [--decode OUT/decode.json]
                                     [--predictions FILE] [--out OUT/predictions.md]

@@ -8,7 +8,7 @@ median seconds. Run it with two builds' interpreters in alternation to compare t
     done > runs.txt
     python tools/nonfinite_overhead.py --summarize runs.txt
 
-(benchmarks/nonfinite_overhead_2026-11-30.md holds such a comparison)."""
+(docs/cpu_kernels.md, "Non-finite inputs", quotes such a comparison)."""
 
 import json
 import statistics

@@ -2,7 +2,7 @@
 the tiny call through each entry point, torch's own SDPA on the same data, and one decode
 step through the Hugging Face entries (fmha's and transformers' "sdpa"), and the tiny call
 with inputs that require grad (fmha and SDPA). Prints a
-Markdown table with the host; benchmarks/latency_xeon_amx_2026-11-30_after.md quotes a run.
+Markdown table with the host; docs/cpu_kernels.md, "Small calls", quotes its results.
 Then the tiny call's forward and backward (a training step's attention), and what the
 first forward and backward of a fresh process cost (a subprocess each, fmha and SDPA).
 

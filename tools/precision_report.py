@@ -1,4 +1,4 @@
-"""Measured error of fmha against float64, per dtype: writes benchmarks/precision.md.
+"""Measured error of fmha against float64, per dtype, as a Markdown report.
 
 For one representative shape (b=1, h=4, s=512, d=64, causal and not) it draws float64
 inputs, rounds them to each dtype, and compares fmha's forward (out) and backward (dq, dk,
@@ -13,7 +13,9 @@ the level is fixed at import), because the bfloat16 rounding of P and dS depends
 (docs/semantics.md, "Precision"). With --emu the CUDA kernels also run, under the CPU
 emulator (fmha._cuda_emu; float16/bfloat16 only; slow, a few minutes).
 
-    python tools/precision_report.py --out benchmarks/precision.md [--emu]
+    python tools/precision_report.py --out precision.md [--emu]
+
+docs/cpu_kernels.md, "Precision", summarises a run.
 """
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def child(level: str, emu: bool) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/precision.md")
+    ap.add_argument("--out", default="precision.md")
     ap.add_argument("--emu", action="store_true", help="also the CUDA kernels, emulated")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -132,7 +134,7 @@ def main():
     except OSError:
         commit = ""
     cmd = "python tools/precision_report.py" + (" --emu" if args.emu else "") + \
-        (f" --out {args.out}" if args.out != "benchmarks/precision.md" else "")
+        (f" --out {args.out}" if args.out != "precision.md" else "")
     lines = [
         f"# fmha's error against float64, per dtype ({datetime.date.today().isoformat()})",
         "",

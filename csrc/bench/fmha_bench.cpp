@@ -59,7 +59,7 @@ const Case kCudaSuite[] = {
 
 // 64-byte aligned storage, as torch and NumPy allocate it. std::vector's large buffers are
 // 16-byte aligned, which splits vector loads of every row across cache lines: the float32
-// forward ran 1.29x slower that way (benchmarks/NOTES.md, "fmha-bench's buffers").
+// forward ran 1.29x slower that way (docs/cpu_kernels.md, "Hosts and how to measure").
 template <typename T>
 struct Aligned64 {
   using value_type = T;

@@ -830,7 +830,7 @@ inline KvCacheCall kvcache_call(const py::object& q, const py::object& k_cache,
 
 // The arrays of one call, by position or by name; the other keywords are its settings.
 // pybind11's own named parameters cost ~2-4 µs per call here: for every parameter it makes and
-// compares a Python string (benchmarks/latency_icelake_2026-12-01.md). So forward, backward
+// compares a Python string (docs/cpu_kernels.md, "Small calls"). So forward, backward
 // and forward_kvcache are registered as (*args, **kwargs) and bound here, with pointer
 // compares on interned names (the names at a call site are interned): a call passing its
 // arrays by position and its settings by name does no string work at all.

@@ -31,7 +31,7 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 // only when it is already dense (stride == ld). In place at the usual strides of (batch,
 // seq, heads, dim) tensors -- 2 KiB for 8 heads of 64 floats -- a 64-row tile falls into a
 // few cache sets and evicts itself from L1 on every row block on some cores
-// (benchmarks/NOTES.md, "B operands are copied"). Either way the values are the same.
+// (docs/cpu_kernels.md, "The forward"). Either way the values are the same.
 template <typename T, typename A>
 inline const A* rows_as_acc(const T* src, int64_t stride, int n, int dim, A* buf, int ld,
                             int64_t* out_stride, bool b_operand, bool dense = true) {
@@ -63,8 +63,8 @@ constexpr bool kLeanExp = sizeof(T) == 2;
 // V's key tiles as pair words (the bfloat16 pair path's B of O += P V), kept by each thread
 // across the query tiles of one (call, batch, kv head) that it runs back to back (a head's
 // tasks are adjacent): packed once per key tile and thread instead of once per (query tile,
-// key tile), which cost the bfloat16 forward ~5% (benchmarks/NOTES.md, "Where the backward's
-// time goes on Zen 5"). A tile is the very words pack_row_pairs gives it, looked up by its
+// key tile), which cost the bfloat16 forward ~5% (docs/cpu_kernels.md, "The
+// forward"). A tile is the very words pack_row_pairs gives it, looked up by its
 // start (a multiple of kBc) and its key count. A head whose tiles take more than
 // kPackedVBytes is packed per tile as before; up to that much stays allocated per thread
 // between calls, as the thread's workspace does.

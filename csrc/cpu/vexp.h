@@ -53,7 +53,7 @@ inline float exp_approx(float x) {
 // subtraction): tests/test_core.py::test_kernel_lean_exp_accuracy. Against the 2^-9
 // (bfloat16) or 2^-11 (float16) of the inputs' and the output's rounding, nothing; it takes
 // two multiply-adds fewer than exp_approx in the step that bounds the 16-bit forward after
-// its products (benchmarks/NOTES.md, "Where the forward's time goes on Zen 4").
+// its products (docs/cpu_kernels.md, "The forward").
 // -inf and x < -87 give 0; NaN gives NaN.
 inline float exp_lean(float x) {
   const float xc = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);  // NaN passes

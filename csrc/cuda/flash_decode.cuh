@@ -40,7 +40,7 @@
 // With unit scales an 8-bit cache gives bitwise the result of a 16-bit cache holding the
 // codes' values, as on the CPU.
 //
-// Prediction, unconfirmed (no GPU has run this kernel; cuda/NOTES.md): the loads are
+// Prediction, unconfirmed (no GPU has run this kernel; docs/cuda_kernels.md): the loads are
 // independent across lanes and chunks and the CUDA-core FMAs per key row are 2 x rows x
 // head_dim, so for GQA groups up to 8 the kernel should stream the cache at a large fraction
 // of HBM bandwidth; a group of 16 or more rows would want the tensor cores.

@@ -11,9 +11,8 @@
 // registers once per CTA, not per score.
 //
 // Every config must compile without a register spill or a stack frame on sm_80 and sm_90:
-// `python tools/ptxas_check.py` (run by tests/test_cuda_emu.py) fails otherwise. Measured
-// register counts live in dated files under benchmarks/gpu/ (ptxas_registers_*.md); the
-// reasoning behind each config is in cuda/flash_fwd.cuh and cuda/NOTES.md.
+// `python tools/ptxas_check.py` (run by tests/test_cuda_emu.py) fails otherwise. The
+// reasoning behind each config is in cuda/flash_fwd.cuh and docs/cuda_kernels.md.
 #include <algorithm>
 #include <stdexcept>
 #include <string>

@@ -55,7 +55,7 @@
 // exp2's FFMA.
 //
 // Not yet here: output staged through shared memory for coalesced stores. Performance
-// reasoning: cuda/NOTES.md.
+// reasoning: docs/cuda_kernels.md.
 #pragma once
 
 #include <cfloat>
@@ -164,9 +164,8 @@ struct FlashFwdConfig;
 
 // Each line: kHeadDim, kBlockN, kQInRegs, CTAs per SM (sm_80)[, kColSplit, K/V swizzled,
 // m16 tiles per warp]. The plain kernels give each warp 32 query rows wherever ptxas fits
-// them (all but d = 256; d = 128 at 32-key blocks): instructions per HMMA and per-pass counts of both shapes
-// are in benchmarks/gpu/sass/rows32_2026-12-02.md. Measured registers are in
-// benchmarks/gpu/ptxas_registers_*.md; every choice below is the widest tile that ptxas fits without spilling on
+// them (all but d = 256; d = 128 at 32-key blocks): instructions per HMMA of both shapes
+// are in docs/cuda_kernels.md (tools/sass_report.py and tools/ptxas_check.py count them); every choice below is the widest tile that ptxas fits without spilling on
 // both sm_80 and sm_90 (ptxas uses what it is given, so the counts sit near 255 either way:
 // what matters is that nothing spills).
 //
@@ -196,7 +195,7 @@ template <> struct FlashFwdConfig<96, true> : FlashFwdConfigBase<96, 32, true, 2
 // d = 128. Plain: 32 rows per warp at kBlockN = 32 (O 128 + S 32 registers), Q from shared
 // memory as FlashAttention-2 does, K and V swizzled, 54 KiB with the copy's pointers; ptxas
 // takes 251-254 registers, two CTAs per SM. FlashAttention-2's 128 x 64 tile (S 64) spilled
-// 152-184 bytes here (NOTES.md, "32 query rows per warp"). With 32 keys a pass would carry
+// 152-184 bytes here (docs/cuda_kernels.md, "The forward"). With 32 keys a pass would carry
 // O's rescale (128 multiplies per thread) for half the products; the lazy rescale
 // (kLazyRescale) skips it once the rows' maxima settle. Extras: 16 rows, Q in registers but
 // kBlockN = 32 (S 16 registers), 51 KiB.
@@ -204,7 +203,7 @@ template <> struct FlashFwdConfig<128, false> : FlashFwdConfigBase<128, 32, fals
 template <> struct FlashFwdConfig<128, true> : FlashFwdConfigBase<128, 32, true, 2> {};
 // d = 256: the O accumulator alone is 128 registers. Q from shared memory and kBlockN = 16
 // (S 8 registers); kBlockN = 32 spilled 8-48 bytes. So the rescale of O (128 multiplies
-// per thread) comes every 16 keys: see NOTES.md for the cost. 68 KiB of shared memory.
+// per thread) comes every 16 keys: see docs/cuda_kernels.md for the cost. 68 KiB of shared memory.
 // Extras: even kBlockN = 16 spilled 8 bytes on sm_90 (the Philox draws of dropout on top of
 // O); there two warps share each 16 rows (kColSplit = 2, 8 warps, 64 O registers each),
 // recomputing S for their rows, and kBlockN = 32.

@@ -21,7 +21,7 @@
 //     unchanged on it.
 // Everything the rare block adds runs outside the products, in loops that are not unrolled,
 // and holds no register across them: it must not raise the kernels' register peak, which
-// sits at ptxas's limit (csrc/cuda/NOTES.md). NaN stands for +-Inf in what it produces: the
+// sits at ptxas's limit (docs/cuda_kernels.md). NaN stands for +-Inf in what it produces: the
 // tests compare non-finite patterns.
 #pragma once
 

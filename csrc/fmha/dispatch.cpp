@@ -94,7 +94,7 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* source) {
 
 namespace cpu {
 
-// Measured with tools/cpu_ab.py, fp32 (benchmarks/NOTES.md, "B operands are copied"): in the
+// Measured with tools/cpu_ab.py, fp32 (docs/cpu_kernels.md, "The forward"): in the
 // forward (V) the copy gains 3-6% on Ice Lake-SP (its rows at a 2 KiB stride evict each other
 // from L1) and loses 3-6% on Zen 4 (AMD family 25) and 1-4% on Zen 5 (family 26), where
 // reading them in place is faster. In the backward (Q and dO) copying them with K gained

@@ -177,7 +177,7 @@ struct BwdParams : FwdParams {
 // score of a row, which softmax cancels: its gradient is exactly zero (sum_j dS_ij =
 // sum_j P_ij dP_ij - D_i = 0, with masks, dropout, softcap and ALiBi too). Both backends
 // write those zeros instead of summing dS, whose sum would be only the rounding error of D
-// = rowsum(dO o O) taken from the stored low-precision O (see csrc/cuda/NOTES.md).
+// = rowsum(dO o O) taken from the stored low-precision O (see docs/cuda_kernels.md, "The backward").
 // With a gradient through lse (dlse) the sum is dlse_i instead, for a row that sees a key:
 // lse moves with the bias. Both backends then add those dlse_i, in a fixed order, to the
 // zeros.

@@ -19,7 +19,7 @@ namespace {
 // Work below which a helper does not pay for itself: it joins a region in about a
 // microsecond when it is spinning and in tens of microseconds when it has to be woken
 // (a futex wake-up on a small VM), and each helper adds a share of cache traffic. Chosen by
-// measurement (benchmarks/latency_*.md): a thread must get at least this much work.
+// measurement (docs/cpu_kernels.md, "Small calls"): a thread must get at least this much work.
 constexpr int64_t kMinWorkPerThreadNs = 20000;
 
 // How long a helper spins for the next region before it parks. Long enough for the next

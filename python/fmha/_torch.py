@@ -326,7 +326,7 @@ def _direct(*tensors) -> bool:
     anything to do: :func:`_plain_eager`, and no gradient can flow (grad mode off, or no
     input requires grad). The outputs are the same tensors the op would return; the
     dispatcher, autograd wrapper and custom-op layers are what is skipped: tens of
-    microseconds per call (benchmarks/latency_*.md)."""
+    microseconds per call (docs/cpu_kernels.md, "Small calls")."""
     if torch.is_grad_enabled():
         for x in tensors:
             if x is not None and x.requires_grad:
@@ -360,7 +360,7 @@ def plain_forward(spec: Spec, q, k, v, return_lse: bool):
     leaves it to the kernels' own buffer (one allocation less). None when the call needs the
     general path (the op, or a copy of an input whose last dimension is strided). The same
     kernels with the same settings as the op, so the same bits (tests/test_small_calls.py);
-    a layer loop's call costs what is left: benchmarks/latency_icelake_2026-12-01.md."""
+    a layer loop's call costs what is left: docs/cpu_kernels.md, "Small calls"."""
     if not _direct(q, k, v):
         return None
     q_dense = q.is_contiguous()

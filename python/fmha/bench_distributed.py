@@ -10,7 +10,7 @@ step's time is the slowest rank's (an all-reduce of each rank's time, max); the 
 
 so 1.0 is ideal: P ranks finish in 1/P of the time. Also recorded: the bytes each rank sends
 per ring step and per call, the time of one ring transfer alone (Gloo over loopback) and of
-one block's attention alone: the two sides of benchmarks/NOTES.md's model of when the ring's
+one block's attention alone: the two sides of docs/cpu_kernels.md's model of when the ring's
 communication hides behind compute.
 """
 

@@ -26,7 +26,7 @@ gives rank r chunks r and 2P-1-r, so under a causal mask every rank has as many 
 as every other. Tensors are (batch, seqlen, heads, head_dim) as in :func:`fmha.attention`.
 
 Only the communication goes through torch.distributed; nothing here is a transport of its own.
-See docs/semantics.md, "Distributed attention", and benchmarks/NOTES.md for the cost model.
+See docs/semantics.md, "Distributed attention", and docs/cpu_kernels.md for the cost model.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What keeps a small call cheap, held to its contract (benchmarks/latency_*.md has the
-timings; a test here never times anything):
+"""What keeps a small call cheap, held to its contract (docs/cpu_kernels.md, "Small calls",
+has the timings; a test here never times anything):
 
 - the thread pool wakes no helper for a call too small to pay for one, and the result does
   not depend on how many it wakes (csrc/fmha/threads.cpp);

@@ -60,7 +60,7 @@ def test_a_failing_rank_does_not_hang_the_others():
 
 
 def test_ring_example_under_torchrun(tmp_path):
-    """examples/ring_attention.py as the README starts it (torchrun, 2 processes, Gloo), on a
+    """examples/ring_attention.py as docs/guides/distributed.md starts it (torchrun, 2 processes, Gloo), on a
     shorter sequence: the ring run stays under the per-process cap that the whole sequence
     exceeds, and the check against single-process fmha.attention passes."""
     import subprocess

@@ -13,7 +13,7 @@ batch where the family takes a mask:
 Families: BERT, RoBERTa, ViT, CLIP (text and vision towers), Whisper (encoder, decoder
 self- and cross-attention), T5 (relative position bias), BART (cross-attention), GPT-2,
 Llama (GQA), Mistral (sliding window), Qwen2, Gemma 2 (softcap + sliding window).
-The families known not to work, and why, are listed in the README ("Hugging Face models").
+The families known not to work, and why, are listed in docs/guides/integrations.md ("Hugging Face transformers").
 """
 
 import copy
@@ -269,8 +269,8 @@ def test_greedy_decoding_matches_sdpa(built, name):
 
 def test_a_family_with_its_own_attention_code_never_calls_fmha(count_fmha_calls):
     """DeBERTa-v2 computes its disentangled attention itself (no AttentionInterface call):
-    transformers accepts attn_implementation="fmha" for it, but fmha never runs. The README
-    lists such families; this pins down that the listing is still true."""
+    transformers accepts attn_implementation="fmha" for it, but fmha never runs.
+    docs/guides/integrations.md lists such families; this pins down that the listing is still true."""
     cfg = transformers.DebertaV2Config(vocab_size=V, hidden_size=32, num_hidden_layers=1,
                                        num_attention_heads=4, intermediate_size=37)
     m = transformers.DebertaV2Model._from_config(cfg, attn_implementation="fmha")

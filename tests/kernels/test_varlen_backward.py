@@ -55,8 +55,8 @@ def test_against_reference_wide(rng, backend, dtype, feature):
 def test_whole_query_blocks_across_heads(rng, backend, d, deterministic):
     """Sequences long enough for whole query blocks, 2 query heads per kv head, a partial last
     block and an empty sequence: the CUDA backward's plain kernels copy whole blocks of q and
-    dout from pointers they move on block by block and head by head (csrc/cuda/NOTES.md,
-    "Then the Qi and dOi copies"), in both dQ modes."""
+    dout from pointers they move on block by block and head by head (docs/cuda_kernels.md,
+    "The backward"), in both dQ modes."""
     check_against_reference(rng, "float16", "plain", lens=([70, 0, 100], [100, 9, 90]),
                             dims=(4, 2, d, d), deterministic=deterministic)
 

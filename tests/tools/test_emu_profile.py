@@ -8,7 +8,7 @@ in the cp.async stores at head-dim tiles 32, 64, 128 and 256
 (the 32 tile's copies pair rows r and r + 4 in each phase: tile::FullBlock::kPairRows), every
 global byte a cp.async fetches used (256-byte-aligned inputs). The 96 tile's cp.async stores
 take 4 wavefronts where 3 would do (its 12 chunks per row make every second 8-lane phase
-straddle two padded rows: csrc/cuda/NOTES.md, "Shared-memory traffic"), and the d = 32 dQ
+straddle two padded rows: docs/cuda_kernels.md, "Shared-memory traffic"), and the d = 32 dQ
 kernel's take 2 where 1 would do (its rows copied in order: the paired order spills it); the
 test pins those ratios so a change either way is seen."""
 
