@@ -7,24 +7,68 @@ autograd and torch.compile) and NumPy arrays.
     import fmha
     out = fmha.attention(q, k, v, causal=True)      # q: (batch, seqlen, heads, head_dim)
 
-See ``fmha.attention`` for the arguments and ``fmha.reference`` for the exact semantics.
+Every public name is in ``fmha.__all__`` and in exactly one public module, its home; docs/api.md
+lists them. The feature modules load on first use (``_LAZY`` below), so ``import fmha`` needs
+neither torch nor anything else beyond NumPy. See ``fmha.attention`` for the arguments and
+``fmha.reference`` for the exact semantics.
 """
 
+import importlib as _importlib
 import sys as _sys
 
 from . import _C
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
 from ._core import get_num_threads, set_num_threads
-from .block_mask import (BlockMask, bigbird_mask, create_block_mask, document_mask,
-                         longformer_mask)
-from .merge import merge_states, merge_states_n
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
-           "merge_states", "merge_states_n", "set_num_threads", "BlockMask",
-           "create_block_mask", "document_mask", "longformer_mask", "bigbird_mask",
-           "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status"]
+#: The names defined outside this file, each mapped to its home module (relative to fmha).
+#: A name equal to its module's last part is that module itself (``fmha.nn``). Nothing here is
+#: imported until first looked up, which keeps ``import fmha`` light and torch-free.
+_LAZY = {
+    # KV caches (NumPy and torch)
+    "attention_with_kvcache": ".kvcache",
+    "PagedKVCache": ".kvcache",
+    "check_refused": ".kvcache",
+    # merging partial attentions (NumPy and torch)
+    "merge_states": ".merge",
+    "merge_states_n": ".merge",
+    # block-sparse masks (NumPy)
+    "BlockMask": ".block_mask",
+    "create_block_mask": ".block_mask",
+    "causal_mask": ".block_mask",
+    "document_mask": ".block_mask",
+    "longformer_mask": ".block_mask",
+    "bigbird_mask": ".block_mask",
+    # torch only
+    "scaled_dot_product_attention": ".sdpa",
+    "MultiheadAttention": ".nn",
+    "head_importance": ".nn",
+    "heads_to_prune": ".nn",
+    "prune_heads": ".nn",
+    "ring_attention": ".distributed",
+    "ulysses_attention": ".distributed",
+    "shard_sequence": ".distributed",
+    "gather_sequence": ".distributed",
+    "TensorParallelMultiheadAttention": ".distributed",
+    # public submodules
+    "kvcache": ".kvcache",
+    "merge": ".merge",
+    "block_mask": ".block_mask",
+    "kvquant": ".kvquant",
+    "reference": ".reference",
+    "sdpa": ".sdpa",
+    "nn": ".nn",
+    "distributed": ".distributed",
+    "integrations": ".integrations",
+}
+
+__all__ = [
+    # attention (home: fmha)
+    "attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
+    # the machine (home: fmha)
+    "set_num_threads", "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status",
+] + [name for name, module in _LAZY.items() if module != "." + name]
 
 
 def backends() -> list:
@@ -54,20 +98,26 @@ def cuda_status() -> str:
 
 # The torch operators are registered as soon as torch is around, so that a first call inside
 # torch.compile finds them already defined.
-if "torch" in _sys.modules:
+if _sys.modules.get("torch") is not None:
     from . import _torch  # noqa: F401
 
 
 def __getattr__(name):
-    # torch is an optional dependency: the torch-only parts load on first use, so that
-    # `import fmha` works (and stays light) for NumPy users.
-    if name == "scaled_dot_product_attention":
-        from .sdpa import scaled_dot_product_attention
-        # Kept as a module attribute: later lookups are plain ones, not this call (a layer
-        # loop looks it up once per call).
-        globals()[name] = scaled_dot_product_attention
-        return scaled_dot_product_attention
-    if name in ("nn", "integrations", "distributed"):
-        import importlib
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = _importlib.import_module(module_name, __name__)
+    except ModuleNotFoundError as e:
+        if e.name in ("torch", "transformers"):
+            raise ImportError(f"fmha.{name} needs {e.name}, which is not installed") from e
+        raise
+    value = module if module_name == "." + name else getattr(module, name)
+    # Kept as a module attribute: later lookups are plain ones, not this call (a layer loop
+    # looks fmha.scaled_dot_product_attention up once per call).
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

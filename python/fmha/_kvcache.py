@@ -1,5 +1,5 @@
 """fmha.kvcache.attention_with_kvcache: the forward over KV caches (contiguous or paged),
-new rows appended in place. Public through fmha.kvcache; PagedKVCache (paged.py) calls it.
+new rows appended in place. Public through fmha.kvcache; PagedKVCache (_paged.py) calls it.
 
 The semantics (which rows a query sees, what is written) are in docs/semantics.md,
 "KV caches"; ``fmha.reference.attention_with_kvcache`` is their executable form.

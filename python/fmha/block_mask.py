@@ -34,6 +34,10 @@ import numbers
 
 import numpy as np
 
+__all__ = ["BlockMask", "create_block_mask", "causal_mask", "document_mask",
+           "longformer_mask", "bigbird_mask"]
+
+#: The two block classes of ``index`` (also BlockMask.EMPTY and BlockMask.FULL).
 EMPTY = -1
 FULL = -2
 #: Elements of one chunk of the mask that create_block_mask evaluates at a time (by default).
@@ -66,6 +70,10 @@ class BlockMask:
     ``block_size`` is an int or a (block_q, block_k) pair and is stored as the pair. Raises
     ValueError, naming the argument, when a shape, dtype or value breaks the representation.
     """
+
+    #: The ``index`` values of a block where no pair may attend and where every in-range one may.
+    EMPTY = EMPTY
+    FULL = FULL
 
     def __init__(self, index, partial, seqlen_q, seqlen_k, block_size):
         self.block_size = bq, bk = _block_pair(block_size)

@@ -7,6 +7,6 @@ The semantics (which rows a query sees, what is written) are in docs/semantics.m
 """
 
 from ._kvcache import attention_with_kvcache, check_refused
-from .paged import PagedKVCache
+from ._paged import PagedKVCache
 
 __all__ = ["attention_with_kvcache", "check_refused", "PagedKVCache"]

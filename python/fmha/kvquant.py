@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["FORMATS", "QMAX", "CODES", "decode_table", "as_codes", "quantize", "dequantize",
+           "dynamic_scales", "calibrate_scales"]
+
 FORMATS = ("int8", "float8_e4m3fn", "float8_e5m2")
 #: Largest finite magnitude of each encoding: a dynamic scale maps a row's max |x| there.
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
+__all__ = ["merge_states", "merge_states_n"]
+
 
 def merge_states(out_a, lse_a, out_b, lse_b) -> Tuple[object, object]:
     """Attention over the union of two disjoint key sets from the attention over each.

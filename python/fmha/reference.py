@@ -78,6 +78,8 @@ __all__ = [
     "attention_probs",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "attention_with_kvcache",
+    "kvcache_rows",
 ]
 
 _ALIGNMENTS = ("bottom_right", "top_left")

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from ._api import attention
 
+__all__ = ["scaled_dot_product_attention"]
+
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,

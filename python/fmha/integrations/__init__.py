@@ -6,3 +6,5 @@ imported, so none of them is a dependency of fmha:
 * :mod:`fmha.integrations.transformers`: ``attn_implementation="fmha"`` for Hugging Face
   transformers models.
 """
+
+__all__ = []  # the adapters are the submodules; importing one loads its library
