@@ -15,6 +15,7 @@ neither torch nor anything else beyond NumPy. See ``fmha.attention`` for the arg
 
 import importlib as _importlib
 import sys as _sys
+from importlib.util import find_spec as _find_spec
 
 from . import _C
 from ._api import attention, attention_backward, attention_varlen, attention_varlen_backward
@@ -63,12 +64,21 @@ _LAZY = {
     "integrations": ".integrations",
 }
 
+#: The modules whose names need torch.
+_NEEDS_TORCH = (".sdpa", ".nn", ".distributed")
+
 __all__ = [
     # attention (home: fmha)
     "attention", "attention_varlen", "attention_backward", "attention_varlen_backward",
     # the machine (home: fmha)
     "set_num_threads", "get_num_threads", "backends", "cpu_isa", "cpu_features", "cuda_status",
-] + [name for name, module in _LAZY.items() if module != "." + name]
+] + [name for name, module in _LAZY.items()
+     if module != "." + name and module not in _NEEDS_TORCH]
+# The torch-only names are public where torch is installed (asked of the import system, which
+# does not import torch), so that `from fmha import *` works for NumPy users too.
+if _find_spec("torch") is not None:
+    __all__ += [name for name, module in _LAZY.items()
+                if module != "." + name and module in _NEEDS_TORCH]
 
 
 def backends() -> list:

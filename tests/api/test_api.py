@@ -20,7 +20,7 @@ import pytest
 
 import fmha
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 API_PAGE = ROOT / "docs" / "api.md"
 PACKAGE_DIR = ROOT / "python" / "fmha"
 
@@ -233,6 +233,10 @@ def test_without_torch_only_torch_names_fail(page):
                 assert "torch" in str(e), (name, str(e))
             else:
                 raise AssertionError(name + " resolved without torch")
+        assert not set({needs_torch!r}) & set(fmha.__all__)
+        namespace = {{}}
+        exec("from fmha import *", namespace)     # a NumPy user's star import
+        assert set({needs_nothing!r}) <= set(namespace)
         q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
         out = fmha.attention(q, q, q, causal=True)
         assert out.shape == q.shape and np.isfinite(out).all()
