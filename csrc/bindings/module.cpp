@@ -166,6 +166,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_read_bandwidth_gbs", &cpu_read_bandwidth_gbs, py::arg("threads"),
         py::arg("bytes") = int64_t(512) << 20, py::call_guard<py::gil_scoped_release>(),
         "Read bandwidth (GB/s) of `threads` threads summing a `bytes` buffer, best of five");
+  m.def("library_version", [] { return std::string(library_version()); },
+        "The version of the libfmha this module loaded (the package's, when installed whole)");
   m.def("cuda_built", &cuda_built);
 #if FMHA_TESTING_PROBES
   def_testing_probes(m);

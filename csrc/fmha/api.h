@@ -75,4 +75,7 @@ void cuda_backward(const BwdParams& p, int device, void* stream);
 // per-device flag. This reads it (synchronising) and, when `clear`, resets it.
 int cuda_kvcache_refusals(int device, bool clear);
 
+// The version of libfmha (the package's version, set by the build).
+const char* library_version();
+
 }  // namespace fmha
