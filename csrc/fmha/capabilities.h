@@ -86,16 +86,16 @@ inline constexpr BackendCaps kBackendCaps[] = {
      "the CPU kernels size their tiles per call; past 1024 the per-thread workspace stops "
      "fitting in L2 and nothing is gained over a plain GEMM",
      {KvCode::kInt8, KvCode::kE4M3, KvCode::kE5M2}, 3,
-     1024, "the decode of a cached row widens it into a 1024-float buffer (fmha/kvcache.cpp)"},
+     1024, "the decode of a cached row widens it into a 1024-float buffer (csrc/fmha/kvcache.cpp)"},
     {Backend::kCuda, "cuda", "CUDA",
      {DType::kFloat16, DType::kBFloat16}, 2,  // tensor-core mma.sync inputs
      1, gpu::kHeadDimTiles[gpu::kNumHeadDimTiles - 1],
-     "the widest head-dim tile of the CUDA kernels (cuda/head_dims.h): a 256-wide row of Q, "
+     "the widest head-dim tile of the CUDA kernels (csrc/cuda/head_dims.h): a 256-wide row of Q, "
      "K and V tiles is what fits in one SM's shared memory next to the pipeline's second "
      "stage",
      {KvCode::kInt8, KvCode::kE4M3, KvCode::kE5M2}, 3,
      gpu::kHeadDimTiles[gpu::kNumHeadDimTiles - 1],
-     "the CUDA decode runs 8-bit caches in the same tiles (cuda/flash_decode.cu)"},
+     "the CUDA decode runs 8-bit caches in the same tiles (csrc/cuda/flash_decode.cu)"},
 };
 inline constexpr int kNumBackends = int(sizeof(kBackendCaps) / sizeof(kBackendCaps[0]));
 
@@ -131,7 +131,7 @@ inline constexpr FeatureRow kFeatures[] = {
     {Feature::kPagedKvCache, "paged_kv_cache", "KV caches, paged (block table)",
      Support::kYes, "", Support::kYes, "block table checked on the device"},
     {Feature::kKvCache8Bit, "kv_cache_8bit", "8-bit KV caches (int8, float8_e4m3fn, float8_e5m2)",
-     Support::kYes, "head_dim up to 1024", Support::kYes, "head_dim up to 256"},
+     Support::kYes, "", Support::kYes, ""},
     {Feature::kSinks, "sinks", "attention sinks (and their gradient)",
      Support::kYes, "", Support::kYes, ""},
     {Feature::kLseGrad, "lse_grad", "gradient through lse (dlse)",
