@@ -12,6 +12,7 @@
 #include <array>
 #include <string>
 
+#include "bindings/capabilities.h"
 #include "bindings/dlpack_view.h"
 #include "bindings/params_from_dlpack.h"
 #include "dlpack/dlpack.h"
@@ -125,6 +126,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace fmha;
   m.doc() = "fmha core: fused multi-head attention kernels (use the fmha package, not this)";
   bind::register_errors();
+  bind::register_capabilities(m);
   bind::def_forward_backward(
       m, &forward, &backward,
       "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels); a "

@@ -1,6 +1,7 @@
 #include "fmha/validate.h"
 
 #include <cmath>
+#include <string>
 
 #include "fmha/error.h"
 
@@ -8,8 +9,12 @@ namespace fmha {
 
 namespace {
 
-// The largest head_dim / head_dim_v the CUDA kernels have a tile for (cuda/head_dims.h).
-constexpr int kCudaMaxHeadDim = 256;
+// "float16/bfloat16": the dtypes a backend takes, as the errors list them.
+std::string dtype_list(const BackendCaps& c) {
+  std::string out;
+  for (int i = 0; i < c.num_dtypes; ++i) (out += i ? "/" : "") += dtype_name(c.dtypes[i]);
+  return out;
+}
 
 // Which tensors a call touches: the query side (q, out, lse; dout, dq) when some query row
 // exists, the key side (k, v; dk, dv) when some key row exists -- the backward writes dk, dv
@@ -21,6 +26,8 @@ bool has_query_rows(const FwdParams& p) {
 }
 bool has_key_rows(const FwdParams& p) { return p.batch > 0 && p.heads_kv > 0 && p.seqlen_k > 0; }
 
+// Sizes: the shape rules (>= 0, heads_q a multiple of heads_kv) hold on every backend; the
+// head-dim range is the backend's (capability table).
 void check_sizes(const FwdParams& p, Backend backend) {
   // Empty calls are valid on every backend (docs/errors.md, "Empty inputs"): no query row
   // writes nothing but the backward's zero dk, dv (and dbias); no key row writes out 0,
@@ -34,28 +41,52 @@ void check_sizes(const FwdParams& p, Backend backend) {
                  p.heads_q, ") must be a multiple of heads_kv (", p.heads_kv, ")");
   FMHA_CHECK_ARG(p.seqlen_q >= 0 && p.seqlen_k >= 0, "seqlen_q, seqlen_k: must be >= 0, got ",
                  p.seqlen_q, " and ", p.seqlen_k);
-  if (backend == Backend::kCpu) {
-    FMHA_CHECK_ARG(p.head_dim > 0 && p.head_dim_v > 0, "head_dim, head_dim_v: must be > 0, got ",
-                   p.head_dim, " and ", p.head_dim_v);
-  } else {
-    FMHA_CHECK_ARG(p.head_dim >= 1 && p.head_dim <= kCudaMaxHeadDim && p.head_dim_v >= 1 &&
-                       p.head_dim_v <= kCudaMaxHeadDim,
-                   "head_dim, head_dim_v: expected 1..", kCudaMaxHeadDim,
-                   " on CUDA, got ", p.head_dim, " and ", p.head_dim_v);
-  }
+  const BackendCaps& c = caps(backend);
+  FMHA_CHECK_ARG(p.head_dim >= c.head_dim_min && p.head_dim <= c.head_dim_max &&
+                     p.head_dim_v >= c.head_dim_min && p.head_dim_v <= c.head_dim_max,
+                 "head_dim, head_dim_v: expected ", c.head_dim_min, "..", c.head_dim_max, " on ",
+                 c.label, ", got ", p.head_dim, " and ", p.head_dim_v);
+}
+
+// A feature the call uses must be one the backend runs (Support::kYes) or accepts without
+// effect (Support::kIgnored); `what` names the argument that asks for it.
+void check_feature(Backend backend, Feature f, bool used, const char* what) {
+  if (!used || support(backend, f) != Support::kNo) return;
+  throw InvalidArgument(concat(what, ": ", kFeatures[int(f)].title, " is not supported on ",
+                               caps(backend).label));
+}
+
+void check_forward_features(const FwdParams& p, Backend backend) {
+  check_feature(backend, Feature::kForward, true, "q");
+  check_feature(backend, Feature::kVarlen, p.cu_seqlens_q != nullptr, "cu_seqlens_q");
+  check_feature(backend, Feature::kCausalWindow, p.window_left >= 0 || p.window_right >= 0,
+                "window_left, window_right");
+  check_feature(backend, Feature::kBias, p.bias.ptr != nullptr, "bias");
+  check_feature(backend, Feature::kMask, p.mask.ptr != nullptr, "mask");
+  check_feature(backend, Feature::kAlibi, p.alibi_slopes != nullptr, "alibi_slopes");
+  check_feature(backend, Feature::kSoftcap, p.softcap != 0.0, "softcap");
+  check_feature(backend, Feature::kDropout, p.dropout_p != 0.0, "dropout_p");
+  check_feature(backend, Feature::kGqa, p.heads_kv > 0 && p.heads_q != p.heads_kv, "heads_kv");
+  check_feature(backend, Feature::kBlockMask, p.block_mask.index != nullptr, "block_mask");
+  check_feature(backend, Feature::kKvCache, p.cache_seqlens != nullptr, "cache_seqlens");
+  check_feature(backend, Feature::kPagedKvCache, p.block_table != nullptr, "block_table");
+  check_feature(backend, Feature::kKvCache8Bit, p.kv_code != KvCode::kNone, "kv_code");
+  check_feature(backend, Feature::kNumSplits, p.num_splits > 0, "num_splits");
 }
 
 }  // namespace
 
 void check_params(const FwdParams& p, Backend backend) {
-  if (backend == Backend::kCuda)
-    FMHA_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, "dtype ",
-                   dtype_name(p.dtype), ": the CUDA kernels take float16/bfloat16");
+  const BackendCaps& c = caps(backend);
+  FMHA_CHECK_ARG(takes_dtype(backend, p.dtype), "dtype ", dtype_name(p.dtype), ": the ",
+                 c.label, " kernels take ", dtype_list(c));
   check_sizes(p, backend);
+  check_forward_features(p, backend);
   if (has_query_rows(p)) {
     FMHA_CHECK_ARG(p.q && p.o, "q and out must be non-null");
-    FMHA_CHECK_ARG(p.lse || backend == Backend::kCpu,
-                   "lse must be non-null on CUDA (only the CPU forward may leave it out)");
+    FMHA_CHECK_ARG(p.lse || support(backend, Feature::kLseOptional) == Support::kYes,
+                   "lse must be non-null on ", c.label, " (the ", c.label,
+                   " forward always writes it)");
     if (has_key_rows(p)) FMHA_CHECK_ARG(p.k && p.v, "k and v must be non-null");
   }
   FMHA_CHECK_ARG(!p.cu_seqlens_q == !p.cu_seqlens_k,
@@ -98,10 +129,12 @@ void check_params(const FwdParams& p, Backend backend) {
       FMHA_CHECK_ARG(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
                      "block_size: expected >= 1 dividing seqlen_k, got ", p.block_size);
     if (p.kv_code != KvCode::kNone) {
+      FMHA_CHECK_ARG(takes_kv_code(backend, p.kv_code), "kv_code: ", kv_code_name(p.kv_code),
+                     " caches are not supported on ", c.label);
       FMHA_CHECK_ARG(p.k_scale && p.v_scale, "k_scale, v_scale: required with 8-bit caches");
-      FMHA_CHECK_ARG(p.head_dim <= 1024 && p.head_dim_v <= 1024,
-                     "head_dim, head_dim_v: 8-bit caches take up to 1024, got ", p.head_dim,
-                     " and ", p.head_dim_v);
+      FMHA_CHECK_ARG(p.head_dim <= c.kv8_head_dim_max && p.head_dim_v <= c.kv8_head_dim_max,
+                     "head_dim, head_dim_v: 8-bit caches take up to ", c.kv8_head_dim_max,
+                     " on ", c.label, ", got ", p.head_dim, " and ", p.head_dim_v);
     }
   } else {
     FMHA_CHECK_ARG(!p.block_table && p.seqlen_new == 0 && p.kv_code == KvCode::kNone,
@@ -109,6 +142,7 @@ void check_params(const FwdParams& p, Backend backend) {
   }
   if (p.block_mask.index) {
     const BlockSparse& m = p.block_mask;
+    // No backend defines block masks over KV caches or packed batches (the table's note).
     FMHA_CHECK_ARG(!p.cache_seqlens && !p.cu_seqlens_q,
                    "block_mask: not supported with KV caches or variable-length batches");
     FMHA_CHECK_ARG(m.block_q >= 1 && m.block_k >= 1 && m.num_partial >= 0 &&
@@ -126,6 +160,10 @@ void check_params(const FwdParams& p, Backend backend) {
 
 void check_params(const BwdParams& p, Backend backend) {
   check_params(static_cast<const FwdParams&>(p), backend);
+  check_feature(backend, Feature::kBackward, true, "dout");
+  check_feature(backend, Feature::kDbias, p.dbias != nullptr, "dbias");
+  check_feature(backend, Feature::kLseGrad, p.dlse != nullptr, "dlse");
+  check_feature(backend, Feature::kDeterministicBackward, p.deterministic, "deterministic");
   if (has_query_rows(p)) FMHA_CHECK_ARG(p.dout && p.dq, "dout and dq must be non-null");
   if (has_query_rows(p)) FMHA_CHECK_ARG(p.lse, "lse must be non-null (the backward reads it)");
   if (has_key_rows(p))

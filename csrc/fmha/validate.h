@@ -9,14 +9,16 @@
 // what building params from DLPack tensors needs (dtype, device, rank, extents, strides of
 // each tensor); this contract checks the params themselves.
 //
+// The backends' limits -- dtypes, head dims, 8-bit caches, features -- come from the
+// capability table (fmha/capabilities.h), which the Python layer reads too.
+//
 // Throws InvalidArgument (fmha/error.h), which the Python modules turn into ValueError.
 #pragma once
 
+#include "fmha/capabilities.h"
 #include "fmha/params.h"
 
 namespace fmha {
-
-enum class Backend { kCpu, kCuda };
 
 void check_params(const FwdParams& p, Backend backend);
 // The forward's rules, plus the gradient tensors and dbias.

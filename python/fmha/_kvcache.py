@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _core, _sinks, kvquant
 from ._core import get_num_threads
-from ._validate import (_check_array, _check_float, _check_int, _check_number, _describe,
-                        device_of, dtype_name, kind_of)
+from ._validate import (_FLOAT_NAMES, _check_array, _check_float, _check_int, _check_number, _describe,
+                        check_dtype, check_head_dims, check_kv_cache_dtype, device_of, dtype_name, kind_of)
 
 
 def _int32_array(name, x, kind, ndim, batch=None, device="cpu"):
@@ -185,9 +185,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         raise TypeError(f"k_cache: dtype {dtype_name(k_cache)} does not hold "
                         f"cache_dtype={cache_dtype!r}")
     dt = dtype_name(q)
-    if dt not in ("float64", "float32", "bfloat16", "float16"):
+    if dt not in _FLOAT_NAMES:
         _check_float("q", q)
     device = device_of(q)
+    check_dtype(device, dt)
+    if fmt is not None:
+        check_kv_cache_dtype(device, fmt)
     batch, seqlen_q, heads_q, head_dim = q.shape
     if seqlen_q < 1:
         raise ValueError(f"q: seqlen_q must be >= 1, got shape {tuple(q.shape)}")
@@ -206,9 +209,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                              "in place and is forward-only (pass a tensor without grad)")
     k_scale, v_scale, dynamic = _check_scales(fmt, k_scale, v_scale, k_cache, kind, device,
                                               k is not None)
-    if fmt is not None and max(head_dim, head_dim_v) > 1024:
-        raise ValueError(f"k_cache: 8-bit caches take head_dim up to 1024, got "
-                         f"{max(head_dim, head_dim_v)}")
+    check_head_dims(device, (("q", head_dim), ("v_cache", head_dim_v)), kv8=fmt is not None)
     cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, kind, 1, batch,
                                  q.device if kind == "torch" else "cpu")
     if block_table is not None:

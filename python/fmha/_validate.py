@@ -18,14 +18,23 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-#: Largest head_dim the CPU kernels accept (their tiles are sized per call; past this the
-#: per-thread workspace stops fitting in L2 and nothing is gained over a plain GEMM).
-MAX_HEAD_DIM_CPU = 1024
-#: Largest head_dim the CUDA kernels accept: a 256-wide row of Q, K and V tiles is what fits
-#: in one SM's shared memory next to the pipeline's second stage.
-MAX_HEAD_DIM_CUDA = 256
-#: Dtypes the CUDA kernels take (tensor-core mma.sync inputs).
-CUDA_DTYPES = ("float16", "bfloat16")
+from . import _C
+
+#: The capability table of the compiled core (csrc/fmha/capabilities.h, through
+#: fmha._C.capabilities()): per backend ("cpu", "cuda") its dtypes, head-dim range, 8-bit
+#: cache encodings and their head-dim limit, and its features. Every backend limit below is
+#: read from it, never spelled here; the reasons for each limit are in the table.
+CAPABILITIES = _C.capabilities()
+_BACKENDS = CAPABILITIES["backends"]
+
+#: Largest head_dim / head_dim_v the CPU kernels accept.
+MAX_HEAD_DIM_CPU = _BACKENDS["cpu"]["head_dim"][1]
+#: Largest head_dim / head_dim_v the CUDA kernels accept (their widest tile).
+MAX_HEAD_DIM_CUDA = _BACKENDS["cuda"]["head_dim"][1]
+#: Dtypes the CUDA kernels take.
+CUDA_DTYPES = tuple(_BACKENDS["cuda"]["dtypes"])
+#: Sequence lengths and counts index int32 offsets in the kernels: a shape rule of every
+#: backend, not a capability of one.
 _MAX_SEQLEN = 2**31 - 1
 
 _NUMPY_FLOATS = {np.dtype(np.float64): "float64", np.dtype(np.float32): "float32",
@@ -81,7 +90,32 @@ def to_host(x) -> np.ndarray:
     return x.detach().cpu().numpy()
 
 
-_FLOAT_NAMES = ("float64", "float32", "bfloat16", "float16")
+#: The floating-point dtypes some backend takes (a dtype outside every backend's list is the
+#: wrong kind of thing, a TypeError; one the call's backend lacks is NotImplementedError).
+_FLOAT_NAMES = tuple(dict.fromkeys(d for b in _BACKENDS.values() for d in b["dtypes"]))
+
+
+def backend_of(device: str) -> str:
+    """The capability table's backend for an array on `device` ('cpu' or 'cuda:N')."""
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def check_head_dims(device: str, head_dims, kv8: bool = False) -> None:
+    """Each (argument name, head dim) of `head_dims` within the range of `device`'s backend
+    (with 8-bit KV caches also within their limit); ValueError naming the argument."""
+    caps = _BACKENDS[backend_of(device)]
+    lo, hi = caps["head_dim"]
+    for name, d in head_dims:
+        if d < lo:
+            raise ValueError(f"{name}: head_dim must be >= {lo}, got {d}")
+        if d > hi:
+            others = [f"{b['label']} takes up to {b['head_dim'][1]}"
+                      for b in _BACKENDS.values() if b is not caps and b["head_dim"][1] > hi]
+            raise ValueError(f"{name}: head_dim {d} is over the limit of {hi} on {device}"
+                             + (f" (the {', '.join(others)})" if others else ""))
+        if kv8 and d > caps["kv8_head_dim_max"]:
+            raise ValueError(f"{name}: 8-bit caches take head_dim up to "
+                             f"{caps['kv8_head_dim_max']} on {device}, got {d}")
 
 
 def _describe(x) -> str:
@@ -280,11 +314,14 @@ def _prepare(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p
             raise ValueError(f"{name}: on device {device_of(x)}, expected q's device {device}")
     if device != "cpu":
         _check_cuda(device, dt)
+    else:
+        check_dtype(device, dt)
     # Empty batches, sequences and heads are valid (empty outputs; no visible key gives out 0,
     # lse -inf); an empty head dimension is not (there is no dot product to scale).
+    lo = _BACKENDS[backend_of(device)]["head_dim"][0]
     for name, x in (("q", q), ("v", v)):
-        if x.shape[-1] == 0:
-            raise ValueError(f"{name}: head_dim must be >= 1, got shape {tuple(x.shape)} "
+        if x.shape[-1] < lo:
+            raise ValueError(f"{name}: head_dim must be >= {lo}, got shape {tuple(x.shape)} "
                              f"(layout {layout})")
     if varlen:
         total_q, heads_q, head_dim = q.shape
@@ -307,11 +344,7 @@ def _prepare(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p
     if (heads_q % heads_kv) if heads_kv else heads_q:  # heads_q = heads_kv = 0 is empty
         raise ValueError(f"q, k: heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv}) "
                          f"for grouped-query attention")
-    limit = MAX_HEAD_DIM_CPU if device == "cpu" else MAX_HEAD_DIM_CUDA
-    for name, d in (("q", head_dim), ("v", head_dim_v)):
-        if d > limit:
-            raise ValueError(f"{name}: head_dim {d} is over the limit of {limit} on {device}"
-                             + (" (the CPU takes up to 1024)" if device != "cpu" else ""))
+    check_head_dims(device, (("q", head_dim), ("v", head_dim_v)))
 
     if varlen:
         batch, seqlen_q, seqlen_k = _check_cu_seqlens(
@@ -385,14 +418,30 @@ def _check_cuda(device: str, dtype: str) -> None:
     if not device.startswith("cuda:"):
         raise NotImplementedError(f"q: device {device} is not supported (fmha runs on the CPU "
                                   f"and on CUDA GPUs)")
-    if dtype not in CUDA_DTYPES:
-        raise NotImplementedError(f"q: dtype {dtype} on {device}: CUDA kernels take "
-                                  f"float16/bfloat16; cast, or use the CPU")
+    check_dtype(device, dtype)
     if _compiling():
         return  # the GPU checks below query the driver; the core repeats them at run time
     ok, why = _cuda_device_usable(int(device.split(":")[1]))
     if not ok:
         raise NotImplementedError(f"q: on {device}, but {why}")
+
+
+def check_dtype(device: str, dtype: str) -> None:
+    """NotImplementedError naming q when `device`'s backend does not take `dtype`."""
+    caps = _BACKENDS[backend_of(device)]
+    if dtype not in caps["dtypes"]:
+        hint = "; cast, or use the CPU" if backend_of(device) != "cpu" else ""
+        raise NotImplementedError(f"q: dtype {dtype} on {device}: {caps['label']} kernels take "
+                                  f"{'/'.join(caps['dtypes'])}{hint}")
+
+
+def check_kv_cache_dtype(device: str, fmt: str) -> None:
+    """NotImplementedError naming k_cache when `device`'s backend has no kernels for 8-bit
+    caches of encoding `fmt`."""
+    caps = _BACKENDS[backend_of(device)]
+    if fmt not in caps["kv_cache_dtypes"]:
+        raise NotImplementedError(f"k_cache: {fmt} caches on {device}: {caps['label']} kernels "
+                                  f"take {', '.join(caps['kv_cache_dtypes'])}")
 
 
 _CUDA_USABLE: dict = {}
@@ -401,7 +450,6 @@ _CUDA_USABLE: dict = {}
 def _cuda_device_usable(index: int):
     """(True, '') or (False, reason), cached per device."""
     if index not in _CUDA_USABLE:
-        from . import _C
         if not _C.cuda_built() or _C.cuda_device_count() <= index:
             _CUDA_USABLE[index] = (False, f"fmha's CUDA backend cannot run there: "
                                           f"{_C.cuda_status()}")
