@@ -26,12 +26,13 @@ namespace py = pybind11;
 namespace fmha {
 namespace {
 
-// The CUDA kernels take float16 / bfloat16 only: say so here, in the user's words, rather
-// than as a launcher's complaint.
+// The CUDA kernels' dtypes (capability table): say so here, in the user's words, rather than
+// as a launcher's complaint.
 void expect_cuda_dtype(const FwdParams& p, const bind::Device& dev) {
-  if (p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16) return;
+  if (takes_dtype(Backend::kCuda, p.dtype)) return;
   throw Unsupported(concat("q: dtype ", dtype_name(p.dtype), " on ", bind::device_name(dev),
-                           ": CUDA kernels take float16/bfloat16; cast, or use the CPU"));
+                           ": CUDA kernels take ", dtype_list(caps(Backend::kCuda)),
+                           "; cast, or use the CPU"));
 }
 
 // Host arrays run the CPU kernels, CUDA arrays the CUDA kernels on the call's stream; the

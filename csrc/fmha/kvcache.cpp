@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "fmha/capabilities.h"
 #include "fmha/error.h"
 #include "fmha/kvquant.h"
 #include "fmha/numeric.h"
@@ -105,7 +106,8 @@ float element_as_float(const void* base, int64_t i, DType t) {
 // (max |x| over its finite entries / qmax; fmha/kvquant.h).
 void append_quantized_row(const FwdParams& p, const void* src, uint8_t* dst, float* scales,
                           int b, int j, int h, int dim) {
-  float x[1024];  // head_dim <= 1024 with 8-bit caches (the Python layer's limit)
+  // head_dim <= the 8-bit caches' limit, which check_params holds every backend to
+  float x[caps(Backend::kCpu).kv8_head_dim_max];
   float top = 0.0f;
   for (int t = 0; t < dim; ++t) {
     x[t] = element_as_float(src, t, p.dtype);

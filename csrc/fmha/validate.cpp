@@ -7,14 +7,13 @@
 
 namespace fmha {
 
-namespace {
-
-// "float16/bfloat16": the dtypes a backend takes, as the errors list them.
 std::string dtype_list(const BackendCaps& c) {
   std::string out;
   for (int i = 0; i < c.num_dtypes; ++i) (out += i ? "/" : "") += dtype_name(c.dtypes[i]);
   return out;
 }
+
+namespace {
 
 // Which tensors a call touches: the query side (q, out, lse; dout, dq) when some query row
 // exists, the key side (k, v; dk, dv) when some key row exists -- the backward writes dk, dv

@@ -15,12 +15,17 @@
 // Throws InvalidArgument (fmha/error.h), which the Python modules turn into ValueError.
 #pragma once
 
+#include <string>
+
 #include "fmha/capabilities.h"
 #include "fmha/params.h"
 
 namespace fmha {
 
 void check_params(const FwdParams& p, Backend backend);
+
+// "float16/bfloat16": the dtypes a backend takes (capability table), as errors list them.
+std::string dtype_list(const BackendCaps& c);
 // The forward's rules, plus the gradient tensors and dbias.
 void check_params(const BwdParams& p, Backend backend);
 

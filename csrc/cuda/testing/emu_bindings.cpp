@@ -17,6 +17,7 @@
 
 #include "bindings/dlpack_view.h"
 #include "bindings/params_from_dlpack.h"
+#include "fmha/validate.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
 #include "cuda/flash_decode.h"
@@ -345,9 +346,9 @@ void flash_backward(const py::object& dout_obj, const py::object& q_obj, const p
 namespace {
 
 void expect_half(const fmha::FwdParams& p) {
-  if (p.dtype == fmha::DType::kFloat16 || p.dtype == fmha::DType::kBFloat16) return;
-  throw fmha::Unsupported(fmha::concat("q: dtype ", fmha::dtype_name(p.dtype),
-                                       ": the CUDA kernels take float16/bfloat16"));
+  if (fmha::takes_dtype(fmha::Backend::kCuda, p.dtype)) return;
+  throw fmha::Unsupported(fmha::concat("q: dtype ", fmha::dtype_name(p.dtype), ": the CUDA kernels take ",
+                                       fmha::dtype_list(fmha::caps(fmha::Backend::kCuda))));
 }
 
 // The launchers check the params against the validation contract (fmha/validate.h).

@@ -33,7 +33,7 @@ from fmha import kvcache as fkv
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CAPS = _C.capabilities()
 BACKENDS = CAPS["backends"]
 FEATURES = [f["key"] for f in CAPS["features"]]
