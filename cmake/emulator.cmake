@@ -6,7 +6,7 @@
 #
 # The sanitizer builds of the same sources (AddressSanitizer, the emulator's race checker,
 # ThreadSanitizer) are a separate project, tests/cuda_emu/CMakeLists.txt, built by
-# tests/test_cuda_emu.py.
+# tests/native/test_cuda_emu.py.
 option(FMHA_BUILD_EMULATOR "Build fmha._cuda_emu (the CUDA kernels run by the CPU emulator) in a testing build" ON)
 if(DEFINED ENV{FMHA_BUILD_EMULATOR} AND "$ENV{FMHA_BUILD_EMULATOR}" MATCHES "^(0|OFF|off|false|FALSE|no)$")
   set(FMHA_BUILD_EMULATOR OFF)

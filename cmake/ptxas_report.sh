@@ -2,7 +2,7 @@
 # The CUDA compiler launcher of fmha_cuda (CMakeLists.txt): runs one nvcc command and keeps
 # ptxas's resource report of its object (-Xptxas -v: registers, stack frame and spills of
 # every kernel, per architecture) as <dir>/<object>.txt, which the package installs
-# (fmha/_ptxas/) and tests/test_cuda_emu.py reads: the shipped kernels are checked as built.
+# (fmha/_ptxas/) and tests/native/test_cuda_emu.py reads: the shipped kernels are checked as built.
 # Every other line of the compiler's output passes through, so the build log is unchanged.
 # Usage: ptxas_report.sh <dir> <compiler> <arguments...>
 dir=$1

@@ -22,7 +22,7 @@ evaluation.
    order (globally; for "sensitivity" also the same fraction of every layer) and in random
    orders (3 seeds). No labelled set ships in a package here, so there is no task score.
    Heads are removed by zeroing their gates, which computes exactly what the physically
-   pruned model computes (tests/test_heads.py).
+   pruned model computes (tests/integrations/test_heads.py).
 3. The speed-up: the model physically pruned (fmha.nn.prune_heads) at some fractions, the
    time to embed the evaluation sentences against the unpruned model, and the check that it
    gives the gated model's embeddings.

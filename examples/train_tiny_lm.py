@@ -38,7 +38,7 @@ DEFAULT_TEXT = HERE / "data" / "lighthouse.txt"
 #: softmax vs torch's kernel): ~1e-7 relative. Training could amplify that; measured on the
 #: committed 300-step run the worst gap is 5e-7 (max_abs_diff in the JSON), 200x under this
 #: bound. A real error is far above it: an attention scale off by 1.5x opens a gap of ~6e-3
-#: within the 25 steps of the short test run (tests/test_example.py).
+#: within the 25 steps of the short test run (tests/integrations/test_example.py).
 TOLERANCE = 1e-4
 
 

@@ -3,13 +3,13 @@
 Each ``check_*`` function is one case: it builds its inputs from ``rng`` and checks fmha's
 forward and backward against fmha.reference (float64) with conftest's tolerance rule
 (docs/testing.md). It calls the public API, so it runs on whatever kernel module is in
-place: tests/test_cpu_attention.py runs the cases on the CPU kernels (every dtype, bigger
-shapes); tests/test_cuda_emu_cases.py runs them on the CUDA kernels, under the emulator
+place: tests/kernels/test_cpu_attention.py runs the cases on the CPU kernels (every dtype, bigger
+shapes); tests/kernels/test_cuda_emu_cases.py runs them on the CUDA kernels, under the emulator
 (backend ``emu``) and on a real GPU (backend ``gpu``), with the low-precision dtypes and
 the small shapes the emulator can afford (conftest's ``backend`` fixture).
 
 Test modules share cases through this module and conftest, never through each other
-(tests/test_imports.py checks it).
+(tests/api/test_imports.py checks it).
 """
 
 from __future__ import annotations

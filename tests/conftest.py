@@ -140,7 +140,7 @@ def pytest_generate_tests(metafunc):
     if marker is not None and "backend" in metafunc.fixturenames:
         assert set(marker.args) <= set(BACKENDS), marker.args
         # The gpu backend is generated only where a GPU can run the kernels: elsewhere
-        # tests/test_cuda_gpu.py's module skip says once why, instead of one skip per case.
+        # tests/kernels/test_cuda_gpu.py's module skip says once why, instead of one skip per case.
         names = [n for n in marker.args if n != "gpu" or not _why_no_gpu()]
         metafunc.parametrize("backend", names, indirect=True)
 
@@ -472,7 +472,7 @@ def naive_attention_torch(q, k, v, *, scale=None, causal=False, window=(-1, -1),
     p = torch.softmax(s, dim=-1).masked_fill(~any_row, 0.0)
     if dt == torch.float64:
         # The float64 reference lse by NumPy: torch.logsumexp in float64 was seen 1.6e-10
-        # (relative) off in some states of a test process (tests/test_cpu_attention.py at
+        # (relative) off in some states of a test process (tests/kernels/test_cpu_attention.py at
         # FMHA_CPU_ISA=avx2, one run in five), where NumPy and fmha agreed to 1e-15.
         s64 = s.detach().cpu().numpy()
         m = np.max(s64, axis=-1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Multi-process checks of fmha.distributed (used by tests/test_distributed.py).
+"""Multi-process checks of fmha.distributed (used by tests/distributed/test_distributed.py).
 
 ``launch(world, scenarios)`` starts ``world`` processes (spawned, one thread each, a Gloo group
 over TCP on this host), runs the named scenarios on every rank and returns, per scenario,

@@ -1,5 +1,5 @@
-"""The KV-cache cases shared by tests/test_kvcache.py (the CPU kernels) and
-tests/test_kvcache_cuda.py (the CUDA kernels, emulated or on a GPU): caches with NaN in every
+"""The KV-cache cases shared by tests/kvcache/test_kvcache.py (the CPU kernels) and
+tests/kvcache/test_kvcache_cuda.py (the CUDA kernels, emulated or on a GPU): caches with NaN in every
 row a call must not read, the reference cases, tolerances and byte-level helpers."""
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def features_md(caps: dict) -> str:
         "`csrc/fmha/capabilities.h` (`fmha._C.capabilities()`), which both validators read: "
         "the C++ contract (`csrc/fmha/validate.cpp`) and the Python layer "
         "(`python/fmha/_validate.py`). Do not edit by hand; `python tools/capability_matrix.py` "
-        "rewrites this page and `--check` fails when it is stale. `tests/test_capabilities.py` "
+        "rewrites this page and `--check` fails when it is stale. `tests/api/test_capabilities.py` "
         "checks that both validators accept and refuse exactly at every limit below.",
         "",
         "## Limits",

@@ -155,7 +155,7 @@ fi
 
 # ---- tests: the GPU suite, plus the build/benchmark checks (fmha-bench --cuda on the GPU) ----
 tests=()
-for t in ${GPU_CHECK_TESTS:-tests/test_cuda_gpu.py tests/test_kvcache_cuda.py tests/test_kvquant_cuda.py tests/test_cuda_emu_cases.py tests/test_empty.py tests/test_build.py}; do
+for t in ${GPU_CHECK_TESTS:-tests/kernels/test_cuda_gpu.py tests/kvcache/test_kvcache_cuda.py tests/kvcache/test_kvquant_cuda.py tests/kernels/test_cuda_emu_cases.py tests/api/test_empty.py tests/native/test_build.py}; do
   if [[ -f $t ]]; then tests+=("$t"); else echo "gpu_check: $t not found" | tee -a "$OUT/summary.txt"; failed=1; fi
 done
 if (( ${#tests[@]} )); then

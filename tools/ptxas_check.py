@@ -11,7 +11,7 @@ It prints one row per (kernel, arch) and then a register table: one row per kern
 column per arch.
 
 Exit status: 0 clean, 1 a kernel spills / has a stack frame / a file does not compile,
-2 nvcc not found. tests/test_cuda_emu.py runs it (and skips it where there is no nvcc).
+2 nvcc not found. tests/native/test_cuda_emu.py runs it (and skips it where there is no nvcc).
 """
 
 from __future__ import annotations

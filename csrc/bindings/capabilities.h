@@ -2,7 +2,7 @@
 // and check_forward / check_backward / check_forward_kvcache: the C++ validation contract
 // (fmha/validate.h) alone, for either backend, on host arrays -- the params are filled as
 // fmha._C fills them (backend='cuda': as the emulator does, the host arrays standing for
-// device memory), then checked, and no kernel runs. tests/test_capabilities.py holds
+// device memory), then checked, and no kernel runs. tests/api/test_capabilities.py holds
 // the contract to the table through them; tools/capability_matrix.py writes the docs
 // from capabilities().
 #pragma once

@@ -5,7 +5,7 @@
 // whose other coefficients are fitted for the least maximum relative error on that interval
 // (9.2e-8; the degree-6 Taylor polynomial it replaced: 1.6e-7, one multiply-add more), then
 // 2^n built in the exponent bits. Tested against float64 exp over [-87, 0] at every ISA level
-// (tests/test_core.py::test_kernel_exp_accuracy: relative error below 4e-7, i.e. a few
+// (tests/kernels/test_core.py::test_kernel_exp_accuracy: relative error below 4e-7, i.e. a few
 // float32 ulp; 1.6e-7 measured with fused multiply-adds). Inputs below -87 (including -inf, the mask value) give exactly 0 rather
 // than a denormal, so masked entries never slow the FPU down; NaN gives NaN.
 // float64 inputs use std::exp: exactness matters more than speed there.
@@ -50,7 +50,7 @@ inline float exp_approx(float x) {
 // r off by < 2.4e-7), the upper clamp at 0 rather than 88, and a degree-4 polynomial with exp(0) = 1 exact, its other coefficients fitted for
 // the least maximum relative error on [-ln2/2, ln2/2]. Relative error over [-87, 0] below
 // 4e-6 where a*b+c is fused, 7e-6 where not (the scalar build rounds n ln 2 before the
-// subtraction): tests/test_core.py::test_kernel_lean_exp_accuracy. Against the 2^-9
+// subtraction): tests/kernels/test_core.py::test_kernel_lean_exp_accuracy. Against the 2^-9
 // (bfloat16) or 2^-11 (float16) of the inputs' and the output's rounding, nothing; it takes
 // two multiply-adds fewer than exp_approx in the step that bounds the 16-bit forward after
 // its products (docs/cpu_kernels.md, "The forward").

@@ -11,7 +11,7 @@
 // registers once per CTA, not per score.
 //
 // Every config must compile without a register spill or a stack frame on sm_80 and sm_90:
-// `python tools/ptxas_check.py` (run by tests/test_cuda_emu.py) fails otherwise. The
+// `python tools/ptxas_check.py` (run by tests/native/test_cuda_emu.py) fails otherwise. The
 // reasoning behind each config is in cuda/flash_fwd.cuh and docs/cuda_kernels.md.
 #include <algorithm>
 #include <stdexcept>

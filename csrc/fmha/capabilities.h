@@ -6,7 +6,7 @@
 // numbers and dtype lists from it, fmha._C.capabilities() hands it to Python
 // (bindings/capabilities.h), where python/fmha/_validate.py and python/fmha/_kvcache.py take
 // their limits from it, and tools/capability_matrix.py writes docs/features.md from it.
-// tests/test_capabilities.py walks it and checks both validators accept and refuse exactly
+// tests/api/test_capabilities.py walks it and checks both validators accept and refuse exactly
 // at each entry.
 //
 // What is not here is a rule about the shape of a call rather than a backend's capability

@@ -3,7 +3,7 @@ to the compiled core: the kernel module they call, the CPU thread setting, and t
 conversion of arrays and extras into what the core's params struct takes.
 
 Nothing here imports _api or _torch: both import this module (and _validate), so the
-package's import graph has no cycle (tests/test_imports.py checks it).
+package's import graph has no cycle (tests/api/test_imports.py checks it).
 """
 
 from __future__ import annotations

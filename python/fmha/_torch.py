@@ -249,7 +249,7 @@ def _(dout, q, k, v, out, lse, bias, mask, alibi_slopes, cu_seqlens_q, cu_seqlen
 
 
 #: The inputs of fmha::fwd by name, in the op's order (their types are in fwd's signature;
-#: tests/test_torch_ops.py checks the names against the registered schema). Built from
+#: tests/api/test_torch_ops.py checks the names against the registered schema). Built from
 #: setup_context's ``inputs``, so a changed argument count fails there instead of shifting
 #: every field by one.
 _FwdInputs = namedtuple(
@@ -359,7 +359,7 @@ def plain_forward(spec: Spec, q, k, v, return_lse: bool):
     here, the three inputs exported, one kernel call. A host call that does not return lse
     leaves it to the kernels' own buffer (one allocation less). None when the call needs the
     general path (the op, or a copy of an input whose last dimension is strided). The same
-    kernels with the same settings as the op, so the same bits (tests/test_small_calls.py);
+    kernels with the same settings as the op, so the same bits (tests/api/test_small_calls.py);
     a layer loop's call costs what is left: docs/cpu_kernels.md, "Small calls"."""
     if not _direct(q, k, v):
         return None

@@ -14,7 +14,7 @@ fullgraph), fmha.scaled_dot_product_attention and fmha.nn.MultiheadAttention (ag
 torch's own), and fmha._C directly. The public-API cases run on the CPU kernels' entry and
 on the CUDA launchers under the emulator (conftest's ``backend`` fixture), which answer
 empty calls before any kernel tile exists. What stays an error (head_dim 0, query heads
-without kv heads) is in tests/test_errors.py.
+without kv heads) is in tests/api/test_errors.py.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ CASES = [
     ("int_q", lambda L: (fmha.attention, qkv(L, "int32"), {}), TE, r"^q: .*int32", BOTH),
     ("int64_k", lambda L: att(L, k=arr(L, (B, SK, HKV, D), "int64")), TE, r"^k:", BOTH),
     ("bool_q", lambda L: att(L, q=arr(L, (B, SQ, HQ, D), "bool")), TE, r"^q: .*bool", BOTH),
-    # --- empty dimensions: batch, seqlen and heads may be 0 (tests/test_empty.py); an empty
+    # --- empty dimensions: batch, seqlen and heads may be 0 (tests/api/test_empty.py); an empty
     # head dimension may not, nor query heads without kv heads
     ("head_dim_0", lambda L: (fmha.attention, (arr(L, (B, SQ, HQ, 0)), arr(L, (B, SK, HKV, 0)),
                                              arr(L, (B, SK, HKV, 0))), {}), VE,

@@ -1,5 +1,5 @@
 // run_case: fmha's CPU forward and backward on cases read from files, through the core's C++
-// entry points (csrc/fmha/api.h) with no Python in the process. tests/test_cpu_core_portable.py
+// entry points (csrc/fmha/api.h) with no Python in the process. tests/native/test_cpu_core_portable.py
 // writes the cases, runs this program (cross-compiled for aarch64 under qemu-user, and
 // natively under AddressSanitizer + UndefinedBehaviorSanitizer at each CPU kernel level) and
 // compares what it writes with fmha.reference.

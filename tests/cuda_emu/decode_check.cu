@@ -2,7 +2,7 @@
 // built plainly, with AddressSanitizer and with the race checker: in bounds on exactly sized
 // pools and tables (pages, tails, a padded head dim), race-free (each warp's P in shared
 // memory, the merge of the warps), and a refused call writes nothing. The numerical sweep
-// against fmha.reference is tests/test_kvcache_cuda.py; these cases cover the code paths.
+// against fmha.reference is tests/kvcache/test_kvcache_cuda.py; these cases cover the code paths.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

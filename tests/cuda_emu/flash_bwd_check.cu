@@ -3,8 +3,8 @@
 // buffers (tails, padded head dims, varlen packing), the cp.async double buffer of Q/dO, the
 // dS^T tile shared between warps for dQ, float32 atomics, the deterministic dQ kernel and the
 // dbias kernel (its one-row reduction through shared memory).
-// The numerical sweep against fmha.reference is tests/test_cuda_backward_emu.py and
-// tests/test_cuda_emu_cases.py; these cases cover the code paths under the sanitizers.
+// The numerical sweep against fmha.reference is tests/kernels/test_cuda_backward_emu.py and
+// tests/kernels/test_cuda_emu_cases.py; these cases cover the code paths under the sanitizers.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -2,7 +2,7 @@
 // reference, built plainly, with AddressSanitizer and with the race checker: the kernel must
 // be correct, in bounds (exactly sized buffers, tail tiles, padded head dims) and race-free
 // (the cp.async double buffer and its barriers). The full numerical sweep against
-// fmha.reference is tests/test_cuda_forward_emu.py; these cases cover the code paths.
+// fmha.reference is tests/kernels/test_cuda_forward_emu.py; these cases cover the code paths.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -4,7 +4,7 @@ masks"): a call with a BlockMask is the call with its dense bool mask, bit for b
 for every builder and composed with causal / window / bias / ALiBi / softcap / dropout /
 GQA; the float64 reference agrees; bad block masks are refused by name; the CUDA kernels
 under the emulator give the dense mask's bits too. (The builders themselves:
-tests/test_block_mask_build.py.)
+tests/kernels/test_block_mask_build.py.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ max|ref|; float16/bfloat16 within 2x (3x for gradients) of a naive low-precision
 computation's error). NumPy arrays go through fmha.attention + fmha.attention_backward,
 torch tensors through autograd.
 
-The cases the CUDA kernels share (tests/test_cuda_emu_cases.py) live in tests/cases.py;
+The cases the CUDA kernels share (tests/kernels/test_cuda_emu_cases.py) live in tests/cases.py;
 this file runs them on the CPU kernels, in every dtype and at bigger shapes.
 """
 

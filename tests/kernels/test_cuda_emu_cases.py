@@ -17,7 +17,7 @@ key tile, head, batch) step, so seqlens stay <= ~130 and most cases fit one 64-r
 Each feature runs in one of the low-precision (lib, dtype) pairs, rotating over the table,
 so NumPy (attention_backward) and torch (autograd) paths both see every feature family.
 
-tests/test_cuda_gpu.py adds bigger shapes and CUDA tensors end to end on a real GPU.
+tests/kernels/test_cuda_gpu.py adds bigger shapes and CUDA tensors end to end on a real GPU.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The public API with CUDA tensors end to end (device allocation, streams, autograd, varlen
 with device offsets, torch.compile) at sizes the emulator cannot reach, against the float64
 reference and the CPU path. The emulator's cases run on the GPU as the ``gpu`` backend of
-tests/test_cuda_emu_cases.py (conftest's ``backend`` fixture).
+tests/kernels/test_cuda_emu_cases.py (conftest's ``backend`` fixture).
 
 Skipped as a whole, with one reason, where there is no usable GPU or fmha has no CUDA build.
 """
@@ -21,7 +21,7 @@ from fmha import _C  # noqa: E402
 from conftest import _why_no_gpu  # noqa: E402
 
 if _why_no_gpu():
-    pytest.skip(_why_no_gpu() + "; the gpu backend of tests/test_cuda_emu_cases.py is not "
+    pytest.skip(_why_no_gpu() + "; the gpu backend of tests/kernels/test_cuda_emu_cases.py is not "
                 "generated either", allow_module_level=True)
 
 from conftest import (LOW_PRECISION, assert_close, fmha_results, make_inputs,  # noqa: E402
@@ -121,7 +121,7 @@ def test_varlen_device_offsets(rng):
 def test_empty_inputs_cuda_tensors(deterministic):
     """Empty calls with CUDA tensors (null data pointers, device offsets): no kernel is
     launched with an empty grid; out 0 / lse -inf on rows without keys, zero gradients
-    (tests/test_empty.py has the same cases through the gpu backend)."""
+    (tests/api/test_empty.py has the same cases through the gpu backend)."""
     cases = [((0, 5, 6, 4, 2), None), ((2, 0, 6, 4, 2), (1, 1, 1, 6)),
              ((2, 5, 0, 4, 2), (1, 4, 5, 1)), ((2, 5, 6, 0, 2), None),
              ((2, 5, 6, 0, 0), (1, 1, 5, 6))]

@@ -20,7 +20,7 @@ tolerance rule (conftest.check_against_reference / assert_close, docs/testing.md
 Reproducible: the examples are derandomized (a fixed sequence per test) and hypothesis keeps
 no database. CI runs a bounded count per test (the ``examples=`` below); FMHA_FUZZ_EXAMPLES=N
 runs N examples of every fuzz test instead (a long run:
-``FMHA_FUZZ_EXAMPLES=20000 python -m pytest -q tests/test_fuzz.py -k cpu``). A failure prints
+``FMHA_FUZZ_EXAMPLES=20000 python -m pytest -q tests/kernels/test_fuzz.py -k cpu``). A failure prints
 the falsifying configuration (shrunk on the CPU tests, where shrinking is cheap).
 """
 

@@ -4,7 +4,7 @@ fmha.attention and fmha.attention_varlen take ``num_splits`` (0 = by occupancy, 
 split, n = n splits) for NumPy/CuPy arrays and torch tensors (through the fmha::fwd op) and
 hand it to the kernel module's forward. The CPU kernels ignore it (same bits for any value);
 the CUDA forward, run here by the emulator (or on a GPU), must give the reference's answer
-for every split count. Bad values: tests/test_errors.py.
+for every split count. Bad values: tests/api/test_errors.py.
 """
 
 import numpy as np

@@ -19,7 +19,7 @@ from fmha import _philox, reference
 # ---------------------------------------------------------------------------
 
 # Known-answer vectors of Random123: tests/cases.py (PHILOX4X32_10_KAT), shared with
-# tests/test_core.py, which checks the compiled core against the same vectors.
+# tests/kernels/test_core.py, which checks the compiled core against the same vectors.
 
 
 @pytest.mark.parametrize("counter,key,expected", kat_rows())

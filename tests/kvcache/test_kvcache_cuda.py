@@ -2,7 +2,7 @@
 under the SIMT emulator (backend ``emu``) and on a real GPU (``gpu``), through the public
 function (conftest's ``backend`` fixture swaps the kernel module behind it).
 
-The same checks as tests/test_kvcache.py for the CPU, in float16 / bfloat16: the reference
+The same checks as tests/kvcache/test_kvcache.py for the CPU, in float16 / bfloat16: the reference
 with contiguous and paged caches (block sizes 1, 7, 16), ragged lengths including 0, GQA
 and MQA, causal, windows, ALiBi, softcap, appends; key splits (FlashDecoding) and their
 merge; paged == contiguous bitwise; token-by-token decode == one causal prefill. And what

@@ -108,7 +108,7 @@ def test_whole_chunks_match_the_reference(fmt, d, group):
 def test_bad_static_scale_is_refused_on_the_device(bad):
     """Static scales stay on the device: the kernels check them (finite, > 0) before the
     append, and a refused call writes nothing, returns NaN and is reported by check_refused,
-    as for cache_seqlens (tests/test_kvcache_cuda.py)."""
+    as for cache_seqlens (tests/kvcache/test_kvcache_cuda.py)."""
     rng = np.random.default_rng(7)
     kc, vc, ks, vs, _ = make_cache(rng, "int8", "static", b=1, cap=16)
     which, value = {"negative-k": ("k", -1.0), "nan-v": ("v", float("nan")),

@@ -2,7 +2,7 @@
 budget: every column is timed, the Flex column for the forward only (its backward's absence
 recorded), each row carries its fraction of the peak measured in the same run, and the JSON
 and CSV hold it all. Flex runs eagerly here (compiling it costs ~15 s per case; the compiled
-path is exercised by tests/test_bench_sparse.py). Times are only checked to be positive:
+path is exercised by tests/tools/test_bench_sparse.py). Times are only checked to be positive:
 speed is never asserted by tests."""
 
 import csv

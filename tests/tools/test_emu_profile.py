@@ -1,6 +1,6 @@
 """tools/emu_profile.py and the emulator's memory-traffic counters on the shipped kernels
 (fmha._cuda_emu.traffic(); the counters themselves are checked on planted patterns by the
-emu.traffic_* cases of tests/cuda_emu/emulator_checks.cu, run by tests/test_cuda_emu.py).
+emu.traffic_* cases of tests/cuda_emu/emulator_checks.cu, run by tests/native/test_cuda_emu.py).
 
 What the shipped FlashAttention-2 kernels guarantee today in these cases (whole-block copies
 of 256-byte-aligned inputs), as regressions to catch: no bank conflict in any ldmatrix, none

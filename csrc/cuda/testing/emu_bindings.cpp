@@ -341,7 +341,7 @@ void flash_backward(const py::object& dout_obj, const py::object& q_obj, const p
 // ---- forward / backward: fmha._C's signature, run by the emulated CUDA kernels ----------
 //
 // The same filler as fmha._C (bindings/params_from_dlpack.h), so that swapping fmha._C for
-// this module under the Python API (tests/test_cuda_emu_cases.py) runs the CUDA kernels on
+// this module under the Python API (tests/kernels/test_cuda_emu_cases.py) runs the CUDA kernels on
 // exactly the params the real launch would get; only the memory differs (host arrays here).
 namespace {
 

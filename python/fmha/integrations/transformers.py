@@ -9,10 +9,10 @@ can select fmha::
     model = AutoModelForCausalLM.from_config(config, attn_implementation="fmha")
     model.set_attn_implementation("fmha")  # or switch an existing model
 
-Verified (transformers 5.24, CPU): tests/test_models.py runs BERT, RoBERTa, ViT, CLIP,
+Verified (transformers 5.24, CPU): tests/integrations/test_models.py runs BERT, RoBERTa, ViT, CLIP,
 Whisper, T5, BART, GPT-2, Llama (GQA), Mistral (sliding window), Qwen2 and Gemma 2
 (softcap) against ``"sdpa"`` and ``"eager"`` (forward, a training step's gradients, greedy
-decoding); tests/test_transformers.py checks Llama in more depth and the attention function
+decoding); tests/integrations/test_transformers.py checks Llama in more depth and the attention function
 alone with a float mask, a T5-style ``position_bias``, ``softcap`` and grouped heads.
 
 Head importance (fmha.nn.head_importance) gates each head's output here: the function
