@@ -46,7 +46,7 @@ import fmha
 import fmha.integrations.transformers  # noqa: F401  (registers attn_implementation="fmha")
 import fmha.nn
 from fmha import _heads
-from fmha._host import cpu_model
+from fmha.bench import cpu_model
 
 FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                     threads=torch.get_num_threads(),
                     machine=platform.processor() or platform.machine(),
                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
-        from fmha._host import cpu_model
+        from fmha.bench import cpu_model
         meta["cpu_model"] = cpu_model()
         with open(a.out, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=1)

@@ -25,7 +25,7 @@ a fixed random dout; the gradients of q, k and v), all on the same inputs and th
     sdpa_causal  torch SDPA, is_causal=True                      (causal case only)
 
 q, k, v are (b, s, h, d) tensors (fmha's layout); SDPA and Flex get transposed (b, h, s, d)
-views of them, as bench.py gives SDPA, and their outputs are transposed back. Each case's
+views of them, as suite.py gives SDPA, and their outputs are transposed back. Each case's
 mask_mod is written once with torch indices; fmha.create_block_mask(mask_mod,
 backend="torch") must give exactly the element mask of the named fmha builder (recorded as
 mask_mod_matches_builder), so Flex and fmha see the same mask.
@@ -44,7 +44,7 @@ relative to max(max|fmha_dense|, 1), is recorded and held to 1e-4 (float32) / 5e
 
 Work and speed: "useful" flops count only the mask's non-empty blocks, each at its
 in-range size (edge blocks cut short): forward 4·b·h·pairs·d with pairs = the area of the
-non-empty blocks, forward+backward 3.5× that (bench.py's convention: backward 2.5× the
+non-empty blocks, forward+backward 3.5× that (suite.py's convention: backward 2.5× the
 forward). Every column's GFLOP/s uses that same count, so a dense-mask column's rate is the
 useful rate it delivers. Also recorded: the allowed pairs exactly (mask.sum()), the block
 counts (empty / full / partial) and the fraction of the fp32 FMA peak that fmha measures in
@@ -258,17 +258,17 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"),
         passes: Sequence[str] = ("fwd", "fwd+bwd"), out_path: Optional[str] = None,
         threads: Optional[int] = None, quick: bool = False, cases: Optional[Sequence[str]] = None,
         min_seconds: Optional[float] = None, max_cell_seconds: float = 120.0,
-        flex: bool = True, config: Optional[Config] = None) -> dict:
-    """Runs the benchmark and returns (and with out_path writes) the result dict. config
-    overrides the sizes (FULL, or QUICK with quick=True); flex=False records the Flex column
-    as skipped instead of compiling it."""
+        flex: bool = True, config: Optional[Config] = None, save=None) -> dict:
+    """Runs the benchmark and returns (and with out_path writes; with save, a _host.Save, puts
+    into the host's results file) the result dict. config overrides the sizes (FULL, or QUICK
+    with quick=True); flex=False records the Flex column as skipped instead of compiling it."""
     import numpy as np
     import torch
     import torch.nn.functional as F
 
     import fmha
 
-    from ._host import host_meta, write_json
+    from ._host import host_meta, write_json, write_result
 
     cfg = config or (QUICK if quick else FULL)
     if min_seconds is None:
@@ -467,6 +467,7 @@ def run(dtypes: Sequence[str] = ("float32", "bfloat16"),
                  for r in targets])
     report = _report(head, result)
     print("\n" + report, flush=True)
+    write_result(result, None, save)
     if out_path:
         write_json(out_path, result)
         txt = os.path.splitext(out_path)[0] + ".txt"

@@ -124,8 +124,8 @@ def _entries(torch, F, fmha, q, k, v, dtype_name):
 
 def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
     """The layers of one fmha.attention call (torch, no_grad), each timed on its own."""
-    from . import _C, _torch
-    from ._validate import prepare
+    from .. import _C, _torch
+    from .._validate import prepare
 
     spec = prepare(q, k, v)
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
@@ -198,13 +198,13 @@ def breakdown(torch, fmha, q, k, v, budget: dict) -> List[dict]:
 
 
 def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
-        min_seconds: float = 0.2, min_calls: int = 200, batches: int = 5):
+        min_seconds: float = 0.2, min_calls: int = 200, batches: int = 5, save=None):
     import torch
     import torch.nn.functional as F
 
     import fmha
 
-    from ._host import host_meta, write_json
+    from ._host import host_meta, write_result
 
     if threads:
         torch.set_num_threads(threads)
@@ -244,8 +244,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], shapes=None,
     result = dict(meta=meta, rows=[asdict(r) for r in rows],
                   breakdown=dict(case=smallest[0], dtype=dtypes[0], parts=parts),
                   budget=budget)
-    if out_path:
-        write_json(out_path, result)
+    write_result(result, out_path, save)
     return result
 
 

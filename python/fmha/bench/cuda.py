@@ -1,9 +1,9 @@
 """GPU benchmark: fmha vs torch SDPA (forced to its FlashAttention backend), in one process.
 
-    python -m fmha.bench_cuda                          # the grid below, float16 and bfloat16
-    python -m fmha.bench_cuda --quick                  # one small shape, for a smoke run
-    python -m fmha.bench_cuda --out benchmarks/gpu/H100/bench.json
-    python -m fmha.bench_cuda --decode --out decode.json   # KV-cache decode vs HBM bandwidth
+    python -m fmha.bench --cuda                   # the grid below, float16 and bfloat16
+    python -m fmha.bench --cuda --quick           # two small shapes, for a smoke run
+    python -m fmha.bench --cuda --save            # into benchmarks/results/<gpu>.json (h200, ...)
+    python -m fmha.bench --cuda --decode --save   # KV-cache decode vs the GPU's read bandwidth
 
 Grid: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128, causal and not. For
 every case it times the forward and the forward+backward of both implementations on the
@@ -11,11 +11,12 @@ same CUDA tensors ((batch, seqlen, heads, head_dim) for fmha, transposed views o
 SDPA) with CUDA events: warm-up calls, then the median of --reps calls, each between its own
 pair of events. It reports TFLOP/s (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5×
 forward, so forward+backward 3.5×), the ratio fmha / SDPA (> 1: fmha is faster) and the
-largest difference between the two outputs, and writes the rows to a JSON file with a CSV
-and a Markdown table beside it (the same row format as python -m fmha.bench; "gflops" there
-is GFLOP/s). Speed is only ever reported here, never asserted by tests.
+largest difference between the two outputs. --save puts the rows into the GPU's results file
+(section "cuda"); --out writes them to a JSON file with a CSV and a Markdown table beside it
+(the same row format as python -m fmha.bench; "gflops" there is GFLOP/s). Speed is only ever
+reported here, never asserted by tests.
 
---decode runs fmha/bench_decode.py's cases on the GPU instead: attention_with_kvcache
+--decode runs fmha/bench/decode.py's cases on the GPU instead: attention_with_kvcache
 (contiguous, paged 16 and 256), fmha.attention and torch SDPA (enable_gqa) on the same cache,
 as GB/s of K+V read and % of the read bandwidth measured in the same run.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import platform
 import sys
@@ -35,7 +35,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+from ._host import Save, add_output_arguments, command_line, commit, save_of
 from ._host import median_seconds_on as _median_s
+from ._host import write_result
 
 # (name, batch, heads, seqlen, head_dim, causal): heads_q == heads_kv, seqlen_q == seqlen_k,
 # so SDPA's top-left causal mask and fmha's bottom-right one are the same mask.
@@ -70,7 +72,7 @@ def _short(e: BaseException) -> str:
 
 
 def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
-        device: str = "cuda") -> List[Row]:
+        device: str = "cuda", save: Optional[Save] = None) -> List[Row]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -162,18 +164,17 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                 torch.cuda.empty_cache()
     table = _table(rows)
     print("\n" + table)
-    if out_path:
-        meta = dict(command=" ".join([os.path.basename(sys.executable), "-m", "fmha.bench_cuda"] +
-                                     sys.argv[1:]),
-                    fmha=fmha.__version__, torch=torch.__version__, torch_cuda=torch.version.cuda,
+    if out_path or save is not None:
+        meta = dict(command=command_line(), commit=commit(), fmha=fmha.__version__, torch=torch.__version__, torch_cuda=torch.version.cuda,
                     gpu=gpu, capability=capability, sms=sms,
                     fmha_cuda_status=fmha.cuda_status(),
                     reps=reps, peer="torch SDPA, SDPBackend.FLASH_ATTENTION",
                     flops="forward 4*b*h*sq*sk*d (halved when causal); fwd+bwd 3.5x forward",
                     host=platform.node(), date=time.strftime("%Y-%m-%d %H:%M:%S"))
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
+        if device != "cuda":  # a smoke run names no GPU, and saves under the CPU's class
+            meta["device"] = meta.pop("gpu")
+        write_result(dict(meta=meta, rows=[asdict(r) for r in rows]), out_path, save)
+    if out_path:
         stem = os.path.splitext(out_path)[0]
         with open(stem + ".csv", "w", newline="") as fh:
             w = csv.writer(fh)
@@ -188,7 +189,7 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                             r.error or ""])
         with open(stem + ".md", "w") as fh:
             fh.write(f"`{meta['command']}` on {gpu}, {meta['date']}\n\n{table}\n")
-        print(f"wrote {out_path} (+ .csv, .md)")
+        print(f"wrote {stem}.csv and {stem}.md beside it")
     return rows
 
 
@@ -214,7 +215,7 @@ def _table(rows: List[Row]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fmha.bench_cuda", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m fmha.bench --cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two small shapes only")
     ap.add_argument("--decode", action="store_true",
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
-    ap.add_argument("--out", default=None, help="JSON result file (CSV and .md written beside it)")
+    add_output_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of this script (its tests), not a benchmark")
     a = ap.parse_args(argv)
@@ -251,25 +252,27 @@ def main(argv=None) -> int:
 
     import fmha
 
+    mode = ("decode" if a.decode else "cuda") + ("-quick" if a.quick else "")
+    save = save_of(a, mode)
     if a.device == "cpu":
-        rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out, "cpu")
+        rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out, "cpu", save)
         return 1 if any(r.impl == "fmha" and r.error for r in rows) else 0
     if not torch.cuda.is_available():
-        print(f"python -m fmha.bench_cuda: no GPU: torch.cuda.is_available() is False (torch "
+        print(f"python -m fmha.bench --cuda: no GPU: torch.cuda.is_available() is False (torch "
               f"{torch.__version__}, built for CUDA {torch.version.cuda}); fmha.cuda_status(): "
               f"{fmha.cuda_status()}", file=sys.stderr)
         return 2
     if "cuda" not in fmha.backends():
-        print(f"python -m fmha.bench_cuda: fmha has no usable CUDA backend: "
+        print(f"python -m fmha.bench --cuda: fmha has no usable CUDA backend: "
               f"fmha.cuda_status(): {fmha.cuda_status()}", file=sys.stderr)
         return 2
     if a.decode:
-        from . import bench_decode
+        from . import decode as bench_decode
         bench_decode.run(a.dtypes.split(","), a.out, None,
                          bench_decode.QUICK_CASES if a.quick else None, device="cuda",
-                         kv_dtypes=[x for x in a.kv_dtypes.split(",") if x])
+                         kv_dtypes=[x for x in a.kv_dtypes.split(",") if x], save=save)
         return 0
-    rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out)
+    rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out, save=save)
     failed = [r for r in rows if r.impl == "fmha" and r.error]
     return 1 if failed else 0
 

@@ -110,14 +110,16 @@ def _decode(torch, impls, reps, small=False, new_tokens=32, prompt=64):
                 same_tokens=len({tuple(t) for t in tokens.values()}) == 1)
 
 
-def run(out_path: Optional[str], threads: Optional[int], reps: int = 5, small: bool = False):
-    """Both models, fmha and sdpa; small=True: two-layer stand-ins (tests)."""
+def run(out_path: Optional[str], threads: Optional[int], reps: int = 5, small: bool = False,
+        save=None):
+    """Both models, fmha and sdpa; small=True: two-layer stand-ins (tests); save: a _host.Save
+    (the host's results file)."""
     import torch
 
     import fmha
     import fmha.integrations.transformers  # noqa: F401  (registers "fmha")
 
-    from ._host import host_meta, write_json
+    from ._host import host_meta, write_result
 
     if threads:
         torch.set_num_threads(threads)
@@ -138,6 +140,5 @@ def run(out_path: Optional[str], threads: Optional[int], reps: int = 5, small: b
           f"{dec['same_tokens']}", flush=True)
     result = dict(meta=dict(host_meta(torch, fmha), fmha_threads=fmha.get_num_threads()),
                   reps=reps, vit=vit, decode=dec)
-    if out_path:
-        write_json(out_path, result)
+    write_result(result, out_path, save)
     return result

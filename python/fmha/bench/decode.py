@@ -25,7 +25,7 @@ of its per-round values, so not the ratio of the rows' ``ms`` (rows keep ``round
 then drift together. No new rows are appended (the cache is full), so every call reads the
 same bytes.
 
-On a GPU (``python -m fmha.bench_cuda --decode``, float16/bfloat16) the same entries run on
+On a GPU (``python -m fmha.bench --cuda --decode``, float16/bfloat16) the same entries run on
 CUDA tensors, timed by CUDA events, and the limit is the GPU's read bandwidth measured in the
 same run: ``torch.sum`` over a float32 buffer of the same size as K+V, median of 20 (so a
 cache that fits the L2 cache is judged against the L2-fed read, as it should be); one round,
@@ -122,13 +122,13 @@ ROUNDS = 5
 
 
 def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
-        min_seconds: float = 0.5, device: str = "cpu", kv_dtypes=()) -> list:
+        min_seconds: float = 0.5, device: str = "cpu", kv_dtypes=(), save=None) -> list:
     import torch
 
     import fmha
     from fmha.kvcache import attention_with_kvcache
 
-    from ._host import host_meta, timed_rounds, write_json
+    from ._host import host_meta, timed_rounds, write_result
 
     on_gpu = device != "cpu"
     if threads:
@@ -239,9 +239,7 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     span = f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
                     print(f"{'':24s} {label:9s}    read bandwidth {span} GB/s "
                           f"({nb / 1e6:.0f} MB)")
-    if out_path:
-        meta = host_meta(torch, fmha, "fmha.bench_cuda" if on_gpu else "fmha.bench")
-        if on_gpu:
-            meta["gpu"] = torch.cuda.get_device_name(device)
-        write_json(out_path, dict(meta=meta, rows=rows))
+    if out_path or save is not None:
+        meta = host_meta(torch, fmha, gpu=torch.cuda.get_device_name(device) if on_gpu else None)
+        write_result(dict(meta=meta, rows=rows), out_path, save)
     return rows

