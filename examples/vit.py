@@ -1,6 +1,6 @@
 """Image classification with a ViT-B/16 on fmha: forward and a training step, fmha vs SDPA.
 
-    python examples/vit.py --out benchmarks/vit_<host>_<date>.json
+    python examples/vit.py --out benchmarks/examples/vit.json
 
 A ViT-B/16-shaped classifier (transformers' ViTForImageClassification, default config: 12
 layers, 12 heads of 64, 224x224 images in 16x16 patches = 197 tokens, 1000 classes; random
