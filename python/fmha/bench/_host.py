@@ -138,13 +138,21 @@ def commit() -> str:
     return f"fmha {__version__}"
 
 
+_ARGS: Optional[list] = None  # the arguments of the command line being run (set_command)
+
+
+def set_command(args) -> None:
+    """Records the arguments python -m fmha.bench was given (its main's argv), for the
+    results' meta.command."""
+    global _ARGS
+    _ARGS = list(args)
+
+
 def command_line() -> str:
-    """The command a result was produced by: python -m fmha.bench and its arguments."""
-    args = sys.argv[1:]
-    module = "fmha.bench"
-    if os.path.basename(sys.argv[0]) == "cuda.py" and "--cuda" not in args:
-        args = ["--cuda"] + args  # python -m fmha.bench.cuda is the --cuda mode
-    return " ".join([os.path.basename(sys.executable), "-m", module] + args)
+    """The command a result was produced by: python -m fmha.bench and its arguments (those
+    given to its main; the process's own when a mode runs without it)."""
+    args = _ARGS if _ARGS is not None else sys.argv[1:]
+    return " ".join([os.path.basename(sys.executable), "-m", "fmha.bench"] + list(args))
 
 
 def host_meta(torch, fmha, gpu: Optional[str] = None) -> dict:

@@ -72,7 +72,7 @@ import sys
 import time
 
 from . import suite
-from ._host import add_output_arguments, save_of
+from ._host import add_output_arguments, save_of, set_command
 
 MODES = ("latency", "e2e", "decode", "distributed", "sparse", "kv_quant")
 
@@ -109,6 +109,7 @@ def _loop(ap, a) -> None:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    set_command(argv)
     if "--cuda" in argv:
         from . import cuda
         argv.remove("--cuda")

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
-from ._host import Save, add_output_arguments, command_line, commit, save_of
+from ._host import Save, add_output_arguments, command_line, commit, save_of, set_command
 from ._host import median_seconds_on as _median_s
 from ._host import write_result
 
@@ -230,7 +230,9 @@ def main(argv=None) -> int:
     add_output_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of this script (its tests), not a benchmark")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
+    set_command(["--cuda"] + argv)
     for dt in a.dtypes.split(","):
         if dt not in ("float16", "bfloat16"):
             ap.error(f"--dtypes: {dt!r}; expected float16 and/or bfloat16 (FlashAttention "
