@@ -26,8 +26,9 @@ turns the results files into docs/performance.md.
 The standard suite (fmha/bench/suite.py): per case, dtype and pass, GFLOP/s of fmha, torch
 SDPA, compiled FlexAttention (forward only) and the naive formula, the ratios to SDPA and to
 Flex, and the fraction of the peak measured in the same run. The default run takes two of its
-cases (SHORT_SUITE, in ~2 minutes on two cores), float32 and bfloat16, forward and
-forward+backward, over 3 rounds instead of 5; --full runs all six cases (~10 minutes there).
+cases (SHORT_SUITE), float32 and bfloat16, forward and forward+backward, over 3 rounds instead
+of 5: 1-3 minutes on two cores (FlexAttention compiling included); --full runs all six cases
+(about 11 minutes there).
 
 --latency (fmha/bench/latency.py): µs per call of fmha.attention (torch under no_grad, torch
 requiring grad, NumPy), fmha's scaled_dot_product_attention and torch's SDPA on small shapes,
