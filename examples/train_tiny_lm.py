@@ -8,8 +8,8 @@ initialisation, so the fmha model starts from the torch model's checkpoint (load
 ``load_state_dict``, as a user switching an existing model would) and the two loss curves
 must agree to within float32 rounding, amplified over the run::
 
-    python examples/train_tiny_lm.py --steps 300 --out benchmarks/train_tiny_lm.json \\
-        --plot benchmarks/train_tiny_lm.png
+    python examples/train_tiny_lm.py --steps 300 --out benchmarks/examples/train_tiny_lm.json \\
+        --plot benchmarks/examples/train_tiny_lm.png
 
 writes both loss curves (JSON) and, when matplotlib is installed, a plot. The exit status is
 1 when the curves differ by more than ``--tolerance``. The 300-step run takes seconds on

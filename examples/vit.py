@@ -1,6 +1,6 @@
 """Image classification with a ViT-B/16 on fmha: forward and a training step, fmha vs SDPA.
 
-    python examples/vit.py --out benchmarks/vit_<host>_<date>.json
+    python examples/vit.py --out benchmarks/examples/vit.json
 
 A ViT-B/16-shaped classifier (transformers' ViTForImageClassification, default config: 12
 layers, 12 heads of 64, 224x224 images in 16x16 patches = 197 tokens, 1000 classes; random
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                     threads=torch.get_num_threads(),
                     machine=platform.processor() or platform.machine(),
                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
-        from fmha._host import cpu_model
+        from fmha.bench import cpu_model
         meta["cpu_model"] = cpu_model()
         with open(a.out, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=1)

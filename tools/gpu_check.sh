@@ -2,7 +2,7 @@
 # The GPU check: on a machine with an NVIDIA GPU, build fmha for that GPU's architecture only,
 # run the CUDA tests, then the CUDA benchmarks, and keep every log and result.
 #
-#   tools/gpu_check.sh [OUT_DIR]        default OUT_DIR: benchmarks/gpu/<gpu name>/
+#   tools/gpu_check.sh [OUT_DIR]        default OUT_DIR: build/gpu_check/<gpu name>/
 #
 # Needs, preinstalled (no network is used): nvcc, a CUDA build of torch, pybind11,
 # scikit-build-core, numpy, pytest, cmake and ninja. PYTHON=/path/to/python picks the
@@ -19,7 +19,9 @@
 #
 # OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), bench.log, bench.json,
 # bench.csv, bench.md, predictions.md (+ .log), decode.log, decode.json, fmha-bench-cuda.txt
-# and summary.txt (phase, status, seconds).
+# and summary.txt (phase, status, seconds). The benchmark and decode phases also --save their
+# rows into the GPU's results file, benchmarks/results/<gpu class>.json (sections "cuda" and
+# "decode"), the file to commit; OUT_DIR is a scratch folder (build/ is not tracked).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,7 +61,7 @@ else
   build_archs="${FMHA_CUDA_ARCHS:-80}"
 fi
 slug="$(echo "${gpu_name:-no-gpu}" | tr -cs 'A-Za-z0-9._-' '-' | sed 's/^-*//; s/-*$//')"
-OUT="${1:-$ROOT/benchmarks/gpu/$slug}"
+OUT="${1:-$ROOT/build/gpu_check/$slug}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 : > "$OUT/summary.txt"
@@ -167,13 +169,13 @@ fi
 
 # ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
 rm -f "$OUT/bench.json" "$OUT/decode.json"  # the predictions read this run's rows only
-run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench_cuda --out "$OUT/bench.json"
+run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench --cuda --out "$OUT/bench.json" --save
 # decode leaves 30 s of the budget to the predictions after it
 decode_limit=$(( BUDGET - ($(date +%s) - T0) - 30 ))
 (( decode_limit > 90 )) && decode_limit=90
 if (( decode_limit >= 10 )); then
-  run_phase decode "$decode_limit" "$OUT/decode.log" "$PY" -m fmha.bench_cuda --decode \
-    --kv-dtypes int8,float8_e4m3fn,float8_e5m2 --out "$OUT/decode.json"
+  run_phase decode "$decode_limit" "$OUT/decode.log" "$PY" -m fmha.bench --cuda --decode \
+    --kv-dtypes int8,float8_e4m3fn,float8_e5m2 --out "$OUT/decode.json" --save
 else
   skip_phase decode "under 40 s of the ${BUDGET}s budget left: kept for the predictions"
 fi

@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Predicted vs measured: the CUDA kernels' expected speed, written down before any GPU ran
 them (benchmarks/gpu/predictions.json, reasoned in docs/cuda_kernels.md, "Open predictions
-for the first GPU run"), beside what `python -m fmha.bench_cuda` measured (its --out JSON).
+for the first GPU run"), beside what `python -m fmha.bench --cuda` measured: its --out JSON,
+or a results file that --save wrote (benchmarks/results/<gpu>.json: its "cuda" section, and
+its "decode" section unless --decode names a file).
 
     python tools/gpu_predictions.py OUT/bench.json [--decode OUT/decode.json]
                                     [--predictions FILE] [--out OUT/predictions.md]
+    python tools/gpu_predictions.py benchmarks/results/h200.json
 
 Each prediction names the rows it covers and a range for one field of them. Attention rows
 (bench.json): pass, dtypes, a regex on the case name, and a field of fmha's rows
 (ratio_vs_sdpa: SDPA flash's time over fmha's). Decode rows (`"bench": "decode"`, from
-`python -m fmha.bench_cuda --decode`'s JSON): entry (kvcache, kvcache-paged16,
+`python -m fmha.bench --cuda --decode`'s JSON): entry (kvcache, kvcache-paged16,
 kvcache-int8, ...), seqlen_q, dtypes, a regex on the case name, and a field
 (fraction_of_bandwidth, speedup_vs_16bit_cache). The table gives the measured minimum and
 maximum over those rows and a verdict: inside the range, below it, above it, or not measured
@@ -79,19 +82,29 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _section(data: dict, mode: str) -> dict:
+    """A mode's result: the file itself (an --out JSON), or its section of a results file."""
+    return data["suites"][mode] if "suites" in data else data
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("bench", type=Path, help="python -m fmha.bench_cuda's --out JSON")
+    ap.add_argument("bench", type=Path,
+                    help="python -m fmha.bench --cuda's --out JSON, or a results file")
     ap.add_argument("--decode", type=Path, default=None,
-                    help="python -m fmha.bench_cuda --decode's --out JSON (decode predictions "
+                    help="python -m fmha.bench --cuda --decode's --out JSON (decode predictions "
                          "read as not measured without it)")
     ap.add_argument("--predictions", type=Path, default=DEFAULT_PREDICTIONS)
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     a = ap.parse_args(argv)
     try:
         predictions = json.loads(a.predictions.read_text())["predictions"]
-        rows = json.loads(a.bench.read_text())["rows"]
-        decode_rows = json.loads(a.decode.read_text())["rows"] if a.decode else []
+        bench = json.loads(a.bench.read_text())
+        rows = _section(bench, "cuda")["rows"]
+        if a.decode:
+            decode_rows = _section(json.loads(a.decode.read_text()), "decode")["rows"]
+        else:
+            decode_rows = bench.get("suites", {}).get("decode", {}).get("rows", [])
     except (OSError, ValueError, KeyError) as e:
         print(f"gpu_predictions: {e}", file=sys.stderr)
         return 2

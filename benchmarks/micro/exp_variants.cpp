@@ -2,8 +2,8 @@
 // vector, scale it, subtract the row max, exp, store, add to the row sum) over a 64 x 64
 // tile in L1, with the library's vexp / vexp_lean (csrc/cpu/simd.h) and with the cheaper
 // float32 variants one could write instead, to see what each would take off the softmax.
-// Best of 15 timings of 4000 tiles; ns per 16 scores and the ratio to the degree-6 exp that
-// vexp was until 2026-12-03 (the first row). Each variant's
+// Best of 15 timings of 4000 tiles; ns per 16 scores and the ratio to a degree-6 exp (the
+// first row). Each variant's
 // largest relative error against double exp over [-87, 0] is printed beside it (vexp's test
 // bound is 4e-7: tests/test_core.py::test_kernel_exp_accuracy). benchmarks/NOTES.md ("A
 // cheaper exponential", 2026-12-03) quotes it. Build and run from the repository root:

@@ -2,11 +2,13 @@
 // (C += A B, A rows 64 floats apart, everything 64-byte aligned) per register-block shape,
 // best of 15 timings of 2000 products, next to the FMA probe the benchmarks use.
 // benchmarks/NOTES.md ("Where the time goes") quotes it. Build and run, from the repository
-// root, after the README's install (which leaves build/full/libfmha_core.a):
+// root, after a pip install of the repository (which leaves libfmha_core.a in its build folder,
+// build/<wheel tag>/):
 //
+//   B=build/cp311-cp311-linux_x86_64
 //   g++ -O3 -std=gnu++17 -fopenmp-simd -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma \
-//       -mf16c -Icsrc benchmarks/micro/gemm_block_l1.cpp build/full/libfmha_core.a \
-//       build/full/libfmha_validate.a build/full/libfmha_core.a -lpthread -o /tmp/gemm_l1
+//       -mf16c -Icsrc benchmarks/micro/gemm_block_l1.cpp $B/libfmha_core.a \
+//       $B/libfmha_validate.a $B/libfmha_core.a -lpthread -o /tmp/gemm_l1
 //   /tmp/gemm_l1
 #define FMHA_CPU_ISA_NS avx512
 #include <chrono>

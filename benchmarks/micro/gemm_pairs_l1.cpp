@@ -3,12 +3,13 @@
 // rows 1 KiB apart as in a (batch, seq, 8 heads, 64) tensor) and O += P V (64 rows x 64 columns
 // x 32 pairs), each through the library's gemm<> entry, best of 10 timings of 4000 products,
 // next to the dot-product probe the benchmarks use. benchmarks/NOTES.md ("Long sequences")
-// quotes it. Build and run, from the repository root, after the README's install (which leaves
-// build/full/libfmha_core.a), on a CPU with AVX512-BF16:
+// quotes it. Build and run, from the repository root, after a pip install of the repository
+// (which leaves libfmha_core.a in build/<wheel tag>/), on a CPU with AVX512-BF16:
 //
+//   B=build/cp311-cp311-linux_x86_64
 //   g++ -O3 -std=gnu++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma \
-//       -mf16c -Icsrc benchmarks/micro/gemm_pairs_l1.cpp build/full/libfmha_core.a \
-//       build/full/libfmha_validate.a build/full/libfmha_core.a -lpthread -o /tmp/gemm_pairs
+//       -mf16c -Icsrc benchmarks/micro/gemm_pairs_l1.cpp $B/libfmha_core.a \
+//       $B/libfmha_validate.a $B/libfmha_core.a -lpthread -o /tmp/gemm_pairs
 //   /tmp/gemm_pairs
 #define FMHA_CPU_ISA_NS avx512bf16
 #include <algorithm>

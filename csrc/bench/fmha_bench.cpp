@@ -49,7 +49,7 @@ const Case kSuite[] = {
 };
 
 // The GPU grid of the issue: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128,
-// causal and not (python -m fmha.bench_cuda runs the same grid against torch SDPA).
+// causal and not (python -m fmha.bench --cuda runs the same grid against torch SDPA).
 const Case kCudaSuite[] = {
     {4, 16, 16, 4096, 4096, 64, false},  {4, 16, 16, 4096, 4096, 64, true},
     {4, 16, 16, 4096, 4096, 128, false}, {4, 16, 16, 4096, 4096, 128, true},
@@ -170,7 +170,7 @@ struct ForwardBuffers {
   }
 };
 
-// The small shapes of python/fmha/bench_latency.py (LATENCY_SHAPES): decode against 16, 256
+// The small shapes of python/fmha/bench/latency.py (LATENCY_SHAPES): decode against 16, 256
 // and 4096 keys, a 16-token call, a ViT-B/16 batch and a 128-token batch.
 const Case kLatencySuite[] = {
     {1, 8, 8, 1, 16, 64, false},   {1, 8, 8, 1, 256, 64, false},  {1, 8, 8, 1, 4096, 64, false},
@@ -201,7 +201,7 @@ void run_latency(const Case& c, fmha::DType dt, int threads) {
   std::fflush(stdout);
 }
 
-// The decode shapes of python/fmha/bench_decode.py (DECODE_CASES): b, hq, hkv, sk, d.
+// The decode shapes of python/fmha/bench/decode.py (DECODE_CASES): b, hq, hkv, sk, d.
 const Case kDecodeSuite[] = {
     {8, 32, 8, 1, 4096, 128, true},  {1, 32, 8, 1, 32768, 128, true},
     {32, 32, 8, 1, 1024, 128, true}, {1, 8, 1, 1, 65536, 128, true},

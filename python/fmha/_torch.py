@@ -47,8 +47,8 @@ def _share_torch_threads() -> None:
     """Run the CPU kernels' parallel regions on torch's OpenMP threads rather than on fmha's
     own pool. torch's threads spin for a while after each of torch's operators; on a
     machine with as many threads as cores they took the cores from the pool's helpers, and
-    fmha's attention inside a model ran no faster than SDPA's
-    (benchmarks/vit_attention_share.py). FMHA_OWN_THREADS=1 keeps the pool."""
+    fmha's attention inside a model ran no faster than SDPA's (python -m fmha.bench --e2e
+    times such a model both ways). FMHA_OWN_THREADS=1 keeps the pool."""
     if os.environ.get("FMHA_OWN_THREADS", "") not in ("", "0"):
         return
     path = _torch_openmp_runtime()

@@ -5,7 +5,7 @@
   and bad values stop the configure with a message naming the option; architectures become
   SASS for each and PTX for the highest.
 * fmha-bench --cuda: a clear message and a non-zero exit without a GPU; a timed line with one.
-* python -m fmha.bench_cuda: its whole measuring and reporting path, run on the CPU
+* python -m fmha.bench --cuda: its whole measuring and reporting path, run on the CPU
   (--device cpu) on a tiny shape.
 """
 
@@ -186,7 +186,7 @@ def test_fmha_bench_cuda_mode():
 def test_bench_cuda_smoke_on_cpu(tmp_path):
     """The benchmark's measuring, comparing and writing, on a tiny shape on the CPU."""
     torch = pytest.importorskip("torch")
-    from fmha import bench_cuda
+    from fmha.bench import cuda as bench_cuda
 
     out = tmp_path / "gpu" / "bench.json"
     case = ("tiny-causal", 1, 2, 64, 32, True)
@@ -213,7 +213,7 @@ def test_bench_cuda_without_gpu_says_so(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from fmha import bench_cuda
+    from fmha.bench import cuda as bench_cuda
 
     assert bench_cuda.main(["--quick"]) == 2
     assert "no GPU" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from fmha import bench_kvquant  # noqa: E402
+from fmha.bench import kvquant as bench_kvquant  # noqa: E402
 
 TINY = (2, 64, 4, 2, 32)  # batch, seqlen_k, heads_q, heads_kv, head_dim
 
@@ -87,7 +87,7 @@ def test_minilm_parts(monkeypatch):
 
 
 def test_decode_8bit_rows():
-    from fmha import bench_decode
+    from fmha.bench import decode as bench_decode
     rows = bench_decode.run(["bfloat16"], None, None, [("tiny", 1, 4, 2, 256, 32)],
                             min_seconds=0.0, kv_dtypes=["int8", "float8_e4m3fn",
                                                         "float8_e5m2"])

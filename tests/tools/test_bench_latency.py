@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fmha import bench, bench_latency  # noqa: E402
+from fmha import bench  # noqa: E402
+from fmha.bench import latency as bench_latency  # noqa: E402
 
 TINY = ["--latency", "--cases", "decode-sk16", "--min-seconds", "0", "--min-calls", "1",
         "--batches", "5", "--threads", "2"]
@@ -71,7 +72,7 @@ def test_e2e_small(tmp_path):
     """python -m fmha.bench --e2e end to end on two-layer stand-ins: both implementations
     timed, the same greedy tokens, the JSON written (the real models only differ in size)."""
     pytest.importorskip("transformers")
-    from fmha import bench_e2e
+    from fmha.bench import e2e as bench_e2e
 
     out = tmp_path / "e2e.json"
     result = bench_e2e.run(str(out), None, reps=1, small=True)

@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fmha  # noqa: E402
-from fmha import bench, bench_sparse  # noqa: E402
+from fmha import bench  # noqa: E402
+from fmha.bench import sparse as bench_sparse  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +125,8 @@ def test_bench_main_dispatches_sparse(monkeypatch, tmp_path):
     bench.main(["--sparse", "--quick", "--dtypes", "float32", "--passes", "fwd", "--out", out,
                 "--threads", "2", "--cases", "document,causal"])
     assert seen["args"] == (["float32"], ["fwd"], out, 2)
-    assert seen["kw"] == dict(quick=True, cases=["document", "causal"], min_seconds=None)
+    assert seen["kw"] == dict(quick=True, cases=["document", "causal"], min_seconds=None,
+                            save=None)
     bench.main(["--sparse"])
     assert seen["args"] == (["float32", "bfloat16"], ["fwd", "fwd+bwd"], None, None)
     assert seen["kw"]["quick"] is False and seen["kw"]["cases"] is None

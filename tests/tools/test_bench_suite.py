@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fmha import bench  # noqa: E402
+from fmha.bench import suite  # noqa: E402
 
 CASES = [("tiny-gqa-causal", 1, 4, 2, 64, 64, 16, True), ("tiny", 1, 2, 2, 32, 48, 16, False)]
 
@@ -29,15 +29,15 @@ def restore_torch_threads():
 def fast_and_eager(monkeypatch):
     """Two rounds of one timed call per cell, and FlexAttention uncompiled."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    monkeypatch.setattr(bench, "ROUNDS", 2)
-    monkeypatch.setattr(bench, "ROUND_SECONDS", 0.0)
-    monkeypatch.setattr(bench, "compiled_flex", lambda torch: (flex_attention,
+    monkeypatch.setattr(suite, "ROUNDS", 2)
+    monkeypatch.setattr(suite, "ROUND_SECONDS", 0.0)
+    monkeypatch.setattr(suite, "compiled_flex", lambda torch: (flex_attention,
                                                                create_block_mask, ""))
 
 
 def test_suite_rows_peaks_and_flex_column(tmp_path, capsys, fast_and_eager):
     out = tmp_path / "suite.json"
-    rows = bench.run(CASES[:1], ["float32", "bfloat16"], ["fwd", "fwd+bwd"], str(out), 2)
+    rows = suite.run(CASES[:1], ["float32", "bfloat16"], ["fwd", "fwd+bwd"], str(out), 2)
     printed = capsys.readouterr().out
     assert "measured peaks: fp32 FMA" in printed and "| fmha / Flex |" in printed
 
@@ -88,7 +88,7 @@ def test_suite_rows_peaks_and_flex_column(tmp_path, capsys, fast_and_eager):
 
 
 def test_no_flex_leaves_the_column_out(tmp_path, fast_and_eager):
-    rows = bench.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1, flex=False)
+    rows = suite.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1, flex=False)
     assert {r.impl for r in rows} == {"fmha", "torch_sdpa", "naive", "fmha+keypad"}
     meta = json.loads((tmp_path / "s.json").read_text())["meta"]
     assert meta["flex"]["errors"] == {"tiny": "not requested"}
@@ -99,7 +99,7 @@ def test_rounds_rotate_and_record_a_flex_failure():
     starts one call further along the order; a call allowed to fail (flex) that raises in a
     later round is dropped with its error, the others keep one time per round; any other
     call's error propagates."""
-    from fmha._host import timed_rounds
+    from fmha.bench._host import timed_rounds
     log, calls = [], {"flex": 0}
 
     def flex():
@@ -138,8 +138,8 @@ def test_a_flex_failure_mid_run_is_recorded(tmp_path, monkeypatch, fast_and_eage
             raise RuntimeError("flaky flex")
         return flex_attention(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "compiled_flex", lambda torch: (flaky, create_block_mask, ""))
-    rows = bench.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1)
+    monkeypatch.setattr(suite, "compiled_flex", lambda torch: (flaky, create_block_mask, ""))
+    rows = suite.run(CASES[1:], ["float32"], ["fwd"], str(tmp_path / "s.json"), 1)
     assert {r.impl for r in rows} == {"fmha", "torch_sdpa", "naive", "fmha+keypad"}
     errors = json.loads((tmp_path / "s.json").read_text())["meta"]["flex"]["errors"]
     assert errors == {"tiny float32 fwd": "RuntimeError: flaky flex"}

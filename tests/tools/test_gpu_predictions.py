@@ -1,5 +1,5 @@
 """tools/gpu_predictions.py: the predictions in benchmarks/gpu/predictions.json name rows that
-`python -m fmha.bench_cuda` really writes, and the verdicts beside measured rows are right."""
+`python -m fmha.bench --cuda` really writes, and the verdicts beside measured rows are right."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_predictions as gp  # noqa: E402
 
-from fmha import bench_cuda, bench_decode  # noqa: E402
+from fmha.bench import cuda as bench_cuda  # noqa: E402
+from fmha.bench import decode as bench_decode  # noqa: E402
 
 
 def _row(case, pass_, ratio, dtype="float16", impl="fmha"):
@@ -107,9 +108,30 @@ def test_main_writes_the_table(tmp_path, capsys):
             f"{dmid:.2f}–{dmid:.2f} (1) | inside |") in capsys.readouterr().out
 
 
+def test_main_reads_a_results_file(tmp_path, capsys):
+    """A results file (python -m fmha.bench --cuda --save): the rows of its "cuda" section, and
+    of its "decode" section where --decode names no file."""
+    preds = json.loads(gp.DEFAULT_PREDICTIONS.read_text())["predictions"]
+    (pr,) = [x for x in preds if x["id"] == "fwd d128"]
+    (dp,) = [x for x in preds if x["id"] == "decode group 4"]
+    mid = round((pr["low"] + pr["high"]) / 2, 2)
+    dmid = round((dp["low"] + dp["high"]) / 2, 2)
+    results = tmp_path / "h200.json"
+    results.write_text(json.dumps(dict(host_class="h200", host={}, suites=dict(
+        cuda=dict(meta={}, rows=[_row("b4h16s4096d128", "fwd", mid)]),
+        decode=dict(meta={}, rows=[_decode_row("b8-hq32-hkv8-sk4096", dp["entry"], dmid)])))))
+    assert gp.main([str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert f"| fwd d128 | ratio_vs_sdpa | {pr['low']:.2f}–{pr['high']:.2f} | " \
+           f"{mid:.2f}–{mid:.2f} (1) | inside |" in printed
+    assert f"{dmid:.2f}–{dmid:.2f} (1) | inside |" in printed.split("| decode group 4 |")[1]
+
+
 def test_gpu_check_runs_it():
     script = (ROOT / "tools" / "gpu_check.sh").read_text()
     assert 'tools/gpu_predictions.py' in script and '"$OUT/bench.json"' in script
     # after the decode phase, with its rows
     assert script.index('run_phase decode') < script.index('run_phase predictions')
     assert '--decode "$OUT/decode.json"' in script
+    # both benchmark phases run through python -m fmha.bench and update the results file
+    assert script.count("-m fmha.bench --cuda") == 2 and script.count('.json" --save') == 2

@@ -1,0 +1,7 @@
+"""python -m fmha.bench: see fmha/bench/cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
