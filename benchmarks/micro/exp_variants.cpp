@@ -5,7 +5,7 @@
 // Best of 15 timings of 4000 tiles; ns per 16 scores and the ratio to a degree-6 exp (the
 // first row). Each variant's
 // largest relative error against double exp over [-87, 0] is printed beside it (vexp's test
-// bound is 4e-7: tests/test_core.py::test_kernel_exp_accuracy). benchmarks/NOTES.md ("A
+// bound is 4e-7: tests/kernels/test_core.py::test_kernel_exp_accuracy). docs/cpu_kernels.md ("A
 // cheaper exponential", 2026-12-03) quotes it. Build and run from the repository root:
 //
 //   g++ -O3 -std=gnu++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -Icsrc \

@@ -1,7 +1,7 @@
 // The CPU GEMM micro-kernel (csrc/cpu/gemm.h) alone, every operand in L1: a 64x64x64 product
 // (C += A B, A rows 64 floats apart, everything 64-byte aligned) per register-block shape,
 // best of 15 timings of 2000 products, next to the FMA probe the benchmarks use.
-// benchmarks/NOTES.md ("Where the time goes") quotes it. Build and run, from the repository
+// docs/cpu_kernels.md ("Where the time goes") quotes it. Build and run, from the repository
 // root, after a pip install of the repository (which leaves libfmha_core.a in its build folder,
 // build/<wheel tag>/):
 //

@@ -2,7 +2,7 @@
 // forward's two tile products for head_dim 64: Sᵀ = K Qᵀ (64 keys x 64 rows x 32 pairs, K's
 // rows 1 KiB apart as in a (batch, seq, 8 heads, 64) tensor) and O += P V (64 rows x 64 columns
 // x 32 pairs), each through the library's gemm<> entry, best of 10 timings of 4000 products,
-// next to the dot-product probe the benchmarks use. benchmarks/NOTES.md ("Long sequences")
+// next to the dot-product probe the benchmarks use. docs/cpu_kernels.md ("Long sequences")
 // quotes it. Build and run, from the repository root, after a pip install of the repository
 // (which leaves libfmha_core.a in build/<wheel tag>/), on a CPU with AVX512-BF16:
 //

@@ -1,6 +1,6 @@
 // What pybind11's named parameters cost per call, against (*args, **kwargs): two functions of
 // a throwaway module, called as fmha's binding is (5 arrays by position, 7 settings by name).
-// csrc/bindings/params_from_dlpack.h (ArrayArgs) and benchmarks/latency_icelake_2026-12-01.md
+// csrc/bindings/params_from_dlpack.h (ArrayArgs) and docs/cpu_kernels.md ("Small calls")
 // quote it. Build and run (pybind11 installed):
 //
 //   g++ -O2 -shared -fPIC -std=c++17 $(python -m pybind11 --includes) \

@@ -1,6 +1,6 @@
 """tools/sass_report.py's loop analysis on planted SASS: the main loop is the one with the most
 HMMA, and its common path takes the products and the prefetch but skips optional regions (the
-numbers of benchmarks/gpu/sass/ come from this path)."""
+numbers of docs/cuda_kernels.md come from this path)."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_ctas_per_sm_limits():
 def test_shared_memory_bytes_per_instruction():
     """What a warp moves through shared memory, per instruction: ldmatrix by its matrix count,
     LDS/STS/LDGSTS by their width per lane; placeholders that never execute and other opcodes
-    move nothing. The smem bytes/HMMA column of benchmarks/gpu/sass/ sums these on the path."""
+    move nothing. The smem bytes/HMMA column of docs/cuda_kernels.md sums these on the path."""
     ins = sr.parse(_sass([
         (0x00, "LDSM.16.M88.4 R4, [R2]"),
         (0x10, "LDSM.16.MT88.2 R8, [R2+0x100]"),
