@@ -422,7 +422,7 @@ def build(hosts) -> tuple:
              "the results file of its host class in `benchmarks/results/`, which holds the "
              "latest run of each benchmark mode on that host (`python -m fmha.bench <mode> "
              "--save`; benchmarks/README.md describes the modes). Regenerate this page with "
-             "`python tools/performance_page.py`; its `--check` fails (tests/"
+             "`python tools/performance_page.py`; its `--check` fails (tests/tools/"
              "test_performance_page.py runs it) when the page, its plots or the README's "
              "summary differ from the results files.", "",
              "Reading the numbers: the forward counts 4·b·h·sq·sk·d floating-point operations "
