@@ -21,6 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generated_block import replace_block  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 FEATURES_MD = ROOT / "docs" / "features.md"
 README = ROOT / "README.md"
@@ -132,11 +135,7 @@ def readme_block(caps: dict) -> str:
 
 def readme_with_block(text: str, block: str):
     """README text with the block between the markers replaced; None without markers."""
-    if BEGIN not in text or END not in text:
-        return None
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{block}{END}{tail}"
+    return replace_block(text, BEGIN, END, block)
 
 
 def _shown(p: Path) -> str:

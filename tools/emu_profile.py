@@ -128,7 +128,7 @@ def main(argv=None):
                     help="also write the table, under a header naming the command, to this file")
     a = ap.parse_args(argv)
     if importlib.util.find_spec("fmha._cuda_emu") is None:
-        sys.exit("fmha._cuda_emu is not built (FMHA_BUILD_EMULATOR=OFF)")
+        sys.exit("fmha._cuda_emu is not built (FMHA_BUILD_TESTING=ON builds it)")
     text = table(profile())
     print(text)
     if a.out:

@@ -383,7 +383,7 @@ def emu():
     try:
         from fmha import _cuda_emu
     except ImportError as e:
-        pytest.skip(f"fmha._cuda_emu not built (FMHA_BUILD_EMULATOR=OFF?): {e}")
+        pytest.skip(f"fmha._cuda_emu not built (FMHA_BUILD_TESTING=ON builds it): {e}")
     return _cuda_emu
 
 
