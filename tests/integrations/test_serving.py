@@ -259,10 +259,12 @@ def test_unsupported_options_raise_naming_them():
             fmha_hf.PagedCache(mod.config).crop(1)
         with pytest.raises(ValueError, match="block_size"):
             fmha_hf.PagedCache(mod.config, block_size=0)
-        # A refused step leaves the cache as it was: the next call still works from empty.
+        # A step that does not fit is refused before anything is written: no block taken.
         cache = fmha_hf.PagedCache(mod.config, max_cache_len=4, block_size=2)
         with pytest.raises(ValueError, match="n:"):
             mod(ids, cache=cache, use_cache=True)
+        assert cache.pool.num_free_blocks == cache.pool.num_blocks
+        assert cache.get_seq_length() == 0
 
 
 def test_kwargs_fmha_does_not_use_are_ignored():
@@ -282,3 +284,18 @@ def test_kwargs_fmha_does_not_use_are_ignored():
             q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], is_causal=True, scale=0.3,
             enable_gqa=True)
         torch.testing.assert_close(out[0, lo:hi], expected[0].transpose(0, 1))
+
+
+def test_example_serve_hf_short_run():
+    """examples/serve_hf.py, three short requests: both implementations serve the same
+    float32 greedy tokens."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_hf.py"
+    spec = importlib.util.spec_from_file_location("serve_hf", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(["--requests", "3", "--new-tokens", "3"])
+    assert results["sdpa"][0] == results["fmha"][0]
+    assert all(len(t) == 3 for t in results["fmha"][0])

@@ -8,7 +8,8 @@ One Llama-style model (random weights from a config, bfloat16), greedy decoding:
                   paged+fmha     fmha.integrations.transformers.PagedCache, bf16 pools
                   paged8+fmha    PagedCache with int8 pools (dynamic per-row scales)
                 reported as tokens/s (new tokens of the batch over the whole call, prefill
-                included), the prefill time (a 1-token call), the decode time per step
+                included), the ratio of dynamic+sdpa's call time to this one's (median over
+                the reps, the caches alternating within each), the prefill time (a 1-token call), the decode time per step
                 ((T(n) - T(1)) / (n - 1)), the KV bytes (DynamicCache: held at the end;
                 PagedCache: the pools allocated) and the share of a decode step spent in
                 the attention function (timed around it, in a separate call).
@@ -22,12 +23,13 @@ Needs transformers.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Optional
 
 DEFAULT = dict(batches=(1, 8), prompts=(128,), new_tokens=32, requests=(8,),
-               request_lengths=(32, 256), reps=2)
+               request_lengths=(32, 256), reps=3)
 GRID = dict(batches=(1, 8), prompts=(512, 4096), new_tokens=128, requests=(8, 32),
             request_lengths=(64, 2048), reps=1)
 
@@ -50,11 +52,17 @@ def _kv_bytes(cache) -> int:
 
 
 class _AttentionTimer:
-    """Accumulates the time spent in the model's attention function on decode steps."""
+    """Accumulates the time spent in the model's attention function on decode steps, and
+    notes when the first decode step's attention started (``share`` divides by the time from
+    there to the end of the call)."""
 
     def __init__(self, torch, transformers):
         self.mapping = transformers.AttentionInterface._global_mapping
         self.seconds = 0.0
+        self.start = None
+
+    def share(self) -> float:
+        return self.seconds / max(time.perf_counter() - self.start, 1e-9)
 
     def __enter__(self):
         self.saved = dict(self.mapping)
@@ -66,6 +74,7 @@ class _AttentionTimer:
                 out = _fn(module, query, *args, **kwargs)
                 if query.shape[2] == 1:
                     self.seconds += time.perf_counter() - t
+                    self.start = t if self.start is None else self.start
                 return out
             self.mapping[name] = timed
         return self
@@ -74,42 +83,49 @@ class _AttentionTimer:
         self.mapping.update(self.saved)
 
 
-def _generate(torch, transformers, model, which, batch, prompt, new, reps):
+def _generate(torch, transformers, model, batch, prompt, new, reps):
+    """Every cache of CACHES at one batch and prompt length; the caches alternate rep by rep,
+    so that a host whose speed drifts slows all of them alike."""
     import fmha.integrations.transformers as fh
 
-    model.set_attn_implementation("sdpa" if which == "dynamic+sdpa" else "fmha")
     g = torch.Generator().manual_seed(batch * 7919 + prompt)
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=g)
 
-    def cache():
+    def call(which, n):
+        model.set_attn_implementation("sdpa" if which == "dynamic+sdpa" else "fmha")
         if which.startswith("paged"):
-            dtype = torch.int8 if which == "paged8+fmha" else None
-            return fh.PagedCache(model.config, dtype=dtype, block_size=16,
-                                 max_cache_len=prompt + new)
-        return transformers.DynamicCache(config=model.config)
-
-    def call(n):
-        c = cache()
+            c = fh.PagedCache(model.config, dtype=torch.int8 if which == "paged8+fmha" else None,
+                              block_size=16, max_cache_len=prompt + new)
+        else:
+            c = transformers.DynamicCache(config=model.config)
         t = time.perf_counter()
         out = model.generate(ids, cache=c, max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)
         return time.perf_counter() - t, c, out
 
+    full = {w: [] for w in CACHES}
+    first = {w: [] for w in CACHES}
+    res = {}
     with torch.no_grad():
-        call(2)  # warm-up
-        full, first = [], []
+        for w in CACHES:
+            call(w, 2)  # warm-up
         for _ in range(reps):
-            first.append(call(1)[0])
-            seconds, c, out = call(new)
-            full.append(seconds)
-        with _AttentionTimer(torch, transformers) as timer:
-            seconds, _, _ = call(new)
-    full_s, first_s = statistics.median(full), statistics.median(first)
-    step = (full_s - first_s) / (new - 1)
-    return dict(tokens_per_s=batch * new / full_s, prefill_s=first_s, decode_step_s=step,
-                kv_bytes=_kv_bytes(c),
-                attention_share_of_decode=timer.seconds / ((seconds - first_s) or 1e-9),
-                tokens=out[:, prompt:].tolist())
+            for w in CACHES:
+                first[w].append(call(w, 1)[0])
+                seconds, c, out = call(w, new)
+                full[w].append(seconds)
+                res[w] = dict(kv_bytes=_kv_bytes(c), tokens=out[:, prompt:].tolist())
+        for w in CACHES:
+            with _AttentionTimer(torch, transformers) as timer:
+                call(w, new)
+                res[w]["attention_share_of_decode"] = timer.share()
+    for w in CACHES:
+        full_s, first_s = statistics.median(full[w]), statistics.median(first[w])
+        res[w].update(tokens_per_s=batch * new / full_s, prefill_s=first_s,
+                      decode_step_s=(full_s - first_s) / (new - 1),
+                      sdpa_over_this=statistics.median(
+                          a / b for a, b in zip(full["dynamic+sdpa"], full[w])))
+    return res
 
 
 def _batch(torch, transformers, model, impl, requests, lengths, new):
@@ -156,6 +172,7 @@ def run(out_path: Optional[str], threads: Optional[int], grid: bool = False, sav
     print(f"fmha {fmha.__version__} | CPU ISA {fmha.cpu_isa()} | threads "
           f"{fmha.get_num_threads()} | torch {torch.__version__} | transformers "
           f"{transformers.__version__}", flush=True)
+    load_before = os.getloadavg()
     model = _model(torch, transformers)
     c = model.config
     desc = (f"Llama-style, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
@@ -165,8 +182,8 @@ def run(out_path: Optional[str], threads: Optional[int], grid: bool = False, sav
     rows = []
     for prompt in size["prompts"]:
         for batch in size["batches"]:
-            res = {w: _generate(torch, transformers, model, w, batch, prompt,
-                                size["new_tokens"], size["reps"]) for w in CACHES}
+            res = _generate(torch, transformers, model, batch, prompt, size["new_tokens"],
+                            size["reps"])
             ref = res["dynamic+sdpa"]["tokens"]
             for w, r in res.items():
                 r["same_tokens_as_sdpa"] = r.pop("tokens") == ref
@@ -174,7 +191,8 @@ def run(out_path: Optional[str], threads: Optional[int], grid: bool = False, sav
                                  new_tokens=size["new_tokens"], **r))
                 print(f"generate {w:13s} batch {batch:2d} prompt {prompt:5d}: "
                       f"{r['tokens_per_s']:8.1f} tok/s, prefill {r['prefill_s'] * 1e3:8.1f} ms,"
-                      f" step {r['decode_step_s'] * 1e3:7.2f} ms, KV "
+                      f" step {r['decode_step_s'] * 1e3:7.2f} ms, sdpa/this "
+                      f"{r['sdpa_over_this']:.2f}x, KV "
                       f"{r['kv_bytes'] / 2**20:7.2f} MiB, attention "
                       f"{r['attention_share_of_decode'] * 100:4.1f}% of a step, same tokens "
                       f"as sdpa: {r['same_tokens_as_sdpa']}", flush=True)
@@ -193,7 +211,9 @@ def run(out_path: Optional[str], threads: Optional[int], grid: bool = False, sav
                   f"sdpa: {same}", flush=True)
     result = dict(meta=dict(host_meta(torch, fmha), fmha_threads=fmha.get_num_threads(),
                             transformers=transformers.__version__,
-                            transformers_tested=fh.TESTED_TRANSFORMERS),
+                            transformers_tested=fh.TESTED_TRANSFORMERS,
+                            # Other processes' load: the one-minute load average at start / end.
+                            load_average=[load_before[0], os.getloadavg()[0]]),
                   model=desc, grid=grid, size={k: list(v) if isinstance(v, tuple) else v
                                                for k, v in size.items()}, rows=rows)
     write_result(result, out_path, save)

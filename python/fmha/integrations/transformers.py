@@ -88,14 +88,16 @@ def _sinks_of(kwargs):
     return kwargs.get("sinks") if sinks is None else sinks
 
 
-def _continuous_batching_forward(module, query, key, value, scaling, softcap, kwargs):
+def _continuous_batching_forward(module, query, key, value, scaling, softcap, dropout, causal,
+                                  kwargs):
     """One layer of a continuous-batching step (transformers' PagedAttentionCache).
 
     Decode-only batch with a block table (``k_cache``/``v_cache`` are transformers' page
     views of this layer, ``(num_pages, page_size, heads_kv, head_dim)``): fmha's paged
     kernel reads the pages through the block table and appends the new row in place.
     Otherwise the cache has already gathered each request's rows into packed K/V
-    (``cu_seq_lens_k``): a varlen call, causal and bottom-right aligned per request.
+    (``cu_seq_lens_k``): a varlen call, causal and bottom-right aligned per request (the
+    same call serves packed training batches that carry cu_seq_lens, as for flash).
     """
     _refuse_output_attentions(kwargs, "continuous batching")
     window = _window(kwargs.get("sliding_window"))
@@ -121,9 +123,9 @@ def _continuous_batching_forward(module, query, key, value, scaling, softcap, kw
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     out = attention_varlen(q, k, v, cu_q, cu_k.to(torch.int32),
                            None if max_q is None else int(max_q),
-                           None if max_k is None else int(max_k), causal=True,
-                           window=window, alignment="bottom_right", scale=scaling,
-                           softcap=softcap, sinks=sinks)
+                           None if max_k is None else int(max_k), causal=causal,
+                           window=window if causal else (-1, -1), alignment="bottom_right",
+                           scale=scaling, softcap=softcap, dropout_p=dropout, sinks=sinks)
     return out.unsqueeze(0)
 
 
@@ -174,7 +176,9 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return _heads.gate_heads(module, out), None
     if kwargs.get("cu_seq_lens_k") is not None and not isinstance(kwargs["cu_seq_lens_k"], dict):
         # Continuous batching: the packed layout is described by the offsets, not a mask.
-        out = _continuous_batching_forward(module, query, key, value, scaling, softcap, kwargs)
+        causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+        out = _continuous_batching_forward(module, query, key, value, scaling, softcap, dropout,
+                                           causal, kwargs)
         _heads.observe(module, query.shape[1])
         return _heads.gate_heads(module, out), None
     sinks = _sinks_of(kwargs)
