@@ -17,12 +17,12 @@ process, on the CPU (and with --cuda on a GPU).
 Where a result goes: printed always; --out FILE writes the mode's JSON (and a CSV or text
 table beside it where the mode has one); --save puts it into this host's results file,
 benchmarks/results/<host class>.json, as the section of the mode (suite, suite-short,
-suite-quick, latency, e2e, serve (serve-grid with --grid), decode, distributed, sparse,
-kv-quant, cuda; "-quick" appended for --quick runs), replacing that section only. The host class is detected from the CPU (zen4,
-zen5, icelake, sapphirerapids, emeraldrapids, graniterapids, "-amx" appended where the CPU
-has AMX) or, for --cuda, the GPU (h200, ...); --host-class overrides it. Every result records
-its command, the commit it ran at, the versions and the host. tools/performance_page.py
-turns the results files into docs/performance.md.
+suite-quick, latency, e2e, serve (serve-grid with --grid), decode, distributed, sparse, kv-quant,
+cuda; "-quick" appended for --quick runs), replacing that section only. The host class is
+detected from the CPU (zen4, zen5, icelake, sapphirerapids, emeraldrapids, graniterapids,
+"-amx" appended where the CPU has AMX) or, for --cuda, the GPU (h200, ...); --host-class
+overrides it. Every result records its command, the commit it ran at, the versions and the
+host. tools/performance_page.py turns the results files into docs/performance.md.
 
 The standard suite (fmha/bench/suite.py): per case, dtype and pass, GFLOP/s of fmha, torch
 SDPA, compiled FlexAttention (forward only) and the naive formula, the ratios to SDPA and to

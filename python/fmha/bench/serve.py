@@ -9,10 +9,11 @@ One Llama-style model (random weights from a config, bfloat16), greedy decoding:
                   paged8+fmha    PagedCache with int8 pools (dynamic per-row scales)
                 reported as tokens/s (new tokens of the batch over the whole call, prefill
                 included), the ratio of dynamic+sdpa's call time to this one's (median over
-                the reps, the caches alternating within each), the prefill time (a 1-token call), the decode time per step
-                ((T(n) - T(1)) / (n - 1)), the KV bytes (DynamicCache: held at the end;
-                PagedCache: the pools allocated) and the share of a decode step spent in
-                the attention function (timed around it, in a separate call).
+                the reps, the caches alternating within each), the prefill time (a 1-token
+                call), the decode time per step ((T(n) - T(1)) / (n - 1)), the KV bytes
+                (DynamicCache: held at the end; PagedCache: the pools allocated) and the
+                share of a decode step spent in the attention function (timed around it,
+                in a separate call).
     batch       model.generate_batch() (continuous batching) with "sdpa" and "fmha" on
                 requests of mixed prompt lengths: generated tokens/s.
 

@@ -32,9 +32,11 @@ Serving (docs/guides/serving.md):
   over transformers' own pages, read and appended in place. transformers only accepts an
   allow-list of implementations there; :func:`register` adds fmha to it (see
   ``_enable_continuous_batching``).
-- ``model.generate(..., past_key_values=PagedCache(model.config, ...))``: :class:`PagedCache`,
+- ``model.generate(..., cache=PagedCache(model.config, ...))``: :class:`PagedCache`,
   a transformers ``Cache`` on :class:`fmha.kvcache.PagedKVCache` (16- or 8-bit pools); each
   layer appends its new rows in place and attends through ``attention_with_kvcache``.
+
+tests/integrations/test_serving.py checks both against the reference's greedy tokens.
 
 transformers is imported here and only here: ``import fmha`` does not need it.
 """
@@ -44,7 +46,6 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -301,7 +302,7 @@ class _PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """A transformers ``Cache`` whose rows live in an fmha :class:`~fmha.kvcache.PagedKVCache`.
 
-    ``model.generate(..., past_key_values=PagedCache(model.config, dtype=...))`` on a model
+    ``model.generate(..., cache=PagedCache(model.config, dtype=...))`` on a model
     with ``attn_implementation="fmha"``: each layer's new keys and values are appended in
     place into the pool and attended through :func:`fmha.kvcache.attention_with_kvcache`
     (causal, the layer's sliding window, softcap, sinks), with no concatenation.
