@@ -335,6 +335,46 @@ def _e2e_part(sec) -> list:
     return out
 
 
+def _serve_part(sec) -> list:
+    rows = sec.get("rows", [])
+    size = sec.get("size", {})
+    load = sec.get("meta", {}).get("load_average")
+    busy = (f" One-minute load average of the host during the run: {load[0]:.1f} at the start, "
+            f"{load[1]:.1f} at the end (a busy shared host: compare rows within a case)."
+            if load else "")
+    out = ["### Serving through Hugging Face (`serve`)", "",
+           f"{sec.get('model', 'a decoder')}. `generate()`: tokens/s of the whole call (prefill "
+           "included), the decode step, the KV bytes (DynamicCache: held at the end; "
+           "PagedCache: the pools allocated) and the attention function's share of a decode "
+           "step; sdpa / this: dynamic+sdpa's time for the call over this one's (median of the "
+           "alternated reps); same = the greedy tokens of dynamic+sdpa (in bfloat16 differing "
+           "roundings can change a greedy token; float32 tokens are tested equal)." + busy, ""]
+    table = []
+    for r in rows:
+        if r.get("kind") != "generate":
+            continue
+        table.append([r["cache"], str(r["batch"]), str(r["prompt"]), str(r["new_tokens"]),
+                      _num(r["tokens_per_s"]), _ratio(r.get("sdpa_over_this")),
+                      _num(r["decode_step_s"] * 1e3, 2),
+                      _num(r["kv_bytes"] / 2**20, 2),
+                      f"{r['attention_share_of_decode'] * 100:.0f}%",
+                      "yes" if r.get("same_tokens_as_sdpa") else "no"])
+    out += _table(["cache + attention", "batch", "prompt", "new", "tokens/s", "sdpa / this",
+                   "step ms",
+                   "KV MiB", "attention", "same"], table, left=4)
+    batch = [r for r in rows if r.get("kind") == "generate_batch"]
+    if batch:
+        lo, hi = size.get("request_lengths", ["?", "?"])
+        out += ["", f"`generate_batch()` (continuous batching), prompts of {lo} to {hi} tokens: "
+                "generated tokens/s.", ""]
+        out += _table(["attention", "requests", "new", "tokens/s", "seconds", "same"],
+                      [[r["impl"], str(r["requests"]), str(r["new_tokens"]),
+                        _num(r["tokens_per_s"]), _num(r["seconds"], 2),
+                        "yes" if r.get("same_tokens_as_sdpa") else "no"] for r in batch],
+                      left=1)
+    return out
+
+
 def _distributed_part(sec) -> list:
     rows = [r for r in sec.get("rows", []) if r.get("efficiency") is not None]
     schemes = _ordered(r["scheme"] for r in rows)
@@ -410,7 +450,8 @@ def _cuda_part(mode, sec) -> list:
 
 
 PARTS = {"decode": _decode_part, "decode-quick": _decode_part, "latency": _latency_part,
-         "e2e": _e2e_part, "distributed": _distributed_part,
+         "e2e": _e2e_part, "serve": _serve_part, "serve-grid": _serve_part,
+         "distributed": _distributed_part,
          "distributed-quick": _distributed_part, "sparse": _sparse_part,
          "sparse-quick": _sparse_part, "kv-quant": _kvquant_part, "kv-quant-quick": _kvquant_part}
 

@@ -6,6 +6,7 @@ process, on the CPU (and with --cuda on a GPU).
     python -m fmha.bench --quick            # two small shapes, for a smoke run
     python -m fmha.bench --latency          # per-call µs on small shapes
     python -m fmha.bench --e2e              # ViT and a decode loop through Hugging Face
+    python -m fmha.bench --serve [--grid]   # HF generate() / generate_batch() on fmha's caches
     python -m fmha.bench --decode           # KV-cache decode vs the measured read bandwidth
     python -m fmha.bench --distributed      # ring attention / Ulysses, P = 1, 2
     python -m fmha.bench --sparse           # BlockMask vs dense mask, SDPA, Flex
@@ -16,12 +17,12 @@ process, on the CPU (and with --cuda on a GPU).
 Where a result goes: printed always; --out FILE writes the mode's JSON (and a CSV or text
 table beside it where the mode has one); --save puts it into this host's results file,
 benchmarks/results/<host class>.json, as the section of the mode (suite, suite-short,
-suite-quick, latency, e2e, decode, distributed, sparse, kv-quant, cuda; "-quick" appended for
---quick runs), replacing that section only. The host class is detected from the CPU (zen4,
-zen5, icelake, sapphirerapids, emeraldrapids, graniterapids, "-amx" appended where the CPU
-has AMX) or, for --cuda, the GPU (h200, ...); --host-class overrides it. Every result records
-its command, the commit it ran at, the versions and the host. tools/performance_page.py
-turns the results files into docs/performance.md.
+suite-quick, latency, e2e, serve (serve-grid with --grid), decode, distributed, sparse, kv-quant,
+cuda; "-quick" appended for --quick runs), replacing that section only. The host class is
+detected from the CPU (zen4, zen5, icelake, sapphirerapids, emeraldrapids, graniterapids,
+"-amx" appended where the CPU has AMX) or, for --cuda, the GPU (h200, ...); --host-class
+overrides it. Every result records its command, the commit it ran at, the versions and the
+host. tools/performance_page.py turns the results files into docs/performance.md.
 
 The standard suite (fmha/bench/suite.py): per case, dtype and pass, GFLOP/s of fmha, torch
 SDPA, compiled FlexAttention (forward only) and the naive formula, the ratios to SDPA and to
@@ -39,6 +40,13 @@ dtype float32; --dtypes, --cases (names in latency.LATENCY_SHAPES), --threads ap
 --e2e (fmha/bench/e2e.py): a ViT-B/16 forward and greedy decoding with a Llama-style model,
 attn_implementation="fmha" against "sdpa" (needs transformers). --threads and --batches
 (repetitions) apply.
+
+--serve (fmha/bench/serve.py): a Llama-style model served through Hugging Face: generate()
+with DynamicCache on "sdpa" and "fmha" and with fmha's PagedCache (bf16 and int8 pools), and
+generate_batch() (continuous batching) on "sdpa" and "fmha": tokens/s, KV bytes, the
+attention's share of a decode step. The default size takes a few minutes on two cores;
+--grid runs the full grid (batch 1 and 8, prompts 512 and 4096, 128 new tokens; 8 and 32
+requests). --threads applies.
 
 --decode (fmha/bench/decode.py): attention over KV caches (fmha.kvcache.attention_with_kvcache,
 contiguous and paged), fmha.attention and torch SDPA on the same cache, as GB/s of K+V read
@@ -75,7 +83,7 @@ import time
 from . import suite
 from ._host import add_output_arguments, save_of, set_command
 
-MODES = ("latency", "e2e", "decode", "distributed", "sparse", "kv_quant")
+MODES = ("latency", "e2e", "serve", "decode", "distributed", "sparse", "kv_quant")
 
 
 def _loop(ap, a) -> None:
@@ -124,6 +132,9 @@ def main(argv=None):
                     help="per-call time of small calls and its breakdown (see above)")
     ap.add_argument("--e2e", action="store_true",
                     help="whole models through Hugging Face, fmha vs sdpa (see above)")
+    ap.add_argument("--serve", action="store_true",
+                    help="Hugging Face generate() / generate_batch() on fmha's caches")
+    ap.add_argument("--grid", action="store_true", help="--serve: the full grid")
     ap.add_argument("--decode", action="store_true",
                     help="KV-cache decode against the measured read bandwidth (see above)")
     ap.add_argument("--distributed", action="store_true",
@@ -169,6 +180,11 @@ def main(argv=None):
     if a.e2e:
         from . import e2e
         e2e.run(a.out, a.threads, a.batches, save=save_of(a, "e2e"))
+        return
+    if a.serve:
+        from . import serve
+        serve.run(a.out, a.threads, grid=a.grid,
+                  save=save_of(a, "serve-grid" if a.grid else "serve"))
         return
     if a.distributed:
         from . import distributed
