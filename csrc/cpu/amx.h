@@ -16,12 +16,16 @@
 #include <cstdint>
 
 #include "cpu/amx_model.h"
+#include "fmha/isa_tag.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
 
 namespace fmha::cpu::amx {
+// The inline code below is compiled in translation units with different ISA flags: each gets
+// its own copy (fmha/isa_tag.h), so the linker never hands one unit another's.
+inline namespace FMHA_ISA_TAG {
 
 struct ModelTiles {
   static void load_config(const TileConfig& c) { ldtilecfg(thread_tiles(), &c); }
@@ -101,6 +105,8 @@ void tdpbf16ps_chain(long iters, const void* a, const void* b, float* c) {
   Tiles::template store<3>(c + 768, kMaxColsb);
   Tiles::release();
 }
+
+}  // namespace FMHA_ISA_TAG
 
 // ---- tile programs: kWordsPerInstr int64 words per instruction, {op, t0, t1, t2, offset,
 // stride}; offsets are into one byte buffer. LDTILECFG / STTILECFG: the 64-byte image at
