@@ -19,7 +19,12 @@ add_library(fmha_validate STATIC ${FMHA_CORE_ROOT}/csrc/fmha/validate.cpp)
 target_include_directories(fmha_validate PUBLIC ${FMHA_CORE_ROOT}/csrc)
 
 add_library(fmha_core STATIC ${FMHA_CORE_ROOT}/csrc/fmha/dispatch.cpp
-            ${FMHA_CORE_ROOT}/csrc/fmha/kvcache.cpp ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp)
+            ${FMHA_CORE_ROOT}/csrc/fmha/kvcache.cpp ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp
+            ${FMHA_CORE_ROOT}/csrc/cpu/amx_model.cpp)
+# The AMX model pins the rounding mode around its arithmetic (csrc/cpu/amx_model.cpp): tell
+# the compiler that the mode can change there.
+set_source_files_properties(${FMHA_CORE_ROOT}/csrc/cpu/amx_model.cpp PROPERTIES
+                            COMPILE_OPTIONS "-frounding-math")
 target_include_directories(fmha_core PUBLIC ${FMHA_CORE_ROOT}/csrc ${FMHA_CORE_ROOT}/third_party)
 target_link_libraries(fmha_core PUBLIC fmha_validate Threads::Threads ${CMAKE_DL_LIBS})
 
@@ -72,3 +77,30 @@ else()
                  "portable scalar CPU kernels are built")
 endif()
 message(STATUS "fmha: CPU kernel levels: ${FMHA_CPU_LEVELS}")
+
+# The AMX instructions (AMX-TILE, AMX-BF16): csrc/cpu/amx_hardware.cpp, the one translation unit
+# built with them, only on x86-64 and when the compiler takes the flags and the intrinsics; it
+# gets no other ISA flag. dispatch.cpp calls into it (FMHA_CPU_HAVE_AMX_HW) only after the
+# run-time check (fmha::amx_usable). Without it the AMX model still runs (amx_model.cpp).
+set(FMHA_CPU_FLAGS_amx -mamx-tile -mamx-bf16)
+set(FMHA_CPU_PROBE_amx "void f(const void* c, void* p) { _tile_loadconfig(c); _tile_loadd(1, p, 64); _tile_dpbf16ps(0, 1, 2); _tile_stored(0, p, 64); _tile_release(); }")
+set(FMHA_CPU_AMX_HW OFF)
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|x64)$")
+  list(JOIN FMHA_CPU_FLAGS_amx " " CMAKE_REQUIRED_FLAGS)
+  check_cxx_source_compiles("#include <immintrin.h>\n${FMHA_CPU_PROBE_amx}\nint main() { return 0; }"
+                            FMHA_CXX_HAS_amx)
+  unset(CMAKE_REQUIRED_FLAGS)
+  if(FMHA_CXX_HAS_amx)
+    add_library(fmha_cpu_amx_hw OBJECT ${FMHA_CORE_ROOT}/csrc/cpu/amx_hardware.cpp)
+    target_include_directories(fmha_cpu_amx_hw PRIVATE ${FMHA_CORE_ROOT}/csrc
+                               ${FMHA_CORE_ROOT}/third_party)
+    target_compile_options(fmha_cpu_amx_hw PRIVATE ${FMHA_CPU_COMMON_FLAGS} ${FMHA_CPU_FLAGS_amx})
+    target_sources(fmha_core PRIVATE $<TARGET_OBJECTS:fmha_cpu_amx_hw>)
+    target_compile_definitions(fmha_core PRIVATE FMHA_CPU_HAVE_AMX_HW=1)
+    set(FMHA_CPU_AMX_HW ON)
+  else()
+    message(STATUS "fmha: the compiler does not take -mamx-tile -mamx-bf16 or their intrinsics: "
+                   "AMX runs only as the software model")
+  endif()
+endif()
+message(STATUS "fmha: AMX instructions built (FMHA_CPU_HAVE_AMX_HW): ${FMHA_CPU_AMX_HW}")

@@ -15,7 +15,7 @@ import tempfile
 
 from fmha import _C
 
-LEVELS = ["scalar", "avx2", "avx512", "avx512bf16"]
+LEVELS = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 # (api/test_memory.py runs once, in the main pass: the O(n) memory it checks is the shared
 # driver's tiling, the same at every level, and at the scalar level it took 90 s of CI.)
 KERNEL_SUITES = ["kernels/test_cpu_attention.py", "kernels/test_core.py", "api/test_torch_ops.py",

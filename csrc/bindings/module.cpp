@@ -11,6 +11,9 @@
 
 #include <array>
 #include <string>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "bindings/capabilities.h"
 #include "bindings/dlpack_view.h"
@@ -117,6 +120,54 @@ void def_testing_probes(py::module_& m) {
                         vx.size(0));
   }, py::arg("code"), py::arg("x"), py::arg("y"),
         "y = the values of the 8-bit cache codes x, as the CPU kernels decode them");
+  m.def("amx_run_tiles", [](py::object program, py::object mem, bool hardware, uint32_t mxcsr) {
+    View vp = import("program", program, false), vm = import("mem", mem, true);
+    FMHA_CHECK_ARG(vp.ndim == 2 && vp.size(1) == 6 &&
+                       (vp.size(0) == 0 || (vp.stride(1) == 1 && vp.stride(0) == 6)) &&
+                       vp.dtype.code == kDLInt && vp.dtype.bits == 64 &&
+                       vp.device.device_type == kDLCPU,
+                   "program: expected a contiguous (n, 6) int64 host array");
+    FMHA_CHECK_ARG(vm.ndim == 1 && vm.stride(0) == 1 && vm.dtype.bits == 8 &&
+                       vm.device.device_type == kDLCPU,
+                   "mem: expected a contiguous 1-D byte host array");
+#if defined(__x86_64__)
+    // The caller's MXCSR for this run (0: leave it), restored afterwards: TDPBF16PS does not
+    // consult it, and the model must not either.
+    const unsigned saved = _mm_getcsr();
+    if (mxcsr) _mm_setcsr(mxcsr);
+    try {
+      cpu_amx_run_tiles(static_cast<const int64_t*>(vp.data), vp.size(0),
+                        static_cast<uint8_t*>(vm.data), vm.size(0), hardware);
+    } catch (...) {
+      _mm_setcsr(saved);
+      throw;
+    }
+    _mm_setcsr(saved);
+#else
+    FMHA_CHECK_ARG(mxcsr == 0, "mxcsr: only on x86-64");
+    cpu_amx_run_tiles(static_cast<const int64_t*>(vp.data), vp.size(0),
+                      static_cast<uint8_t*>(vm.data), vm.size(0), hardware);
+#endif
+  }, py::arg("program"), py::arg("mem"), py::arg("hardware") = false, py::arg("mxcsr") = 0,
+        "Runs a tile program (csrc/cpu/amx.h: rows of {op, t0, t1, t2, offset, stride}) over "
+        "the bytes of mem, through the AMX model or (hardware) the AMX instructions; mxcsr: "
+        "the MXCSR to run it under (0: unchanged)");
+  m.def("amx_decide", [](uint32_t cpuid7_edx, uint64_t xcr0, bool deny, int request_errno) {
+    static thread_local int answer = 0, asked = 0;
+    answer = request_errno;
+    asked = 0;
+    const AmxStatus s = decide_amx(cpuid7_edx, xcr0, deny, [] { ++asked; return answer; });
+    py::dict d;
+    d["bf16"] = s.bf16;
+    d["tile"] = s.tile;
+    d["os_enabled"] = s.os_enabled;
+    d["permitted"] = s.permitted;
+    d["note"] = s.note;
+    d["asked"] = asked;
+    return d;
+  }, py::arg("cpuid7_edx"), py::arg("xcr0"), py::arg("deny"), py::arg("request_errno"),
+        "fmha's AMX decision from given CPUID leaf 7 EDX, XCR0, FMHA_AMX_DENY and the errno "
+        "the permission request returns (0: granted); 'asked': how often it was requested");
 }
 #endif
 
@@ -155,7 +206,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("best_cpu_isa", [] { return std::string(isa_name(best_cpu_isa())); });
   m.def("set_cpu_isa", [](const std::string& name) { set_cpu_isa(parse_cpu_isa(name, "isa")); },
         py::arg("isa"), "Forces the CPU kernels' instruction set (scalar, avx2, avx512, "
-        "avx512bf16); NotImplementedError when this CPU lacks it.");
+        "avx512bf16, amx); NotImplementedError when this CPU or this build lacks it.");
   m.def("hardware_threads", &hardware_threads);
   m.def("use_openmp_runtime", &use_openmp_runtime, py::arg("path"),
         "Runs the CPU kernels' parallel regions on the OpenMP runtime the process loaded from "
@@ -166,6 +217,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_bf16_dot_peak_gflops", &cpu_bf16_dot_peak_gflops, py::arg("threads"),
         py::call_guard<py::gil_scoped_release>(),
         "GFLOP/s of vdpbf16ps chains on `threads` threads (0 below the avx512bf16 level)");
+  m.def("cpu_amx_peak_gflops", &cpu_amx_peak_gflops, py::arg("threads"),
+        py::call_guard<py::gil_scoped_release>(),
+        "GFLOP/s of AMX TDPBF16PS chains on `threads` threads (0 where AMX is not usable: "
+        "no AMX, the OS or the kernel refused it, or a build without the AMX instructions)");
+  m.def("amx_hardware_built", &amx_hardware_built,
+        "Whether this build has the AMX instructions (-mamx-tile -mamx-bf16)");
+  m.def("amx_note", [] { return amx_status().note; },
+        "Why AMX is not usable here (\"\" when it is)");
   m.def("cpu_read_bandwidth_gbs", &cpu_read_bandwidth_gbs, py::arg("threads"),
         py::arg("bytes") = int64_t(512) << 20, py::call_guard<py::gil_scoped_release>(),
         "Read bandwidth (GB/s) of `threads` threads summing a `bytes` buffer, best of five");

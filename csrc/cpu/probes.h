@@ -3,6 +3,9 @@
 //   the FMA latency, on `threads` threads at once; fmha-bench reports kernel speed against it;
 // - the bfloat16 pair dot-product peak (vdpbf16ps chains, 64 FLOPs each), the rate the
 //   avx512bf16 level's GEMMs run at; 0 on the other levels;
+// - the AMX bfloat16 tile peak (TDPBF16PS chains on four accumulator tiles, cpu/amx.h), the
+//   rate the AMX kernels will be judged by; 0 in a translation unit built without the AMX
+//   instructions (the caller reaches this only when the CPU and OS allow AMX);
 // - the machine's read bandwidth, measured: `threads` threads each summing their share of one
 //   large buffer with vector loads (STREAM's "sum" without the write); decode, which reads
 //   every K/V byte once and computes little, is reported against it;
@@ -15,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/amx.h"
 #include "cpu/dequant.h"
 #include "cpu/simd.h"
 #include "fmha/threads.h"
@@ -72,6 +76,26 @@ double bf16_dot_peak_gflops([[maybe_unused]] int threads) {
     (void)sink;
   };
   return best_rate(threads, double(iters) * kChains * kW * 4.0, body);
+#else
+  return 0.0;
+#endif
+}
+
+double amx_bf16_peak_gflops([[maybe_unused]] int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  constexpr long kIters = 100000;
+  auto body = [&](int64_t) {
+    alignas(64) uint16_t a[512], b[512];
+    alignas(64) float c[1024];
+    for (int i = 0; i < 512; ++i) {
+      a[i] = 0x3F80;  // 1.0
+      b[i] = 0x33D6;  // 1e-7: the sums stay finite
+    }
+    amx::tdpbf16ps_chain<amx::HardwareTiles>(kIters, a, b, c);
+    volatile float sink = c[0] + c[1023];
+    (void)sink;
+  };
+  return best_rate(threads, double(kIters) * 4 * amx::kTdpbf16psFlops, body);
 #else
   return 0.0;
 #endif

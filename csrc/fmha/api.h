@@ -12,21 +12,27 @@ namespace fmha {
 
 // ---- CPU ----
 // kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs.
-enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// kAmx: kAvx512Bf16 plus the AMX bfloat16 tiles, where amx_usable(). No build has its kernels
+// yet, so no call selects it: best_cpu_isa() steps down to avx512bf16 (docs/cpu_kernels.md,
+// "AMX: the model and the level").
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 const char* isa_name(CpuIsa isa);
 // The best level this CPU (and OS) supports among those this build has: scalar always; the
 // x86 levels only in a build for x86-64 (cmake/cpu_core.cmake).
 CpuIsa best_cpu_isa();
-std::vector<std::string> cpu_features();  // e.g. {"avx2", "fma", "avx512f", "avx512bf16"}
+// e.g. {"avx2", "fma", "avx512f", "avx512bf16"}; with AMX also "amx_bf16" and "amx_tile" (the
+// CPU has them and the OS saves the tile state) and "amx_permitted" (Linux granted this process
+// the tile data: amx_usable()).
+std::vector<std::string> cpu_features();
 // The host a benchmark ran on, for its result file: vendor, family and model, the
 // microarchitecture when the pair is a known one, the model name, the clock and the SIMD
 // flags that matter here, from /proc/cpuinfo ("unknown CPU" where it cannot be read).
 std::string cpu_description();
-// The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16) if set, else the
-// best supported. Forcing a level the CPU (or the build) lacks is an error.
+// The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16|amx) if set,
+// else the best supported. Forcing a level the CPU (or the build) lacks is an error.
 CpuIsa active_cpu_isa();
 // The CpuIsa that isa_name spells `name`; otherwise InvalidArgument "<source>: got '...',
-// expected one of scalar, avx2, avx512, avx512bf16". FMHA_CPU_ISA and fmha._C.set_cpu_isa
+// expected one of scalar, avx2, avx512, avx512bf16, amx". FMHA_CPU_ISA and fmha._C.set_cpu_isa
 // both read names through it.
 CpuIsa parse_cpu_isa(const std::string& name, const char* source);
 void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
@@ -38,6 +44,33 @@ double cpu_fma_peak_gflops(int threads);
 // product) of the active ISA on `threads` threads, measured; 0 when the level has no such
 // instruction (the bfloat16 kernels then run on float FMAs: judge them by the FMA peak).
 double cpu_bf16_dot_peak_gflops(int threads);
+
+// ---- AMX (the tiles of AMX-TILE and AMX-BF16; docs/cpu_kernels.md, "AMX: the model and the
+// level") ----
+// What this process may use, decided once: the CPU's CPUID bits (leaf 7: AMX-BF16 EDX bit 22,
+// AMX-TILE EDX bit 24), the OS's XCR0 (bits 17 XTILECFG and 18 XTILEDATA) and, on Linux, the
+// permission for the tile data (arch_prctl ARCH_REQ_XCOMP_PERM), which FMHA_AMX_DENY=1 refuses
+// without asking the kernel (a test hook). `note` says why AMX is not usable, when it is not.
+struct AmxStatus {
+  bool bf16 = false, tile = false, os_enabled = false, permitted = false;
+  std::string note;
+};
+const AmxStatus& amx_status();
+bool amx_usable();  // bf16 && tile && os_enabled && permitted
+// The decision of amx_status from its inputs (for the tests, on any host): request() is asked
+// for the permission only when the CPU and the OS offer AMX and deny is false; it returns 0 when
+// granted, else the errno of the refusal.
+AmxStatus decide_amx(uint32_t cpuid7_edx, uint64_t xcr0, bool deny, int (*request)());
+// Whether this build has the AMX instructions (the compiler took -mamx-tile -mamx-bf16).
+bool amx_hardware_built();
+// The AMX bfloat16 tile peak (TDPBF16PS, 2 FLOPs per product) on `threads` threads, measured;
+// 0 unless amx_usable() and amx_hardware_built().
+double cpu_amx_peak_gflops(int threads);
+// Runs a tile program (cpu/amx.h: kWordsPerInstr words an instruction) over mem[0, bytes)
+// through the AMX model, or, with `hardware`, through the model on a copy (which checks it)
+// and then the hardware (Unsupported unless amx_usable() and amx_hardware_built()).
+void cpu_amx_run_tiles(const int64_t* program, int64_t n, uint8_t* mem, int64_t bytes,
+                       bool hardware);
 // The read bandwidth of `threads` threads summing a `bytes` buffer, measured (GB/s, 1e9 B/s):
 // the limit decode is judged against.
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes);

@@ -4,6 +4,13 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cerrno>
+#include <cstring>
 
 #include <cstdint>
 #include <cstdio>
@@ -11,6 +18,7 @@
 #include <limits>
 #include <mutex>
 
+#include "cpu/amx.h"
 #include "cpu/kernels.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
@@ -26,6 +34,7 @@ const char* isa_name(CpuIsa isa) {
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
     case CpuIsa::kAvx512Bf16: return "avx512bf16";
+    case CpuIsa::kAmx: return "amx";
   }
   return "?";
 }
@@ -33,7 +42,7 @@ const char* isa_name(CpuIsa isa) {
 namespace {
 // Every CpuIsa, lowest first; isa_name spells each.
 constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
-                               CpuIsa::kAvx512Bf16};
+                               CpuIsa::kAvx512Bf16, CpuIsa::kAmx};
 
 // The entry points of one compiled level.
 struct IsaKernels {
@@ -52,7 +61,8 @@ struct IsaKernels {
 
 // The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
 // the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
-// others, whose symbols do not exist in this build.
+// others, whose symbols do not exist in this build. The amx level has no kernels yet: it is
+// always nullptr, so best_cpu_isa never returns it (its detection is amx_status's).
 const IsaKernels* compiled_kernels(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar: {
@@ -134,7 +144,123 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512dq")) f.push_back("avx512dq");
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
 #endif
+  const AmxStatus& amx = amx_status();
+  if (amx.bf16 && amx.os_enabled) f.push_back("amx_bf16");
+  if (amx.tile && amx.os_enabled) f.push_back("amx_tile");
+  if (amx_usable()) f.push_back("amx_permitted");
   return f;
+}
+
+// ---- AMX: detection and permission ----
+
+AmxStatus decide_amx(uint32_t cpuid7_edx, uint64_t xcr0, bool deny, int (*request)()) {
+  AmxStatus s;
+  // CPUID.(EAX=07H, ECX=0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE (SDM Vol. 2, CPUID, Table
+  // "Structured Extended Feature Flags Enumeration Leaf").
+  s.bf16 = (cpuid7_edx >> 22) & 1;
+  s.tile = (cpuid7_edx >> 24) & 1;
+  // XCR0 bit 17 XTILECFG, bit 18 XTILEDATA: the OS saves and restores the tile state (SDM
+  // Vol. 1, 13.1, "XSAVE-Supported Features and State-Component Bitmaps").
+  s.os_enabled = ((xcr0 >> 17) & 3) == 3;
+  if (!s.bf16 || !s.tile) {
+    s.note = "the CPU has no AMX-BF16 / AMX-TILE";
+    return s;
+  }
+  if (!s.os_enabled) {
+    s.note = "the OS does not enable the AMX tile state (XCR0 bits 17, 18)";
+    return s;
+  }
+  if (deny) {
+    s.note = "FMHA_AMX_DENY=1: the tile data permission was not requested (a test hook)";
+    return s;
+  }
+  const int err = request();
+  s.permitted = err == 0;
+  if (!s.permitted)
+    s.note = concat("the kernel refused the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM: ",
+                    std::strerror(err), ")");
+  return s;
+}
+
+namespace {
+
+// Linux enables the AMX tile data per process, on request: arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA) (the Linux kernel's x86 "dynamically enabled XSTATE features"
+// interface); until granted, the first tile instruction kills the process. 0 or an errno.
+int request_tile_permission() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 0 : errno;
+#else
+  return ENOSYS;  // no known way to ask elsewhere: not permitted
+#endif
+}
+
+AmxStatus detect_amx() {
+  uint32_t edx7 = 0;
+  uint64_t xcr0 = 0;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) edx7 = d;
+  // XGETBV is allowed only when CPUID.1:ECX.OSXSAVE[bit 27] is set.
+  if (__get_cpuid(1, &a, &b, &c, &d) && ((c >> 27) & 1)) {
+    uint32_t lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (uint64_t(hi) << 32) | lo;
+  }
+#endif
+  const char* deny = std::getenv("FMHA_AMX_DENY");
+  AmxStatus s = decide_amx(edx7, xcr0, deny != nullptr && std::strcmp(deny, "1") == 0,
+                           &request_tile_permission);
+#if !(defined(__x86_64__) || defined(__i386__))
+  s.note = "not an x86 CPU";
+#endif
+  return s;
+}
+
+}  // namespace
+
+const AmxStatus& amx_status() {
+  static const AmxStatus s = detect_amx();
+  return s;
+}
+
+bool amx_usable() {
+  const AmxStatus& s = amx_status();
+  return s.bf16 && s.tile && s.os_enabled && s.permitted;
+}
+
+bool amx_hardware_built() {
+#if defined(FMHA_CPU_HAVE_AMX_HW)
+  return true;
+#else
+  return false;
+#endif
+}
+
+double cpu_amx_peak_gflops([[maybe_unused]] int threads) {
+#if defined(FMHA_CPU_HAVE_AMX_HW)
+  if (amx_usable()) return cpu::amx_hw::amx_bf16_peak_gflops(threads);
+#endif
+  return 0.0;
+}
+
+void cpu_amx_run_tiles(const int64_t* program, int64_t n, uint8_t* mem, int64_t bytes,
+                       bool hardware) {
+  FMHA_CHECK_ARG(n >= 0 && bytes >= 0, "n, bytes: expected >= 0, got ", n, " and ", bytes);
+  if (!hardware) return cpu::amx::run_tile_program_model(program, n, mem, bytes);
+  if (!amx_hardware_built() || !amx_usable())
+    throw Unsupported(amx_hardware_built()
+                          ? concat("AMX is not usable here: ", amx_status().note)
+                          : std::string("this build has no AMX instructions (the compiler did "
+                                        "not take -mamx-tile -mamx-bf16)"));
+#if defined(FMHA_CPU_HAVE_AMX_HW)
+  // The model checks the program (its faults, and every byte in the buffer) on a copy first:
+  // the hardware would kill the process where the model throws.
+  std::vector<uint8_t> scratch(mem, mem + bytes);
+  cpu::amx::run_tile_program_model(program, n, scratch.data(), bytes);
+  cpu::amx_hw::run_tile_program(program, n, mem);
+#endif
 }
 
 namespace {
@@ -210,7 +336,9 @@ CpuIsa best_cpu_isa() {
   CpuIsa cpu = CpuIsa::kScalar;
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    cpu = has(f, "avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+    cpu = !has(f, "avx512bf16") ? CpuIsa::kAvx512
+          : amx_usable()        ? CpuIsa::kAmx
+                                : CpuIsa::kAvx512Bf16;
   else if (has(f, "avx2") && has(f, "fma") && has(f, "f16c"))
     cpu = CpuIsa::kAvx2;
   // The compiled levels are a prefix of kCpuIsas: step down to the highest one built.
@@ -237,7 +365,8 @@ void init_isa() {
   if (int(wanted) > int(isa_value)) {
     isa_error = compiled_kernels(wanted)
                     ? concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
-                             isa_name(isa_value))
+                             isa_name(isa_value),
+                             wanted == CpuIsa::kAmx ? concat(" (", amx_status().note, ")") : "")
                     : concat("FMHA_CPU_ISA=", env, ": this build has no ", env,
                              " kernels (the best level here is ", isa_name(isa_value), ")");
     return;

@@ -61,7 +61,7 @@ def test_kernel_dropout_mask_independent_of_threads_and_isa():
 
 
 def _supported_isas():
-    order = ["scalar", "avx2", "avx512", "avx512bf16"]
+    order = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
     return order[: order.index(_C.best_cpu_isa()) + 1]
 
 
@@ -89,7 +89,7 @@ def test_host_description_and_peak_probes():
         assert " family " in d and " model " in d, d
     assert _C.cpu_fma_peak_gflops(1) > 0
     bf16 = _C.cpu_bf16_dot_peak_gflops(1)
-    assert (bf16 > 0) == (fmha.cpu_isa() == "avx512bf16"), (fmha.cpu_isa(), bf16)
+    assert (bf16 > 0) == (fmha.cpu_isa() in ("avx512bf16", "amx")), (fmha.cpu_isa(), bf16)
 
 
 def test_forcing_an_unknown_isa_is_a_clear_error():
