@@ -14,13 +14,19 @@ process, on the CPU (and with --cuda on a GPU).
     python -m fmha.bench --cuda [--decode]  # on a GPU: fmha vs SDPA's flash backend
     python -m fmha.bench --loop 8           # one forward call repeated, for perf record
 
+Every mode ends with the host's load: the load averages and the CPU time other processes
+took during the run (/proc/stat's busy time minus this process's own), with a warning when
+that was more than 10% of the host's CPU time; the JSON's meta.host_load records it. Rows
+whose per-round probes (the suite's peak, decode's read bandwidth) moved by more than 10%
+are flagged in the output and in the JSON (probes_moved).
+
 Where a result goes: printed always; --out FILE writes the mode's JSON (and a CSV or text
 table beside it where the mode has one); --save puts it into this host's results file,
 benchmarks/results/<host class>.json, as the section of the mode (suite, suite-short,
-suite-quick, latency, e2e, decode, distributed, sparse, kv-quant, contention, cuda; "-quick" appended for
---quick runs), replacing that section only. The host class is detected from the CPU (zen4,
-zen5, icelake, sapphirerapids, emeraldrapids, graniterapids, "-amx" appended where the CPU
-has AMX) or, for --cuda, the GPU (h200, ...); --host-class overrides it. Every result records
+suite-quick, latency, e2e, decode, distributed, sparse, kv-quant, contention, cuda; "-quick"
+appended for --quick runs), replacing that section only. The host class is detected from the
+CPU (zen4, zen5, icelake, sapphirerapids, emeraldrapids, graniterapids, "-amx" appended where
+the CPU has AMX) or, for --cuda, the GPU (h200, ...); --host-class overrides it. Every result records
 its command, the commit it ran at, the versions and the host. tools/performance_page.py
 turns the results files into docs/performance.md.
 
@@ -80,7 +86,7 @@ import sys
 import time
 
 from . import suite
-from ._host import add_output_arguments, save_of, set_command
+from ._host import add_output_arguments, host_load, host_load_line, save_of, set_command
 
 MODES = ("latency", "e2e", "decode", "distributed", "sparse", "kv_quant", "contention")
 
@@ -118,6 +124,13 @@ def _loop(ap, a) -> None:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     set_command(argv)
+    try:
+        return _main(argv)
+    finally:
+        print(host_load_line(host_load()), flush=True)
+
+
+def _main(argv):
     if "--cuda" in argv:
         from . import cuda
         argv.remove("--cuda")

@@ -275,6 +275,5 @@ def _print_table(rows: List[Row], settings) -> None:
             cells.append("—" if r is None or r.ratio_vs_quiet is None
                          else f"{r.ratio_vs_quiet:.2f}× ({r.fair_ratio:.2f}×)")
         q = by.get((0, 0))
-        print(f"| {case} | {impl} | {q.median_s * 1e3:.2f} | " if q else f"| {case} | {impl} | — | ",
-              end="")
-        print(" | ".join(cells) + " |")
+        quiet = f"{q.median_s * 1e3:.2f}" if q else "—"
+        print(f"| {case} | {impl} | {quiet} | " + " | ".join(cells) + " |")
