@@ -1,9 +1,9 @@
 """fmha on a shared CPU: calls made while other processes keep the cores busy.
 
-The thread pool (csrc/fmha/threads.cpp) changes how it waits when the machine is
-oversubscribed (it parks instead of spinning, and the caller blocks for the helpers' last
-tasks), and its helpers may be descheduled in the middle of a task; none of that may change
-a bit of a result, on fmha's own pool or on torch's OpenMP threads. The busy processes are
+The thread pool's helpers (csrc/fmha/threads.cpp) may be descheduled in the middle of a task
+or between joining a region and claiming one (and with FMHA_POOL_PARK_WHEN_BUSY=1 they park
+instead of spinning on an oversubscribed machine); none of that may change a bit of a result,
+on fmha's own pool or on torch's OpenMP threads. The busy processes are
 the ones python -m fmha.bench --contention starts (fmha.bench.contention.Competitors).
 """
 
