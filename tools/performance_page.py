@@ -449,11 +449,38 @@ def _cuda_part(mode, sec) -> list:
                          "fmha / SDPA", "max abs diff"], table, left=3)
 
 
+def _contention_part(sec) -> list:
+    rows, meta = sec.get("rows", []), sec.get("meta", {})
+    busy = _ordered((r["competitors"], r["nice"]) for r in rows if r["competitors"])
+    by = {(r["case"], r["impl"], r["competitors"], r["nice"]): r for r in rows}
+    table = []
+    for case, impl in _ordered((r["case"], r["impl"]) for r in rows):
+        q = by.get((case, impl, 0, 0))
+        cells = []
+        for c, n in busy:
+            r = by.get((case, impl, c, n))
+            cells.append("—" if r is None or r.get("ratio_vs_quiet") is None
+                         else _ratio(r["ratio_vs_quiet"]))
+        table.append([case, impl, _num(q["median_s"] * 1e3, 2) if q else "—"] + cells)
+    fair = {(r["competitors"], r["nice"]): r["fair_ratio"] for r in rows}
+    out = ["### On a shared CPU (`contention`)", "",
+           f"Forward, float32, {meta.get('threads', '?')} threads on {meta.get('cores', '?')} "
+           "cores, with busy processes the benchmark starts beside it: the median time per "
+           "call relative to the same entry on the quiet host. fmha runs on torch's OpenMP "
+           "threads (its default with torch), fmha-own on its own pool (FMHA_OWN_THREADS=1). "
+           "The fair slowdown (in each column's head) is what the scheduler's fair share of "
+           "the cores allows.", ""]
+    return out + _table(["case", "impl", "quiet ms"] +
+                        [f"{c} busy, nice {n} (fair {fair[(c, n)]:.2f}×)" for c, n in busy],
+                        table, left=2)
+
+
 PARTS = {"decode": _decode_part, "decode-quick": _decode_part, "latency": _latency_part,
          "e2e": _e2e_part, "serve": _serve_part, "serve-grid": _serve_part,
          "distributed": _distributed_part,
          "distributed-quick": _distributed_part, "sparse": _sparse_part,
-         "sparse-quick": _sparse_part, "kv-quant": _kvquant_part, "kv-quant-quick": _kvquant_part}
+         "sparse-quick": _sparse_part, "kv-quant": _kvquant_part, "kv-quant-quick": _kvquant_part,
+         "contention": _contention_part, "contention-quick": _contention_part}
 
 
 def build(hosts) -> tuple:

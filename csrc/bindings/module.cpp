@@ -10,6 +10,10 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <vector>
 #include <string>
 #if defined(__x86_64__)
 #include <xmmintrin.h>
@@ -92,6 +96,24 @@ void def_testing_probes(py::module_& m) {
         py::arg("work_ns"),
         "How many helper threads the CPU thread pool wakes for a region of n_tasks tasks and "
         "work_ns nanoseconds of estimated single-thread work (for tests and benchmarks).");
+  m.def("pool_task_runs", [](int64_t n_tasks, int n_threads, int64_t throw_at, int64_t task_ns) {
+          // How often each task of one region ran (each must run exactly once, or, after a
+          // task threw, at most once), on whichever runtime parallel_for uses now.
+          std::vector<std::atomic<int>> runs(size_t(std::max<int64_t>(n_tasks, 0)));
+          parallel_for(n_tasks, n_threads, [&](int64_t t) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(task_ns);
+            while (std::chrono::steady_clock::now() < until) {
+            }
+            runs[size_t(t)].fetch_add(1);
+            if (t == throw_at) throw std::runtime_error("task " + std::to_string(t) + " threw");
+          });
+          std::vector<int> out;
+          for (auto& r : runs) out.push_back(r.load());
+          return out;
+        }, py::arg("n_tasks"), py::arg("n_threads"), py::arg("throw_at") = -1,
+        py::arg("task_ns") = 0, py::call_guard<py::gil_scoped_release>(),
+        "Runs a region of n_tasks tasks (each busy for task_ns; task throw_at throws) on "
+        "n_threads threads and returns how often each task ran.");
   m.def("philox4x32_10", [](std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
     const Philox4 r = philox4x32_10(c[0], c[1], c[2], c[3], k[0], k[1]);
     return std::array<uint32_t, 4>{r.x[0], r.x[1], r.x[2], r.x[3]};

@@ -1,13 +1,19 @@
 #include "fmha/threads.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -21,22 +27,6 @@ namespace {
 // (a futex wake-up on a small VM), and each helper adds a share of cache traffic. Chosen by
 // measurement (docs/cpu_kernels.md, "Small calls"): a thread must get at least this much work.
 constexpr int64_t kMinWorkPerThreadNs = 20000;
-
-// How long a helper spins for the next region before it parks. Long enough for the next
-// attention call of a layer loop, short enough not to keep a core busy for torch's own
-// threads between calls. FMHA_POOL_SPIN_US overrides it (0: park at once).
-int64_t spin_ns() {
-  static const int64_t ns = [] {
-    const char* env = std::getenv("FMHA_POOL_SPIN_US");
-    if (env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      const long us = std::strtol(env, &end, 10);
-      if (end != env && *end == '\0' && us >= 0) return int64_t(us) * 1000;
-    }
-    return int64_t(100000);
-  }();
-  return ns;
-}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,15 +42,124 @@ int64_t now_ns() {
       .count();
 }
 
-// Spins while busy() holds, for at most spin_ns(); returns whether it still holds.
+// Whether the machine is oversubscribed: more runnable threads than the cores this process
+// may run on. Then a spinning thread holds a core that a runnable thread -- a helper holding
+// a task of the region, or another process -- is waiting for, so the pool parks at once
+// instead, and regions leave torch's OpenMP runtime (whose threads spin) for the pool.
+// Read at most every kBusyCheckNs: the runnable threads of the whole system (the fourth
+// field of /proc/loadavg) less this process's own (state R in /proc/self/task/*/stat: the
+// pool's helpers and torch's threads count as ours), and sched_getaffinity.
+constexpr int64_t kBusyCheckNs = 20000000;
+std::atomic<int64_t> busy_checked_ns{std::numeric_limits<int64_t>::min()};
+std::atomic<int> busy_others{0};  // runnable threads of other processes at the last reading
+std::atomic<int> busy_cores{1};
+
+// The whole file (small /proc files) into buf; its length, or -1.
+ssize_t read_small(const char* path, char* buf, size_t size) {
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  const ssize_t n = ::read(fd, buf, size - 1);
+  ::close(fd);
+  if (n < 0) return -1;
+  buf[n] = '\0';
+  return n;
+}
+
+int runnable_in_system() {
+  char buf[128];
+  if (read_small("/proc/loadavg", buf, sizeof(buf)) <= 0) return -1;
+  // "0.52 0.58 0.59 3/467 12345": runnable/total after the third field.
+  const char* p = buf;
+  for (int field = 0; field < 3 && p != nullptr; ++field) {
+    p = std::strchr(p, ' ');
+    if (p != nullptr) ++p;
+  }
+  if (p == nullptr) return -1;
+  char* end = nullptr;
+  const long r = std::strtol(p, &end, 10);
+  return end != p && *end == '/' ? int(r) : -1;
+}
+
+int runnable_in_self() {
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return 1;
+  int n = 0;
+  char path[64], buf[512];
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    std::snprintf(path, sizeof(path), "/proc/self/task/%.20s/stat", e->d_name);
+    if (read_small(path, buf, sizeof(buf)) <= 0) continue;
+    const char* close = std::strrchr(buf, ')');  // "tid (comm) S ...": comm may hold spaces
+    if (close != nullptr && close[1] == ' ' && close[2] == 'R') ++n;
+  }
+  closedir(dir);
+  return std::max(n, 1);
+}
+
+int allowed_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return hardware_threads();
+  return std::max(1, CPU_COUNT(&set));
+}
+
+// Whether the pool stops spinning on an oversubscribed machine: FMHA_POOL_PARK_WHEN_BUSY=1.
+// Off by default: on a 2-core Zen 4 VM with one busy process, parking made the small call
+// no faster than spinning (1.92x against 2.03x its quiet time) and the medium one slower.
+bool park_when_busy() {
+  static const bool on = [] {
+    const char* env = std::getenv("FMHA_POOL_PARK_WHEN_BUSY");
+    return env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
+  }();
+  return on;
+}
+
+// Whether a region on `threads` threads would oversubscribe the machine.
+bool oversubscribed(int threads) {
+  const int64_t now = now_ns();
+  int64_t last = busy_checked_ns.load(std::memory_order_relaxed);
+  if (now - last >= kBusyCheckNs &&
+      busy_checked_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    const int all = runnable_in_system();
+    busy_others.store(all < 0 ? 0 : std::max(0, all - runnable_in_self()),
+                      std::memory_order_relaxed);
+    busy_cores.store(allowed_cores(), std::memory_order_relaxed);
+  }
+  return busy_others.load(std::memory_order_relaxed) + threads >
+         busy_cores.load(std::memory_order_relaxed);
+}
+
+// Spins while busy() holds, for at most `ns`; returns whether it still holds.
 template <typename Busy>
-bool spin_while(Busy&& busy) {
-  const int64_t deadline = now_ns() + spin_ns();
+bool spin_while(Busy&& busy, int64_t ns) {
+  if (ns <= 0) return busy();
+  const int64_t deadline = now_ns() + ns;
   for (int i = 1; busy(); ++i) {
     cpu_relax();
     if ((i & 63) == 0 && now_ns() >= deadline) return busy();
   }
   return false;
+}
+
+// A counter of one region: the region's generation in the bits above kCountBits, what is
+// left to take below. A thread that was descheduled across regions cannot take from a later
+// region than the one it joined: its compare-and-swap carries the old generation and fails.
+constexpr int kCountBits = 40;
+constexpr uint64_t kCountMask = (uint64_t(1) << kCountBits) - 1;
+inline uint64_t tagged(uint64_t generation, int64_t count) {
+  return (generation << kCountBits) | (uint64_t(count) & kCountMask);
+}
+
+// Takes one from the counter of region `generation` while it is above zero: the count
+// before, or 0 (another region's counter, or nothing left).
+int64_t take(std::atomic<uint64_t>& counter, uint64_t generation) {
+  const uint64_t tag = tagged(generation, 0);
+  uint64_t c = counter.load(std::memory_order_acquire);
+  for (;;) {
+    if ((c & ~kCountMask) != tag || (c & kCountMask) == 0) return 0;
+    if (counter.compare_exchange_weak(c, c - 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire))
+      return int64_t(c & kCountMask);
+  }
 }
 
 class Pool {
@@ -69,37 +168,57 @@ class Pool {
     // One parallel region at a time: concurrent callers (several Python threads) queue
     // here instead of oversubscribing the cores.
     std::lock_guard<std::mutex> region(region_mu_);
-    const uint64_t before = generation_.load(std::memory_order_relaxed);
-    grow(helpers, before);
+    const uint64_t gen = generation_.load(std::memory_order_relaxed) + 1;
+    grow(helpers, gen - 1);
+    const bool busy = park_when_busy() && oversubscribed(helpers + 1);
+    parked_spin_.store(busy ? 0 : spin_ns(), std::memory_order_relaxed);
+    fn_ = &fn;
+    n_tasks_.store(n_tasks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    joins_.store(tagged(gen, helpers), std::memory_order_relaxed);
+    claims_.store(tagged(gen, n_tasks), std::memory_order_release);
     bool wake = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      fn_ = &fn;
-      n_tasks_ = n_tasks;
-      next_.store(0, std::memory_order_relaxed);
-      wanted_ = helpers;
-      joined_ = 0;
-      open_ = true;
-      error_ = nullptr;
-      generation_.store(before + 1, std::memory_order_release);
-      wake = sleepers_ > 0;
+      generation_.store(gen, std::memory_order_release);
+      wake = sleepers_.load(std::memory_order_relaxed) > 0;
     }
     if (wake) wake_cv_.notify_all();
-    work();
-    {
-      // Close the region: a helper that has not joined yet stays out, so the caller waits
-      // only for helpers that are running a task of it.
-      std::lock_guard<std::mutex> lk(mu_);
-      open_ = false;
+    work(gen);
+    // Every task is claimed: wait for those a helper is still running -- only those, a
+    // helper that has not claimed one by now gets none. Spinning would hold a core the
+    // running helper may be waiting for on a busy machine: then the caller blocks at once.
+    auto running = [&] { return done_.load(std::memory_order_acquire) < n_tasks; };
+    if (spin_while(running, busy ? 0 : spin_ns())) {
+      std::unique_lock<std::mutex> lk(mu_);
+      caller_waiting_ = true;
+      done_cv_.wait(lk, [&] { return !running(); });
+      caller_waiting_ = false;
     }
-    spin_while([&] { return inside_.load(std::memory_order_acquire) != 0; });
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return inside_.load(std::memory_order_relaxed) == 0; });
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
+  // How long a helper spins for the next region before it parks, and the caller for the
+  // helpers' last tasks before it blocks, on a machine that is not oversubscribed. Long
+  // enough for the next attention call of a layer loop, short enough not to keep a core
+  // busy for torch's own threads between calls. FMHA_POOL_SPIN_US overrides it (0: park
+  // at once).
+  static int64_t spin_ns() {
+    static const int64_t ns = [] {
+      const char* env = std::getenv("FMHA_POOL_SPIN_US");
+      if (env != nullptr && *env != '\0') {
+        char* end = nullptr;
+        const long us = std::strtol(env, &end, 10);
+        if (end != env && *end == '\0' && us >= 0) return int64_t(us) * 1000;
+      }
+      return int64_t(100000);
+    }();
+    return ns;
+  }
+
   void grow(int helpers, uint64_t generation) {
     while (int(workers_.size()) < helpers)
       workers_.push_back(new std::thread([this, generation] { loop(generation); }));
@@ -108,38 +227,46 @@ class Pool {
   void loop(uint64_t seen) {
     for (;;) {
       wait_for_region(seen);
-      std::unique_lock<std::mutex> lk(mu_);
-      seen = generation_.load(std::memory_order_relaxed);
-      if (!open_ || joined_ >= wanted_) continue;  // closed already, or not needed
-      ++joined_;
-      inside_.fetch_add(1, std::memory_order_relaxed);
-      lk.unlock();
-      work();
-      lk.lock();
-      if (inside_.fetch_sub(1, std::memory_order_release) == 1) done_cv_.notify_one();
+      seen = generation_.load(std::memory_order_acquire);
+      if (take(joins_, seen) == 0) continue;  // another region's, or enough helpers
+      work(seen);
     }
   }
 
-  // Returns once the generation differs from `seen`: spinning first, then parked.
+  // Returns once the generation differs from `seen`: spinning first (not on a busy
+  // machine: parked_spin_ is 0 then), then parked.
   void wait_for_region(uint64_t seen) {
-    if (!spin_while([&] { return generation_.load(std::memory_order_acquire) == seen; }))
-      return;
+    auto same = [&] { return generation_.load(std::memory_order_acquire) == seen; };
+    if (!spin_while(same, parked_spin_.load(std::memory_order_relaxed))) return;
     std::unique_lock<std::mutex> lk(mu_);
-    ++sleepers_;
-    wake_cv_.wait(lk, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
-    --sleepers_;
+    sleepers_.fetch_add(1, std::memory_order_relaxed);
+    wake_cv_.wait(lk, [&] { return !same(); });
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
 
-  void work() {
+  // Runs tasks of region `gen` while there are unclaimed ones. A claim succeeds only while
+  // the region is open (the caller waits for every claimed task), so fn_ and n_tasks_ read
+  // after it are the region's; tasks are handed out in increasing order.
+  void work(uint64_t gen) {
     for (;;) {
-      const int64_t t = next_.fetch_add(1);
-      if (t >= n_tasks_) return;
+      const int64_t left = take(claims_, gen);
+      if (left == 0) return;
+      const int64_t n = n_tasks_.load(std::memory_order_relaxed);
+      int64_t finished = 1;
       try {
-        (*fn_)(t);
+        (*fn_)(n - left);
       } catch (...) {
         std::lock_guard<std::mutex> lk(err_mu_);
         if (!error_) error_ = std::current_exception();
-        next_.store(n_tasks_);  // stop handing out work
+        // Stop handing out work: the tasks nobody claimed count as finished.
+        uint64_t c = claims_.load(std::memory_order_acquire);
+        while (!claims_.compare_exchange_weak(c, tagged(gen, 0), std::memory_order_acq_rel)) {
+        }
+        finished += int64_t(c & kCountMask);
+      }
+      if (done_.fetch_add(finished, std::memory_order_acq_rel) + finished == n) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (caller_waiting_) done_cv_.notify_one();
       }
     }
   }
@@ -148,13 +275,15 @@ class Pool {
   std::condition_variable wake_cv_, done_cv_;
   std::vector<std::thread*> workers_;
   std::atomic<uint64_t> generation_{0};
-  // The open region, written under mu_ before generation_ moves.
+  // The open region, written before generation_ moves.
   const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  int wanted_ = 0, joined_ = 0, sleepers_ = 0;
-  bool open_ = false;
-  std::atomic<int> inside_{0};  // helpers running tasks of the current region
+  std::atomic<int64_t> n_tasks_{0};
+  std::atomic<uint64_t> joins_{0};    // tagged: helpers the region still takes
+  std::atomic<uint64_t> claims_{0};   // tagged: tasks not handed out yet
+  std::atomic<int64_t> done_{0};      // tasks finished (or skipped after an exception)
+  std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> parked_spin_{0};  // how long an idle helper spins before it parks
+  bool caller_waiting_ = false;       // under mu_
   std::exception_ptr error_;
 };
 

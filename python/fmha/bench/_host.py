@@ -143,9 +143,98 @@ _ARGS: Optional[list] = None  # the arguments of the command line being run (set
 
 def set_command(args) -> None:
     """Records the arguments python -m fmha.bench was given (its main's argv), for the
-    results' meta.command."""
-    global _ARGS
+    results' meta.command, and starts counting the host's load (host_load) from here."""
+    global _ARGS, _LOAD_START
     _ARGS = list(args)
+    _LOAD_START = _cpu_counters()
+
+
+# A run is flagged busy when other processes took more than this fraction of the host's CPU
+# time (all its CPUs over the run's wall time): a benchmark of two threads on two cores then
+# lost about that much of its cores to them.
+BUSY_FRACTION = 0.10
+# A per-round probe (the suite's peak, decode's read bandwidth) that moved by more than this
+# fraction within one row ((max - min) / max) flags the row: the host's speed changed under
+# it, and its per-round ratios are the numbers to trust, if any.
+PROBE_SPREAD_LIMIT = 0.10
+
+
+def _cpu_counters() -> Optional[dict]:
+    """The clock, the host's busy CPU seconds (/proc/stat: user, nice, system, irq, softirq of
+    all CPUs), the CPU seconds the hypervisor gave other guests (steal) and this process's own
+    CPU seconds (its reaped children included); None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as fh:
+            first = fh.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu" or len(first) < 8:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    j = [int(x) for x in first[1:]]
+    busy = (j[0] + j[1] + j[2] + j[5] + j[6]) / tick
+    steal = (j[7] if len(j) > 7 else 0) / tick
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    return dict(wall=time.monotonic(), busy=busy, steal=steal, own=own)
+
+
+_LOAD_START: Optional[dict] = _cpu_counters()
+
+
+def loadavg() -> Optional[list]:
+    """/proc/loadavg's 1, 5 and 15 minute load averages; None where it is missing."""
+    try:
+        with open("/proc/loadavg") as fh:
+            return [float(x) for x in fh.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def host_load(start: Optional[dict] = None) -> dict:
+    """How busy the host was since `start` (_cpu_counters(); default: since set_command or
+    the import of this module): the load averages now, the CPU seconds other processes took
+    (the host's busy time minus this process's and its reaped children's), that as a fraction
+    of all CPUs over the wall time, the hypervisor's steal, and busy: whether the others'
+    fraction exceeded BUSY_FRACTION."""
+    start = start or _LOAD_START
+    now = _cpu_counters()
+    cpus = os.cpu_count() or 1
+    out = dict(loadavg=loadavg(), cpus=cpus, busy_fraction_limit=BUSY_FRACTION)
+    if start is None or now is None:
+        return dict(out, other_cpu_s=None, other_fraction=None, steal_s=None, busy=None)
+    wall = max(now["wall"] - start["wall"], 1e-9)
+    other = max(0.0, (now["busy"] - start["busy"]) - (now["own"] - start["own"]))
+    frac = other / (wall * cpus)
+    return dict(out, wall_s=round(wall, 3), other_cpu_s=round(other, 3),
+                other_fraction=round(frac, 4), steal_s=round(now["steal"] - start["steal"], 3),
+                busy=frac > BUSY_FRACTION)
+
+
+def host_load_line(load: dict) -> str:
+    """A line for the end of a run: the host's load, and a warning when it was busy."""
+    la = load.get("loadavg")
+    text = "host load: " + ("load average " + " ".join(f"{x:.2f}" for x in la) if la
+                            else "load average unknown")
+    if load.get("other_cpu_s") is None:
+        return text + "; other processes' CPU time unknown (no /proc/stat)"
+    text += (f"; other processes took {load['other_cpu_s']:.1f} CPU s in {load['wall_s']:.1f} s "
+             f"({100 * load['other_fraction']:.0f}% of {load['cpus']} CPUs)")
+    if load.get("steal_s"):
+        text += f", steal {load['steal_s']:.1f} s"
+    if load["busy"]:
+        text = (f"WARNING: the host was busy during this run: other processes took more than "
+                f"{100 * BUSY_FRACTION:.0f}% of its CPU time; its timings are not a quiet "
+                f"host's.\n" + text)
+    return text
+
+
+def probe_spread(values) -> Optional[float]:
+    """(max - min) / max of a row's per-round probes; None for fewer than two."""
+    vals = [v for v in values or () if v]
+    if len(vals) < 2:
+        return None
+    return (max(vals) - min(vals)) / max(vals)
 
 
 def command_line() -> str:
@@ -163,7 +252,8 @@ def host_meta(torch, fmha, gpu: Optional[str] = None) -> dict:
                 cpu_features=fmha.cpu_features(), threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine(),
                 cpu_model=cpu_model(), cpu=fmha._C.cpu_description(),
-                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                date=time.strftime("%Y-%m-%d %H:%M:%S"), host_load=host_load(),
+                probe_spread_limit=PROBE_SPREAD_LIMIT)
     if gpu:
         meta["gpu"] = gpu
     return meta

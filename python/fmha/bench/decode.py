@@ -128,7 +128,8 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
     import fmha
     from fmha.kvcache import attention_with_kvcache
 
-    from ._host import host_meta, timed_rounds, write_result
+    from ._host import (PROBE_SPREAD_LIMIT, host_meta, probe_spread, timed_rounds,
+                        write_result)
 
     on_gpu = device != "cpu"
     if threads:
@@ -224,8 +225,13 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                                ratio_vs_sdpa=per("torch_sdpa", entry),
                                round_ms=[t * 1e3 for t in ts],
                                round_bandwidth=list(bw[probe]))
+                    spread = probe_spread(bw[probe])
+                    row.update(probe_spread=spread, probes_moved=bool(
+                        spread is not None and spread > PROBE_SPREAD_LIMIT))
                     line = (f"{name:24s} {dtype_name:9s} {sq:2d} {entry:17s} {secs * 1e3:9.2f} "
                             f"{gbs:7.1f} {100 * frac:5.0f}% {per('torch_sdpa', entry):7.2f}")
+                    if row["probes_moved"]:
+                        line += f"  PROBES MOVED {100 * spread:.0f}%"
                     if fmt is not None:
                         row.update(cache_dtype=fmt, scales="dynamic",
                                    speedup_vs_16bit_cache=per("kvcache", entry),
@@ -239,7 +245,13 @@ def run(dtypes, out_path: Optional[str], threads: Optional[int], cases=None,
                     span = f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
                     print(f"{'':24s} {label:9s}    read bandwidth {span} GB/s "
                           f"({nb / 1e6:.0f} MB)")
+    moved = sorted({f"{r['case']} {r['dtype']}" for r in rows if r["probes_moved"]})
+    if moved:
+        print(f"WARNING: the read-bandwidth probes moved by more than "
+              f"{100 * PROBE_SPREAD_LIMIT:.0f}% within: {', '.join(moved)} (the host's speed "
+              f"changed during those rows)")
     if out_path or save is not None:
         meta = host_meta(torch, fmha, gpu=torch.cuda.get_device_name(device) if on_gpu else None)
+        meta.update(probes_moved=moved)
         write_result(dict(meta=meta, rows=rows), out_path, save)
     return rows

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from ._flex import compiled_flex, dynamo_compiles_allowed
-from ._host import host_meta, timed_rounds, write_result
+from ._host import PROBE_SPREAD_LIMIT, host_meta, probe_spread, timed_rounds, write_result
 
 # (name, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
 STANDARD_SUITE = [
@@ -68,6 +68,8 @@ class Row:
     ratio_vs_flex: Optional[float] = None     # flex time / this time (fmha rows)
     round_s: List[float] = field(default_factory=list)  # seconds per call, per round
     round_peak_gflops: List[float] = field(default_factory=list)  # the rounds' peak probes
+    probe_spread: Optional[float] = None  # (max - min) / max of round_peak_gflops
+    probes_moved: bool = False  # probe_spread > _host.PROBE_SPREAD_LIMIT: the host drifted
 
 
 def flops(b, h, sq, sk, d, causal, with_bwd):
@@ -131,9 +133,16 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
         _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_fn,
                    flex_block_mask, flex_error, flex_errors, rounds)
     _print_table(rows)
+    moved = []
+    for r in rows:
+        if r.probes_moved and f"{r.case} {r.dtype} {r.pass_}" not in moved:
+            moved.append(f"{r.case} {r.dtype} {r.pass_}")
+    if moved:
+        print(f"WARNING: the peak probes moved by more than {100 * PROBE_SPREAD_LIMIT:.0f}% "
+              f"within: {', '.join(moved)} (the host's speed changed during those rows)")
     if out_path or save is not None:
         meta = host_meta(torch, fmha)
-        meta.update(peaks, rounds=rounds,
+        meta.update(peaks, rounds=rounds, probes_moved=moved,
                     flex=dict(compile="torch.compile(flex_attention, dynamic=False, "
                                       "fullgraph=True)", errors=flex_errors))
         write_result(dict(meta=meta, rows=[asdict(r) for r in rows]), out_path, save)
@@ -250,12 +259,15 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                 # Per-round ratios: a ratio's two sides come from the same round.
                 per = lambda a, b: med([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
                 secs = {impl: med(ts) for impl, ts in times.items()}
+                spread = probe_spread(probes)
+                moved = spread is not None and spread > PROBE_SPREAD_LIMIT
                 for impl, s in secs.items():
                     ts = times[impl]
                     if impl == "fmha+keypad":  # ratio to the unmasked fmha call
                         rows.append(Row(name, dtype_name, pass_, impl, s, f / s / 1e9,
                                         per("fmha", impl), round_s=ts,
-                                        round_peak_gflops=probes))
+                                        round_peak_gflops=probes, probe_spread=spread,
+                                        probes_moved=moved))
                         continue
                     rows.append(Row(
                         name, dtype_name, pass_, impl, s, f / s / 1e9,
@@ -263,14 +275,16 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
                         med([f / t / 1e9 / pk for t, pk in zip(ts, probes)]) if probes
                         else None,
                         per("flex", impl) if impl == "fmha" and "flex" in secs else None,
-                        round_s=ts, round_peak_gflops=probes))
+                        round_s=ts, round_peak_gflops=probes, probe_spread=spread,
+                        probes_moved=moved))
                 fm = rows[-len(secs):][list(secs).index("fmha")]
                 print("  " + "  ".join(f"{i} {f / s / 1e9:7.1f} GFLOP/s" for i, s in
                                        secs.items()) +
                       f"  | fmha/sdpa {fm.ratio_vs_sdpa:.2f}x" +
                       (f"  fmha/flex {fm.ratio_vs_flex:.2f}x" if fm.ratio_vs_flex else "") +
                       (f"  fmha {100 * fm.fraction_of_peak:.0f}% of peak (probes "
-                       f"{min(probes):.0f}-{max(probes):.0f} GFLOP/s)" if probes else ""),
+                       f"{min(probes):.0f}-{max(probes):.0f} GFLOP/s)" if probes else "") +
+                      (f"  PROBES MOVED {100 * spread:.0f}%" if moved else ""),
                       flush=True)
 
 
