@@ -90,7 +90,8 @@ def _generate(torch, transformers, model, batch, prompt, new, reps):
     import fmha.integrations.transformers as fh
 
     g = torch.Generator().manual_seed(batch * 7919 + prompt)
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=g)
+    # Token 0 is the pad token: a prompt never holds it, or generate() would mask it out.
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g)
 
     def call(which, n):
         model.set_attn_implementation("sdpa" if which == "dynamic+sdpa" else "fmha")
@@ -134,7 +135,7 @@ def _batch(torch, transformers, model, impl, requests, lengths, new):
     g = torch.Generator().manual_seed(requests)
     lo, hi = lengths
     sizes = torch.randint(lo, hi + 1, (requests,), generator=g).tolist()
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist()
                for n in sizes]
     gen = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,
                                         pad_token_id=0)
