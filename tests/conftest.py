@@ -93,6 +93,20 @@ def restore_threads():
     fmha.set_num_threads(None)
 
 
+# ----------------------------------------------------------------------------- torch threads
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Benchmarks and examples set torch's thread count for their run; the next test must not
+    inherit it. Only where a test has loaded torch (this never imports it)."""
+    import sys
+    torch = sys.modules.get("torch")
+    n = torch.get_num_threads() if torch is not None else None
+    yield
+    if n is not None:
+        torch.set_num_threads(n)
+
+
 # ----------------------------------------------------------------------------- testing build
 
 def _testing_build() -> bool:

@@ -17,13 +17,6 @@ SHORT = ["--steps", "25", "--batch", "8", "--context", "32", "--d-model", "32", 
          "2", "--layers", "1", "--lr", "1e-2", "--threads", "1"]
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def example():
     spec = importlib.util.spec_from_file_location("train_tiny_lm", EXAMPLE)

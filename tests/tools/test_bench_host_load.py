@@ -15,13 +15,6 @@ torch = pytest.importorskip("torch")
 from fmha.bench import _host, cli, contention, suite  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_host_load_counts_other_processes():
     """Busy processes that run for a second show up as other processes' CPU time (they are
     not reaped children, whose time would be this process's)."""

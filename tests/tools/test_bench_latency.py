@@ -15,13 +15,6 @@ TINY = ["--latency", "--cases", "decode-sk16", "--min-seconds", "0", "--min-call
         "--batches", "5", "--threads", "2"]
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_latency_json(tmp_path, capsys):
     out = tmp_path / "latency.json"
     bench.main(TINY + ["--out", str(out)])

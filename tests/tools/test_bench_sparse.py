@@ -16,13 +16,6 @@ from fmha import bench  # noqa: E402
 from fmha.bench import sparse as bench_sparse  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(tmp_path, **kw):
     out = tmp_path / "sparse.json"
     args = dict(dtypes=("float32", "bfloat16"), passes=("fwd", "fwd+bwd"), out_path=str(out),

@@ -18,13 +18,6 @@ from fmha.bench import suite  # noqa: E402
 CASES = [("tiny-gqa-causal", 1, 4, 2, 64, 64, 16, True), ("tiny", 1, 2, 2, 32, 48, 16, False)]
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def fast_and_eager(monkeypatch):
     """Two rounds of one timed call per cell, and FlexAttention uncompiled."""
