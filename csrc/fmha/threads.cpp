@@ -173,6 +173,9 @@ class Pool {
     const bool busy = park_when_busy() && oversubscribed(helpers + 1);
     parked_spin_.store(busy ? 0 : spin_ns(), std::memory_order_relaxed);
     fn_ = &fn;
+#if defined(__linux__)
+    caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
+#endif
     n_tasks_.store(n_tasks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
@@ -225,13 +228,40 @@ class Pool {
   }
 
   void loop(uint64_t seen) {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "fmha-pool");
+    // The CPUs the helper may use, as it was started with them: a helper that moves off the
+    // caller's CPU takes this set less that CPU, so should the caller later come to the
+    // helper's CPU, the next collision moves the helper back onto the one the caller left.
+    cpu_set_t allowed;
+    const bool known = sched_getaffinity(0, sizeof(allowed), &allowed) == 0;
+#endif
     for (;;) {
       wait_for_region(seen);
       seen = generation_.load(std::memory_order_acquire);
       if (take(joins_, seen) == 0) continue;  // another region's, or enough helpers
+#if defined(__linux__)
+      if (known) keep_off_cpu(caller_cpu_.load(std::memory_order_relaxed), allowed);
+#endif
       work(seen);
     }
   }
+
+#if defined(__linux__)
+  // A helper that finds itself on the caller's CPU moves off it: the two would share one
+  // core for the whole region. With more runnable threads than cores (one busy process next
+  // to a 2-thread call on 2 cores) the scheduler's balancing sees a 2 + 1 split as balanced
+  // whichever two threads share a core, and waking the helper on its waker's CPU makes the
+  // pairing of caller and helper the one that sticks: the call then gets one core where the
+  // fair share is one and a half (docs/cpu_kernels.md, "Shared CPUs"). On a quiet machine the
+  // scheduler keeps them apart already, so this costs a vDSO read per region.
+  static void keep_off_cpu(int caller_cpu, const cpu_set_t& allowed) {
+    if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
+    cpu_set_t set = allowed;
+    CPU_CLR(caller_cpu, &set);
+    if (CPU_COUNT(&set) > 0) sched_setaffinity(0, sizeof(set), &set);
+  }
+#endif
 
   // Returns once the generation differs from `seen`: spinning first (not on a busy
   // machine: parked_spin_ is 0 then), then parked.
@@ -283,6 +313,7 @@ class Pool {
   std::atomic<int64_t> done_{0};      // tasks finished (or skipped after an exception)
   std::atomic<int> sleepers_{0};
   std::atomic<int64_t> parked_spin_{0};  // how long an idle helper spins before it parks
+  std::atomic<int> caller_cpu_{-1};      // the CPU the open region's caller started on
   bool caller_waiting_ = false;       // under mu_
   std::exception_ptr error_;
 };

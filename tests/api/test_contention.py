@@ -101,3 +101,40 @@ def test_exception_of_a_task_stops_the_region(runtime, restore_runtime):
             with pytest.raises(RuntimeError, match=f"task {throw_at} threw"):
                 c.pool_task_runs(200, threads, throw_at=throw_at, task_ns=2000)
             assert c.pool_task_runs(200, threads, task_ns=2000) == [1] * 200
+
+
+_MOVE_OFF_SCRIPT = r"""
+import os, sys
+os.environ["FMHA_OWN_THREADS"] = "1"
+import torch, fmha
+fmha.set_num_threads(2)
+q = torch.randn(1, 1024, 8, 64)
+fmha.attention(q, q, q)  # starts the helper, with the process's CPUs
+helpers = [t for t in os.listdir("/proc/self/task")
+           if open(f"/proc/self/task/{t}/comm").read().strip() == "fmha-pool"]
+assert len(helpers) == 1, helpers
+cpu = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cpu})               # the caller (this thread) on one CPU
+os.sched_setaffinity(int(helpers[0]), {cpu})  # and the helper beside it
+for _ in range(20):
+    fmha.attention(q, q, q)
+print(cpu, sorted(os.sched_getaffinity(int(helpers[0]))))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 CPUs this process may use")
+def test_helper_moves_off_the_callers_cpu():
+    """A helper of the own pool that finds itself on the CPU its caller runs on moves to the
+    process's other CPUs (csrc/fmha/threads.cpp, keep_off_cpu): with one busy process on two
+    cores, caller and helper sharing one core cost a 2-thread call 2x where the fair share
+    is 1.5x. Forced here by pinning both to one CPU; the helper then holds every CPU it
+    started with but that one."""
+    import subprocess
+    import sys
+    allowed = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _MOVE_OFF_SCRIPT], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    cpu, helper_cpus = out.stdout.split(" ", 1)
+    assert eval(helper_cpus) == [c for c in allowed if c != int(cpu)]
