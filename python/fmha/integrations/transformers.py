@@ -36,7 +36,10 @@ Serving (docs/guides/serving.md):
   a transformers ``Cache`` on :class:`fmha.kvcache.PagedKVCache` (16- or 8-bit pools); each
   layer appends its new rows in place and attends through ``attention_with_kvcache``.
 
-tests/integrations/test_serving.py checks both against the reference's greedy tokens.
+tests/integrations/test_serving.py checks both against the reference's greedy tokens. On CUDA
+tensors both run fmha's CUDA kernels, which take float16/bfloat16: a float32 model there is
+refused (naming ``dtype``), as is a PagedCache off the model's device; the test file's
+``cuda`` cases run on a GPU (tools/gpu_check.sh).
 
 transformers is imported here and only here: ``import fmha`` does not need it.
 """
