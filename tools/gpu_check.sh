@@ -8,8 +8,9 @@
 # scikit-build-core, numpy, pytest, cmake and ninja. PYTHON=/path/to/python picks the
 # interpreter (default: python3).
 #
-# Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 470 s, so the
-# whole script stays under 8 minutes): environment, build, tests, benchmark (fmha vs torch
+# Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 530 s, so the
+# whole script stays under 9 minutes): environment, build, tests, serving (Hugging Face
+# generate() / generate_batch() on the CUDA kernels, ~30 s), benchmark (fmha vs torch
 # SDPA's flash backend), decode (KV caches vs the measured HBM read bandwidth), predictions (the
 # benchmark's and decode's rows against benchmarks/gpu/predictions.json, the speeds predicted
 # before any GPU ran the kernels: tools/gpu_predictions.py), fmha-bench --cuda. A failing
@@ -17,7 +18,8 @@
 # Without a GPU the script still builds (for FMHA_CUDA_ARCHS, default 80) and stops with a
 # message at the first phase that needs the GPU.
 #
-# OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), bench.log, bench.json,
+# OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), serving.log (+
+# serving.xml), bench.log, bench.json,
 # bench.csv, bench.md, predictions.md (+ .log), decode.log, decode.json, fmha-bench-cuda.txt
 # and summary.txt (phase, status, seconds). The benchmark and decode phases also --save their
 # rows into the GPU's results file, benchmarks/results/<gpu class>.json (sections "cuda" and
@@ -27,7 +29,7 @@ set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET_S:-470}"
+BUDGET="${GPU_CHECK_BUDGET_S:-530}"
 T0=$(date +%s)
 
 # ---- which GPU (nvidia-smi first: it needs no torch; torch as the fallback) ----
@@ -150,6 +152,7 @@ if [[ -z "$arch" ]]; then
 fi
 if (( ! built )); then
   skip_phase tests "the build or import failed"
+  skip_phase serving "the build or import failed"
   skip_phase bench "the build or import failed"
   skip_phase fmha-bench "the build or import failed"
   finish
@@ -165,6 +168,22 @@ if (( ${#tests[@]} )); then
     "${tests[@]}"
 else
   skip_phase tests "no test file found"
+fi
+
+# ---- serving: the cuda cases of tests/integrations/test_serving.py (transformers'
+# generate_batch() and generate() on a PagedCache, bfloat16 and 8-bit pools, the kernel
+# entries seen with CUDA tensors; ~30 s). A skipped case means the CUDA path was not
+# verified, so a skip fails the phase too.
+if timeout 60 "$PY" -c 'import transformers' >/dev/null 2>&1; then
+  if run_phase serving 60 "$OUT/serving.log" "$PY" -m pytest -q -rs -k cuda \
+       --junitxml="$OUT/serving.xml" tests/integrations/test_serving.py &&
+     grep -q '<skipped' "$OUT/serving.xml"; then
+    echo "gpu_check: [serving] cases were skipped (serving.log says why): the CUDA serving" \
+         "path is not verified" | tee -a "$OUT/summary.txt"
+    failed=1
+  fi
+else
+  skip_phase serving "transformers is not installed (tests/integrations/test_serving.py needs it)"
 fi
 
 # ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----

@@ -36,7 +36,10 @@ Serving (docs/guides/serving.md):
   a transformers ``Cache`` on :class:`fmha.kvcache.PagedKVCache` (16- or 8-bit pools); each
   layer appends its new rows in place and attends through ``attention_with_kvcache``.
 
-tests/integrations/test_serving.py checks both against the reference's greedy tokens.
+tests/integrations/test_serving.py checks both against the reference's greedy tokens. On CUDA
+tensors both run fmha's CUDA kernels, which take float16/bfloat16: a float32 model there is
+refused (naming ``dtype``), as is a PagedCache off the model's device; the test file's
+``cuda`` cases run on a GPU (tools/gpu_check.sh).
 
 transformers is imported here and only here: ``import fmha`` does not need it.
 """
@@ -50,10 +53,11 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .. import _heads
+from .. import _heads, kvquant
 from .._api import attention, attention_varlen
 from .._kvcache import attention_with_kvcache
 from .._paged import PagedKVCache
+from .._validate import _BACKENDS, backend_of, check_head_dims, device_of, dtype_name
 
 __all__ = ["NAME", "PagedCache", "fmha_attention_forward", "register"]
 
@@ -74,6 +78,19 @@ def _refuse_output_attentions(kwargs, path):
     if kwargs.get("output_attentions"):
         raise ValueError(f"output_attentions=True: not supported with {path} on fmha (the "
                          "attention weights are never formed)")
+
+
+def _refuse_dtype_the_device_lacks(x: torch.Tensor, path: str) -> None:
+    """A model whose activations the kernels of its device do not take (on CUDA: float16 and
+    bfloat16 only, fmha's capability table) is refused here, naming the dtype, before
+    anything is allocated or written; never computed on another device or dtype."""
+    device = device_of(x)
+    caps = _BACKENDS[backend_of(device)]
+    if dtype_name(x) not in caps["dtypes"]:
+        raise NotImplementedError(
+            f"dtype: the model runs in {dtype_name(x)} on {device}, and fmha's {caps['label']} "
+            f"kernels take {'/'.join(caps['dtypes'])} ({path}); load the model in one of "
+            "those (e.g. dtype=torch.bfloat16) or serve it on the CPU")
 
 
 def _window(sliding_window) -> Tuple[int, int]:
@@ -101,6 +118,7 @@ def _continuous_batching_forward(module, query, key, value, scaling, softcap, dr
     same call serves packed training batches that carry cu_seq_lens, as for flash).
     """
     _refuse_output_attentions(kwargs, "continuous batching")
+    _refuse_dtype_the_device_lacks(query, "continuous batching")
     window = _window(kwargs.get("sliding_window"))
     sinks = _sinks_of(kwargs)
     softcap = 0.0 if softcap is None else softcap
@@ -263,6 +281,17 @@ def _enable_continuous_batching() -> None:
 # ------------------------------------------------------------------ generate() on fmha pools
 
 
+def _same_device(a, b) -> bool:
+    """Whether two devices are one (``cuda`` without an index is the current CUDA device)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        a, b = (x.index if x.index is not None else torch.cuda.current_device() for x in (a, b))
+        return a == b
+    return a.index is None or b.index is None or a.index == b.index
+
+
 class _PagedLayer(CacheLayerMixin):
     """One model layer's view of a :class:`PagedCache` (transformers asks layers for their
     lengths and kinds; the rows live in the shared fmha pool)."""
@@ -318,7 +347,8 @@ class PagedCache(Cache):
             plus new tokens); ``num_blocks`` overrides the sizing.
         num_blocks: the pool's blocks (default: enough for every sequence of the first
             batch to reach ``max_cache_len``, plus one per sequence for copy-on-write).
-        device: where the pools live (default: the first keys' device).
+        device: where the pools live (default: the first keys' device); one other than the
+            model's is refused.
 
     Layout: every layer keeps all of its rows; a sliding-window layer reads only its window
     (the kernel skips the rest) but does not free the rows behind it. Left-padded batches
@@ -448,7 +478,22 @@ class PagedCache(Cache):
             raise TypeError(f"dtype: a 16/32-bit PagedCache holds the model's dtype "
                             f"({model_dtype}), got {dtype}; 8-bit pools take torch.int8, "
                             "torch.float8_e4m3fn or torch.float8_e5m2")
-        device = key.device if self.device is None else self.device
+        _refuse_dtype_the_device_lacks(key, "PagedCache")
+        # The pools live on the model's device: a pool elsewhere would move every step's
+        # rows (or fail in the kernel), so a device that differs is refused, naming it.
+        device = (self.pool.device if self.pool is not None else
+                  key.device if self.device is None else self.device)
+        if not _same_device(device, key.device):
+            raise ValueError(f"device: PagedCache's pools are on {device}, the model's keys on "
+                             f"{key.device}; create the cache on the model's device "
+                             "(device=None follows the model)")
+        fmt = next((f for f in kvquant.FORMATS if getattr(torch, f) == dtype), None)
+        caps = _BACKENDS[backend_of(device_of(key))]
+        if fmt is not None and fmt not in caps["kv_cache_dtypes"]:
+            raise NotImplementedError(f"dtype: {fmt} pools on {key.device}: fmha's "
+                                      f"{caps['label']} kernels take "
+                                      f"{', '.join(caps['kv_cache_dtypes'])}")
+        check_head_dims(device_of(key), (("head_dim", head_dim),), kv8=fmt is not None)
         per_seq = -(-self.max_cache_len // self.block_size)
         if self.pool is None:
             self.pool = PagedKVCache(
@@ -460,9 +505,10 @@ class PagedCache(Cache):
             if mask.dtype != torch.bool:
                 mask = mask == 0   # additive float masks: 0 where attending
             # A key no query may see is padding; padding must come first (left padding).
-            seen = mask[..., :seqlen].reshape(batch, -1, seqlen).any(dim=1)
+            # One copy to the host (on CUDA, one synchronisation) for the whole batch.
+            seen = mask[..., :seqlen].reshape(batch, -1, seqlen).any(dim=1).tolist()
             for b in range(batch):
-                row = seen[b].tolist()
+                row = seen[b]
                 pads = row.index(True) if True in row else seqlen
                 if not all(row[pads:]):
                     raise ValueError("attention_mask: PagedCache supports left padding only "

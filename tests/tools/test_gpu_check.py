@@ -1,0 +1,50 @@
+"""tools/gpu_check.sh runs the CUDA cases of the Hugging Face serving tests: its serving phase
+selects cases that exist (one per path and pool kind), under a time limit, with its own log."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = (ROOT / "tools" / "gpu_check.sh").read_text()
+
+
+def test_gpu_check_is_valid_bash():
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "gpu_check.sh")], check=True)
+
+
+def test_serving_phase_runs_the_cuda_cases():
+    phase = SCRIPT[SCRIPT.index("run_phase serving"):]
+    phase = phase[:phase.index("\n\n")]
+    assert '"$OUT/serving.log"' in phase and '--junitxml="$OUT/serving.xml"' in phase
+    assert "-k cuda" in phase and "tests/integrations/test_serving.py" in phase
+    limit = int(phase.split()[2])
+    assert limit <= 90, "the serving phase must stay short (the device session is 15 minutes)"
+    # after the GPU test suite, before the benchmarks
+    assert SCRIPT.index("run_phase tests") < SCRIPT.index("run_phase serving") < \
+        SCRIPT.index("run_phase bench")
+    # a skipped case is not a pass; a missing transformers is reported, not hidden
+    assert "grep -q '<skipped' \"$OUT/serving.xml\"" in SCRIPT
+    assert 'skip_phase serving "transformers is not installed' in SCRIPT
+
+
+def test_serving_phase_selects_every_serving_path():
+    """What ``-k cuda`` collects: both paths for every model family, the 8-bit and bf16
+    pools, beam search and the float32 refusal (collected here, skipped without a GPU)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-k", "cuda",
+                          "-p", "no:cacheprovider", "tests/integrations/test_serving.py"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    assert all("cuda" in i for i in ids)
+    for test, count in (("test_generate_batch_matches_reference", 5),
+                        ("test_generate_on_paged_cache_matches_reference", 5),
+                        ("test_8bit_paged_cache_token_agreement_and_logit_error", 2),
+                        ("test_bf16_paged_cache_logits_within_tolerance", 1),
+                        ("test_beam_search_on_paged_cache_on_cuda", 1),
+                        ("test_float32_off_the_cpu_is_refused_naming_the_dtype", 1)):
+        assert sum(f"::{test}[" in i or i.endswith(f"::{test}") for i in ids) == count, test
