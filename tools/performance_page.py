@@ -200,12 +200,15 @@ def _suite_part(cls, mode, sec, plots) -> list:
         peaks.append(f"fp32 FMA {meta['fp32_fma_peak_gflops']:.0f} GFLOP/s")
     if meta.get("bf16_dot_peak_gflops"):
         peaks.append(f"bf16 dot product {meta['bf16_dot_peak_gflops']:.0f} GFLOP/s")
+    if meta.get("amx_bf16_peak_gflops"):
+        peaks.append(f"AMX bf16 tiles {meta['amx_bf16_peak_gflops']:.0f} GFLOP/s")
     if peaks:
         judged = meta.get("peak_of_dtype", {})
         per_round = any(r.get("round_peak_gflops") for r in rows)
         out += [f"Peaks measured at the start of the run on {meta.get('threads', '?')} threads: "
                 + ", ".join(peaks) + "; bfloat16 rows are judged against the "
-                + ("bf16 dot-product" if judged.get("bfloat16") == "bf16_dot" else "fp32 FMA")
+                + {"amx_bf16": "AMX tiles'", "bf16_dot": "bf16 dot-product"}.get(
+                    judged.get("bfloat16"), "fp32 FMA")
                 + " peak. " + ("Each row's % of peak divides by the probes of its own rounds."
                                if per_round else "Each row's % of peak divides by these peaks."),
                 ""]

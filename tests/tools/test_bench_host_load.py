@@ -65,7 +65,7 @@ def test_moving_probes_flag_the_row(tmp_path, capsys, monkeypatch):
     out = tmp_path / "suite.json"
     # measured_peaks takes three probes first: start the sequence after them.
     monkeypatch.setattr(suite, "measured_peaks", lambda fmha, n: dict(
-        fp32_fma_peak_gflops=100.0, bf16_dot_peak_gflops=None,
+        fp32_fma_peak_gflops=100.0, bf16_dot_peak_gflops=None, amx_bf16_peak_gflops=None,
         peak_of_dtype=dict(float32="fp32_fma"), peak_gflops_of_dtype=dict(float32=100.0)))
     suite.run(cases, ["float32"], ["fwd"], str(out), 1, flex=False)
     printed = capsys.readouterr().out

@@ -8,8 +8,9 @@ causal cases; forward only, since FlexAttention has no CPU backward in torch 2.1
 reason is printed and recorded in the JSON's meta) and the naive formula. It reports the
 median GFLOP/s (forward 4·b·h·sq·sk·d, halved for causal; backward 2.5× forward), the ratios
 to torch SDPA and to Flex, and the fraction of the hardware's peak: float32 rows against the
-fp32 FMA peak, bfloat16 rows against the bf16 dot-product peak (vdpbf16ps) where the CPU has
-it, else against the fp32 FMA peak (the JSON says which). The implementations are timed in
+fp32 FMA peak, bfloat16 rows against the AMX tiles' peak (a TDPBF16PS loop) where this process
+may use them, else the bf16 dot-product peak (vdpbf16ps) where the CPU has it, else the fp32
+FMA peak (the JSON says which). The implementations are timed in
 turn, ROUNDS times over, and each round opens with a probe of that peak; every ratio and
 fraction is the median of its per-round values, so that a host whose speed drifts (a shared
 VM) moves both sides of each ratio together (the peaks in the JSON's meta, probed once at
@@ -92,15 +93,24 @@ def _time(fn, min_reps=3, min_seconds=1.0, max_reps=20, warm_up=True):
     return statistics.median(times)
 
 
+# The peak probes by name: what a dtype's rows are judged against (peak_of_dtype).
+PEAK_PROBES = {"fp32_fma": "cpu_fma_peak_gflops", "bf16_dot": "cpu_bf16_dot_peak_gflops",
+               "amx_bf16": "cpu_amx_peak_gflops"}
+
+
 def measured_peaks(fmha, nthreads: int) -> dict:
-    """The fp32 FMA and bf16 dot-product peaks (GFLOP/s, best of three probes each), and the
-    peak each dtype's rows are judged against."""
+    """The fp32 FMA, bf16 dot-product and AMX bf16 tile peaks (GFLOP/s, best of three probes
+    each; 0 -> None where the CPU, the OS or the build lacks the instructions), and the peak
+    each dtype's rows are judged against: bfloat16 against the AMX tiles where this process may
+    use them, else the dot product, else the fp32 FMA peak."""
     fp32 = max(fmha._C.cpu_fma_peak_gflops(nthreads) for _ in range(3))
     bf16 = max(fmha._C.cpu_bf16_dot_peak_gflops(nthreads) for _ in range(3))
+    amx = max(fmha._C.cpu_amx_peak_gflops(nthreads) for _ in range(3))
+    bf16_kind = "amx_bf16" if amx else "bf16_dot" if bf16 else "fp32_fma"
     return dict(fp32_fma_peak_gflops=fp32, bf16_dot_peak_gflops=bf16 or None,
-                peak_of_dtype=dict(float32="fp32_fma",
-                                   bfloat16="bf16_dot" if bf16 else "fp32_fma"),
-                peak_gflops_of_dtype=dict(float32=fp32, bfloat16=bf16 or fp32))
+                amx_bf16_peak_gflops=amx or None,
+                peak_of_dtype=dict(float32="fp32_fma", bfloat16=bf16_kind),
+                peak_gflops_of_dtype=dict(float32=fp32, bfloat16=amx or bf16 or fp32))
 
 
 def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
@@ -119,11 +129,13 @@ def run(cases, dtypes, passes, out_path: Optional[str], threads: Optional[int],
     rows: List[Row] = []
     total = len(cases) * len(dtypes) * len(passes)
     peaks = measured_peaks(fmha, nthreads)
-    bf16_peak = peaks["bf16_dot_peak_gflops"]
+    bf16_peak, amx_peak = peaks["bf16_dot_peak_gflops"], peaks["amx_bf16_peak_gflops"]
     print(f"fmha {fmha.__version__} | CPU ISA {fmha.cpu_isa()} | threads {nthreads} | torch "
           f"{torch.__version__}\nhost {fmha._C.cpu_description()}\nmeasured peaks: fp32 FMA "
           f"{peaks['fp32_fma_peak_gflops']:.1f} GFLOP/s, bf16 dot "
-          + (f"{bf16_peak:.1f} GFLOP/s" if bf16_peak else "none (bfloat16 judged against fp32)"),
+          + (f"{bf16_peak:.1f} GFLOP/s" if bf16_peak else "none")
+          + (f", AMX bf16 tiles {amx_peak:.1f} GFLOP/s" if amx_peak else "")
+          + f"; bfloat16 judged against {peaks['peak_of_dtype'].get('bfloat16', 'none')}",
           flush=True)
     flex_fn, flex_block_mask, flex_error = compiled_flex(torch) if flex else (None, None,
                                                                              "not requested")
@@ -170,8 +182,7 @@ def _run_cases(torch, F, fmha, cases, dtypes, passes, rows, total, peaks, flex_f
         a dtype without one (its rows then have no fraction of peak)."""
         if dtype_name not in peaks["peak_of_dtype"]:
             return None
-        bf16 = peaks["peak_of_dtype"][dtype_name] == "bf16_dot"
-        f = fmha._C.cpu_bf16_dot_peak_gflops if bf16 else fmha._C.cpu_fma_peak_gflops
+        f = getattr(fmha._C, PEAK_PROBES[peaks["peak_of_dtype"][dtype_name]])
         return lambda: max(f(nthreads), f(nthreads))
 
     for (name, b, hq, hkv, sq, sk, d, causal) in cases:
