@@ -17,6 +17,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace fmha {
@@ -162,6 +163,42 @@ int64_t take(std::atomic<uint64_t>& counter, uint64_t generation) {
   }
 }
 
+// The CPU this thread runs on, or -1 where the OS does not say.
+int current_cpu() {
+#if defined(__linux__)
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
+// A thread working for a region that finds itself on the CPU the region's caller started on
+// moves to its other CPUs: the two would share one core for the whole region. With more
+// runnable threads than cores (one busy process next to a 2-thread call on 2 cores) the
+// scheduler's balancing sees a 2 + 1 split as balanced whichever two threads share a core,
+// and waking a helper on its waker's CPU makes caller and helper the pair that sticks: the
+// call then gets one core where its fair share is one and a half (docs/cpu_kernels.md,
+// "Shared CPUs"). On a quiet machine the scheduler keeps them apart already, so this costs a
+// vDSO read per region. The thread takes the CPUs it had when it first came here, less the
+// caller's: should the caller later come to its CPU, the next collision moves it back onto
+// the one the caller left.
+void keep_off_cpu(int caller_cpu) {
+#if defined(__linux__)
+  if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
+  thread_local const std::pair<bool, cpu_set_t> allowed = [] {
+    std::pair<bool, cpu_set_t> a;
+    a.first = sched_getaffinity(0, sizeof(a.second), &a.second) == 0;
+    return a;
+  }();
+  if (!allowed.first) return;
+  cpu_set_t set = allowed.second;
+  CPU_CLR(caller_cpu, &set);
+  if (CPU_COUNT(&set) > 0) sched_setaffinity(0, sizeof(set), &set);
+#else
+  (void)caller_cpu;
+#endif
+}
+
 class Pool {
  public:
   void run(int64_t n_tasks, int helpers, const std::function<void(int64_t)>& fn) {
@@ -173,9 +210,7 @@ class Pool {
     const bool busy = park_when_busy() && oversubscribed(helpers + 1);
     parked_spin_.store(busy ? 0 : spin_ns(), std::memory_order_relaxed);
     fn_ = &fn;
-#if defined(__linux__)
-    caller_cpu_.store(sched_getcpu(), std::memory_order_relaxed);
-#endif
+    caller_cpu_.store(current_cpu(), std::memory_order_relaxed);
     n_tasks_.store(n_tasks, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
@@ -230,38 +265,15 @@ class Pool {
   void loop(uint64_t seen) {
 #if defined(__linux__)
     pthread_setname_np(pthread_self(), "fmha-pool");
-    // The CPUs the helper may use, as it was started with them: a helper that moves off the
-    // caller's CPU takes this set less that CPU, so should the caller later come to the
-    // helper's CPU, the next collision moves the helper back onto the one the caller left.
-    cpu_set_t allowed;
-    const bool known = sched_getaffinity(0, sizeof(allowed), &allowed) == 0;
 #endif
     for (;;) {
       wait_for_region(seen);
       seen = generation_.load(std::memory_order_acquire);
       if (take(joins_, seen) == 0) continue;  // another region's, or enough helpers
-#if defined(__linux__)
-      if (known) keep_off_cpu(caller_cpu_.load(std::memory_order_relaxed), allowed);
-#endif
+      keep_off_cpu(caller_cpu_.load(std::memory_order_relaxed));
       work(seen);
     }
   }
-
-#if defined(__linux__)
-  // A helper that finds itself on the caller's CPU moves off it: the two would share one
-  // core for the whole region. With more runnable threads than cores (one busy process next
-  // to a 2-thread call on 2 cores) the scheduler's balancing sees a 2 + 1 split as balanced
-  // whichever two threads share a core, and waking the helper on its waker's CPU makes the
-  // pairing of caller and helper the one that sticks: the call then gets one core where the
-  // fair share is one and a half (docs/cpu_kernels.md, "Shared CPUs"). On a quiet machine the
-  // scheduler keeps them apart already, so this costs a vDSO read per region.
-  static void keep_off_cpu(int caller_cpu, const cpu_set_t& allowed) {
-    if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
-    cpu_set_t set = allowed;
-    CPU_CLR(caller_cpu, &set);
-    if (CPU_COUNT(&set) > 0) sched_setaffinity(0, sizeof(set), &set);
-  }
-#endif
 
   // Returns once the generation differs from `seen`: spinning first (not on a busy
   // machine: parked_spin_ is 0 then), then parked.
@@ -344,6 +356,8 @@ std::mutex gomp_region_mu;  // one region at a time, as in the pool
 struct GompRegion {
   const std::function<void(int64_t)>* fn;
   int64_t n_tasks;
+  std::thread::id caller;
+  int caller_cpu = -1;
   std::atomic<int64_t> next{0};
   std::mutex err_mu;
   std::exception_ptr error;
@@ -351,6 +365,7 @@ struct GompRegion {
 
 void gomp_body(void* data) {
   GompRegion& r = *static_cast<GompRegion*>(data);
+  if (std::this_thread::get_id() != r.caller) keep_off_cpu(r.caller_cpu);
   for (;;) {
     const int64_t t = r.next.fetch_add(1);
     if (t >= r.n_tasks) return;
@@ -407,6 +422,8 @@ void parallel_for(int64_t n_tasks, int n_threads, const std::function<void(int64
     GompRegion r;
     r.fn = &fn;
     r.n_tasks = n_tasks;
+    r.caller = std::this_thread::get_id();
+    r.caller_cpu = current_cpu();
     run(gomp_body, &r, unsigned(helpers + 1), 0);
     if (r.error) std::rethrow_exception(r.error);
     return;

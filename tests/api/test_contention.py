@@ -105,13 +105,20 @@ def test_exception_of_a_task_stops_the_region(runtime, restore_runtime):
 
 _MOVE_OFF_SCRIPT = r"""
 import os, sys
-os.environ["FMHA_OWN_THREADS"] = "1"
+if sys.argv[1] == "pool":
+    os.environ["FMHA_OWN_THREADS"] = "1"
 import torch, fmha
+from fmha import _C
+assert _C.using_openmp_runtime() == (sys.argv[1] == "openmp")
 fmha.set_num_threads(2)
 q = torch.randn(1, 1024, 8, 64)
-fmha.attention(q, q, q)  # starts the helper, with the process's CPUs
-helpers = [t for t in os.listdir("/proc/self/task")
-           if open(f"/proc/self/task/{t}/comm").read().strip() == "fmha-pool"]
+before = set(os.listdir("/proc/self/task"))
+fmha.attention(q, q, q)  # starts the helper (or torch's OpenMP team), with the process's CPUs
+if sys.argv[1] == "pool":
+    helpers = [t for t in os.listdir("/proc/self/task")
+               if open(f"/proc/self/task/{t}/comm").read().strip() == "fmha-pool"]
+else:
+    helpers = sorted(set(os.listdir("/proc/self/task")) - before)
 assert len(helpers) == 1, helpers
 cpu = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {cpu})               # the caller (this thread) on one CPU
@@ -124,17 +131,19 @@ print(cpu, sorted(os.sched_getaffinity(int(helpers[0]))))
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and at least 2 CPUs this process may use")
-def test_helper_moves_off_the_callers_cpu():
-    """A helper of the own pool that finds itself on the CPU its caller runs on moves to the
-    process's other CPUs (csrc/fmha/threads.cpp, keep_off_cpu): with one busy process on two
-    cores, caller and helper sharing one core cost a 2-thread call 2x where the fair share
-    is 1.5x. Forced here by pinning both to one CPU; the helper then holds every CPU it
-    started with but that one."""
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_helper_moves_off_the_callers_cpu(runtime):
+    """A thread working for a region (a helper of the own pool, or torch's OpenMP worker) that
+    finds itself on the CPU its caller runs on moves to the process's other CPUs
+    (csrc/fmha/threads.cpp, keep_off_cpu): with one busy process on two cores, caller and
+    helper sharing one core cost a 2-thread call 2x where the fair share is 1.5x. Forced here
+    by pinning both to one CPU; the helper then holds every CPU it started with but that one."""
     import subprocess
     import sys
     allowed = sorted(os.sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", _MOVE_OFF_SCRIPT], capture_output=True, text=True,
-                         timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "FMHA_OWN_THREADS"}
+    out = subprocess.run([sys.executable, "-c", _MOVE_OFF_SCRIPT, runtime], capture_output=True,
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     cpu, helper_cpus = out.stdout.split(" ", 1)
     assert eval(helper_cpus) == [c for c in allowed if c != int(cpu)]
