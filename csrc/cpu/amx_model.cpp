@@ -2,6 +2,7 @@
 // the core's portable flags: the model is plain C++ and runs on every host.
 #include "cpu/amx_model.h"
 
+#include <atomic>
 #include <cfenv>
 #include <cmath>
 #include <cstring>
@@ -15,6 +16,12 @@
 #include "fmha/error.h"
 
 namespace fmha::cpu::amx {
+
+namespace {
+std::atomic<int> g_planted_fault{kPlantedNone};
+}  // namespace
+int planted_fault() { return g_planted_fault.load(std::memory_order_relaxed); }
+void set_planted_fault(int fault) { g_planted_fault.store(fault, std::memory_order_relaxed); }
 
 TileState& thread_tiles() {
   static thread_local TileState s;
@@ -213,16 +220,50 @@ void tdpbf16ps(TileState& s, int c, int a, int b) {
   if (g.rows[b] != K) fault("#UD", concat(kInsn, ": B has ", int(g.rows[b]), " rows, A ", K, " pairs per row"));
   if (g.colsb[b] != g.colsb[c]) fault("#UD", concat(kInsn, ": B has ", g.colsb[b], " bytes per row, C ", g.colsb[c]));
   NearestEven rne;
+  // The operands once, as fp32 with denormals read as zero: row m of A as its 2K elements,
+  // row k of B as its 2N elements (the even and odd element of each column's pair).
+  alignas(64) float av[kMaxRows][2 * kMaxColsb / 4], bv[kMaxRows][2 * kMaxColsb / 4];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 2 * K; ++i) av[m][i] = flush(make_fp32(bf16_at(s, a, m, i)));
+  for (int k = 0; k < K; ++k)
+    for (int i = 0; i < 2 * N; ++i) bv[k][i] = flush(make_fp32(bf16_at(s, b, k, i)));
+  if (planted_fault() == kPlantedModelFault) {  // a test hook: the odd elements of A ignored
+    for (int m = 0; m < M; ++m)
+      for (int i = 1; i < 2 * K; i += 2) av[m][i] = 0.0f;
+  }
   for (int m = 0; m < M; ++m) {
-    float temp[2 * kMaxColsb / 4];
+    alignas(64) float temp[2 * kMaxColsb / 4];
     for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
-    for (int k = 0; k < K; ++k)
-      for (int n = 0; n < N; ++n)
-        for (int j = 0; j < 2; ++j) {
-          const float x = flush(make_fp32(bf16_at(s, a, m, 2 * k + j)));
-          const float y = flush(make_fp32(bf16_at(s, b, k, 2 * n + j)));
-          temp[2 * n + j] = flush(std::fma(x, y, temp[2 * n + j]));
-        }
+    // Each step is temp[i] = FMA(a, b, temp[i]), rounded once. The product of two bf16 values
+    // has at most 16 significant bits, so it is exact in fp32 unless it leaves fp32's normal
+    // range; then the fp32 product followed by the fp32 sum rounds once, exactly as the FMA
+    // does, and the loop below is that (vectorisable) form. A row where some step's product
+    // of finite non-zero operands is not a normal fp32 (underflow below 2^-126 or overflow;
+    // products in [FLT_MAX, 2^128) do not exist for 8-bit significands) is redone with
+    // std::fma, step by step in the same order.
+    bool inexact = false;
+    for (int k = 0; k < K; ++k) {
+      alignas(64) float ak[2 * kMaxColsb / 4];
+      for (int i = 0; i < 2 * N; ++i) ak[i] = av[m][2 * k + (i & 1)];
+      const float* bk = bv[k];
+      int bad = 0;
+      for (int i = 0; i < 2 * N; ++i) {
+        const float prod = ak[i] * bk[i];
+        const uint32_t ua = to_bits(ak[i]) & 0x7fffffffu, ub = to_bits(bk[i]) & 0x7fffffffu;
+        const uint32_t up = to_bits(prod) & 0x7fffffffu;
+        // finite non-zero operands whose product is below 2^-126 or infinite
+        bad |= int(ua != 0) & int(ub != 0) & int(ua < 0x7f800000u) & int(ub < 0x7f800000u) &
+               (int(up < 0x00800000u) | int(up == 0x7f800000u));
+        temp[i] = flush(prod + temp[i]);
+      }
+      inexact |= bad != 0;
+    }
+    if (inexact) {
+      for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
+      for (int k = 0; k < K; ++k)
+        for (int i = 0; i < 2 * N; ++i)
+          temp[i] = flush(std::fma(av[m][2 * k + (i & 1)], bv[k][i], temp[i]));
+    }
     for (int n = 0; n < N; ++n) {
       float acc;
       std::memcpy(&acc, &s.data[c][m][4 * n], 4);

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/amx_gemm.h"
 #include "cpu/bf16_pairs.h"
 #include "cpu/dequant.h"
 #include "cpu/kernels.h"
@@ -82,16 +83,23 @@ inline std::atomic<uint64_t> g_forward_calls{0};
 // thread's PackedVTiles when the tile can be kept there (V read where it lies: not an 8-bit
 // cache's decoded rows, not a paged cache; a tile-aligned start; V small enough), else
 // packed into `scratch` as every tile was before.
+// pad_to: the pair rows the caller reads (the tiles' whole 16-row steps); rows past the
+// tile's (nc + 1) / 2 up to it are zero.
 template <typename T>
 inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int hk, uint64_t call,
                                    int j0, int nc, const T* vj, int64_t vs, uint32_t* scratch,
-                                   int ldv) {
+                                   int ldv, int pad_to = 0) {
+  auto zero_pad = [&](uint32_t* words) {
+    for (int kp = (nc + 1) / 2; kp < pad_to; ++kp)
+      std::memset(words + int64_t(kp) * ldv, 0, size_t(ldv) * sizeof(uint32_t));
+    return words;
+  };
   const int64_t tile_words = int64_t(kBc / 2) * ldv;
   const int64_t n_tiles = (int64_t(s.sk) + kBc - 1) / kBc;
   if (p.kv_code != KvCode::kNone || p.block_table || j0 % kBc != 0 ||
       n_tiles * tile_words * int64_t(sizeof(uint32_t)) > kPackedVBytes) {
     pack_row_pairs(vj, vs, nc, p.head_dim_v, scratch, ldv);
-    return scratch;
+    return zero_pad(scratch);
   }
   thread_local PackedVTiles cache;
   if (cache.call != call || cache.b != b || cache.hk != hk) {
@@ -107,10 +115,13 @@ inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int 
     pack_row_pairs(vj, vs, nc, p.head_dim_v, words, ldv);
     packed = nc;
   }
-  return words;
+  return zero_pad(words);
 }
 
-template <typename T>
+// Tiles: NoTiles, or the AMX backend (amx_gemm.h) whose tiles take S and P V of bfloat16
+// inputs at the amx level; everything else (softmax, masks, every score.h feature, the strong
+// zero, 8-bit caches' factors) is the same code either way.
+template <typename T, class Tiles = NoTiles>
 void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call) {
   using A = acc_t<T>;
   const int n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
@@ -123,14 +134,21 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   const int hk = h / (p.heads_q / p.heads_kv);  // GQA: query head h reads kv head hk
   const int d = p.head_dim, dv = p.head_dim_v, ldv = padded<A>(dv);
 
+  constexpr bool tiles = !std::is_same_v<Tiles, NoTiles>;
+  // The tiles' reduction runs in whole steps of 16 pairs: Q's pair rows (and K's repacked
+  // words) padded with zeros to kpad.
+  const int kpad = tiles ? tiles_for((d + 1) / 2) * kTilePairs : (d + 1) / 2;
   Workspace& ws = thread_workspace();
   ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBc * kBr) +
            Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr) +
-           Workspace::bytes<uint32_t>(int64_t((d + 1) / 2) * kBr) +
+           Workspace::bytes<uint32_t>(int64_t(kpad) * kBr) +
            Workspace::bytes<uint32_t>(kBc / 2 * kBr) +
            Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv) +
-           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv));
+           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv) +
+           (tiles ? Workspace::bytes<uint32_t>(int64_t(kBc) * kpad) +
+                        Workspace::bytes<uint32_t>(int64_t(kBr) * (kBc / 2))
+                  : 0));
   A* QiT = ws.take<A>(int64_t(d) * kBr);   // Qᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -139,11 +157,15 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   A* m = ws.take<A>(kBr);
   A* l = ws.take<A>(kBr);
   A* alpha = ws.take<A>(kBr);
-  uint32_t* Q2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBr);  // bf16 pair path only
+  uint32_t* Q2 = ws.take<uint32_t>(int64_t(kpad) * kBr);  // bf16 pair path only
   uint32_t* P2 = ws.take<uint32_t>(kBc / 2 * kBr);
   uint32_t* V2 = ws.take<uint32_t>(int64_t(kBc / 2) * ldv);
   T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
   T* Vstage = ws.take<T>(int64_t(kBc) * dv);
+  [[maybe_unused]] uint32_t* Kw = tiles ? ws.take<uint32_t>(int64_t(kBc) * kpad) : nullptr;
+  [[maybe_unused]] uint32_t* Pw = tiles ? ws.take<uint32_t>(int64_t(kBr) * (kBc / 2)) : nullptr;
+  // At the amx level: this thread's tiles configured for this task, released at its end.
+  [[maybe_unused]] std::conditional_t<tiles, TileScope<Tiles>, NoTiles> tile_scope;
 
   const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
@@ -156,9 +178,11 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   // The one transpose of the task: Q's tile (as pair words for the pair products). The scale
   // is applied to S after the GEMM, not folded into Q, so that the backward (which reads Q
   // in place) rebuilds the very same S.
-  if constexpr (pairs)
+  if constexpr (pairs) {
     pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
-  else
+    for (int kp = (d + 1) / 2; kp < kpad; ++kp)  // the tiles' zero padding along d
+      std::memset(Q2 + int64_t(kp) * kBr, 0, size_t(kBr) * sizeof(uint32_t));
+  } else
     load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
   fill(m, kBr, neg_inf<A>());
   fill(l, kBr, A(0));
@@ -184,7 +208,14 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
     [[maybe_unused]] const uint32_t* V2j = V2;  // V's pair words for this tile
-    if constexpr (pairs) {
+    if constexpr (tiles) {  // Sᵀ = K Qᵀ on tiles: keys x query rows, 16 x 16 per C tile
+      int64_t ldkw;
+      const uint32_t* Kt = k_tile_words(kj, ks, nc, d, kpad, Kw, &ldkw);
+      tile_gemm<Tiles>(tiles_for(nc), nrp / kTileRows, kpad / kTilePairs, Kt, ldkw, Q2, kBr, ST,
+                       kBr, false);
+      V2j = v_pair_tile(p, s, b, hk, call, j0, nc, vj, vs, V2, ldv,
+                        tiles_for((nc + 1) / 2) * kTilePairs);
+    } else if constexpr (pairs) {
       int64_t ldkw;
       const uint32_t* Kw = pair_rows(kj, ks, nc, d, Kbuf, &ldkw);
       gemm<false>(nc, nrp, (d + 1) / 2, Kw, ldkw, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
@@ -229,6 +260,11 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
     if (quant) scale_each_row(ST, nc, nr, kBr, vscale);  // Pᵀ's row c times v_scale of key c
     if (may_zero && !quant && has_nonfinite(vj, vs, nc, dv)) {
       gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, excluded);  // O += P V
+    } else if constexpr (tiles) {  // O += P V on tiles: P's rows as pair words along keys
+      const int kpn = (nc + 1) / 2, kt = tiles_for(kpn), mt = tiles_for(nr);
+      pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
+      p_rows_words(P2, kBr, nr, kpn, mt, kt, Pw, kBc / 2);
+      tile_gemm<Tiles>(mt, ldv / kTileRows, kt, Pw, kBc / 2, V2j, ldv, O, ldv, true);
     } else if constexpr (pairs) {
       pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
       gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2j, ldv, O, ldv);  // O += P V
@@ -867,6 +903,18 @@ void merge_chunks(const FwdParams& p, int b, int hk, const Partials<acc_t<T>>& p
   }
 }
 
+// The tiled forward: one task per (batch, query head, kBr query rows).
+template <typename T, class Tiles = NoTiles>
+void forward_tiled(const FwdParams& p) {
+  const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
+  const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
+  const bool dense_v = copies_b_rows_dense();  // per microarchitecture (kernels.h)
+  const uint64_t call = ++g_forward_calls;
+  parallel_for(n_tasks, p.num_threads,
+               [&](int64_t t) { forward_task<T, Tiles>(p, t, dense_v, call); },
+               cpu_work_estimate_ns(p));
+}
+
 template <typename T>
 void forward_typed(const FwdParams& p) {
   using A = acc_t<T>;
@@ -896,14 +944,31 @@ void forward_typed(const FwdParams& p) {
       }, work / 64 + 1);
     return;
   }
-  const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
-  const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
-  const bool dense_v = copies_b_rows_dense();  // per microarchitecture (kernels.h)
-  const uint64_t call = ++g_forward_calls;
-  parallel_for(n_tasks, p.num_threads,
-               [&](int64_t t) { forward_task<T>(p, t, dense_v, call); }, work);
+  forward_tiled<T>(p);
 }
 
+#if defined(FMHA_CPU_AMX_LEVEL)
+// The amx level (instantiate_amx.cpp): the tiled bfloat16 forward with S and P V on the
+// tiles -- the hardware's where this process may use them and the build has the
+// instructions, the software model's otherwise (FMHA_CPU_ISA=amx on a CPU without AMX, or
+// with FMHA_AMX_DENY=1). Decode-shaped calls and the other dtypes run the avx512bf16 level's
+// code (docs/cpu_kernels.md, "The AMX kernels").
+inline bool tiles_on_hardware() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+void forward(const FwdParams& p) {
+  if (p.dtype != DType::kBFloat16 || use_small_rows(p)) return avx512bf16::forward(p);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles_on_hardware()) return forward_tiled<bf16_t, amx::HardwareTiles>(p);
+#endif
+  forward_tiled<bf16_t, amx::ModelTiles>(p);
+}
+#else
 void forward(const FwdParams& p) {
   switch (p.dtype) {
     case DType::kFloat64: return forward_typed<double>(p);
@@ -912,5 +977,6 @@ void forward(const FwdParams& p) {
     case DType::kFloat16: return forward_typed<f16_t>(p);
   }
 }
+#endif
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS
