@@ -623,8 +623,8 @@ def reference_out(q, k, v, causal):
 def test_planted_faults_change_only_the_amx_forward(amx_level, fault):
     """A fault planted in the model (TDPBF16PS) or the kernel (P's repack into tile rows) makes
     the amx level's bfloat16 forward wrong -- and nothing else: the avx512bf16 level and the amx
-    level's float32 are untouched. (The model fault cannot reach hardware tiles: there the
-    subprocess test below runs the model with FMHA_AMX_DENY=1.)"""
+    level's float32 are untouched. (The model's fault cannot reach hardware tiles: there
+    test_planted_faults_fail_the_suite runs the model with FMHA_AMX_DENY=1.)"""
     import torch
     if fault == 1 and _tiles_are_hardware():
         pytest.skip("the tiles here are the hardware's; the model's fault is checked with "
@@ -649,36 +649,75 @@ def test_planted_faults_change_only_the_amx_forward(amx_level, fault):
     assert torch.equal(fmha.attention(q, k, v), clean)  # removed: the level is right again
 
 
-def _run_suite_slice(env_extra):
+# Slices of the AMX level's kernel suite: the forward's bfloat16 cases and the KV-cache decode's
+# GQA cases (more than 4 rows per kv head: on tiles).
+SUITE_SLICES = {
+    "forward": ("kernels/test_cpu_attention.py",
+                "bfloat16 and (test_dtypes or test_causal or test_gqa_mqa or test_odd_head_dim)"),
+    "decode": ("kvcache/test_kvcache.py", "bfloat16 and gqa"),
+}
+
+
+def _run_suite_slice(name, fault):
+    """Runs a slice at FMHA_CPU_ISA=amx through the model (FMHA_AMX_DENY=1: on an AMX host too)
+    with fault `fault` planted (FMHA_TEST_AMX_PLANT, tests/conftest.py)."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, FMHA_CPU_ISA="amx", **env_extra)
+    path, select = SUITE_SLICES[name]
+    env = dict(os.environ, FMHA_CPU_ISA="amx", FMHA_AMX_DENY="1", FMHA_TEST_AMX_PLANT=str(fault))
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         os.path.join(tests, "kernels", "test_cpu_attention.py"),
-         "-k", "bfloat16 and (test_dtypes or test_causal or test_gqa_mqa or test_odd_head_dim)"],
+         os.path.join(tests, path), "-k", select],
         capture_output=True, text=True, env=env, cwd=tests)
 
 
-@pytest.mark.parametrize("fault", [1, 2], ids=["model-drops-odd-elements", "kernel-swaps-P-pairs"])
-def test_planted_faults_fail_the_suite(fault):
-    """The AMX level's part of the kernel suite (test_cpu_attention.py's bfloat16 cases, as
-    tests/run_all_isas.py runs them at FMHA_CPU_ISA=amx) fails with either fault planted
-    (FMHA_TEST_AMX_PLANT, tests/conftest.py) and passes without. The model runs even on an AMX
-    host (FMHA_AMX_DENY=1), so that its fault is reached there too."""
+@pytest.mark.parametrize("fault", [0, 1, 2], ids=["none", "model-drops-odd-elements", "kernel-swaps-P-pairs"])
+@pytest.mark.parametrize("name", sorted(SUITE_SLICES))
+def test_planted_faults_fail_the_suite(name, fault):
+    """The AMX level's part of the kernel suite (tests/run_all_isas.py runs it at
+    FMHA_CPU_ISA=amx) passes as it is and fails with either fault planted: the model's
+    TDPBF16PS reading A's odd elements as zero, or the kernels' repack of P into tile rows
+    swapping the halves of each pair word."""
     probes()
     if not _amx_level_runs_here():
         pytest.skip(f"the amx level needs AVX512-BF16 (best level here: {_C.best_cpu_isa()})")
-    clean = _run_suite_slice({"FMHA_TEST_AMX_PLANT": "0", "FMHA_AMX_DENY": "1"})
-    assert clean.returncode == 0, clean.stdout[-3000:]
-    assert " passed" in clean.stdout and "failed" not in clean.stdout
-    planted = _run_suite_slice({"FMHA_TEST_AMX_PLANT": str(fault), "FMHA_AMX_DENY": "1"})
-    assert planted.returncode == 1, planted.stdout[-3000:]
-    assert " failed" in planted.stdout
+    r = _run_suite_slice(name, fault)
+    if fault == 0:
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert " passed" in r.stdout and "failed" not in r.stdout
+    else:
+        assert r.returncode == 1, r.stdout[-3000:]
+        assert " failed" in r.stdout
+
+
+@pytest.mark.parametrize("sq,hq,hkv", [(1, 8, 1), (3, 12, 4), (16, 2, 2), (1, 4, 1), (2, 2, 1)])
+def test_amx_decode(amx_level, sq, hq, hkv):
+    """Decode-shaped calls (a few queries against many keys) take the tiles where a GQA group
+    and the queries fill more than 4 rows per kv head, and the avx512bf16 level's dot products
+    otherwise: a planted fault changes the output exactly in the first case. Either way the
+    output is within the bound of the tiled forward's test of the avx512bf16 level's."""
+    import torch
+    g = torch.Generator().manual_seed(sq * 100 + hq)
+    q = torch.randn(2, sq, hq, 80, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 300, hkv, 80, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 300, hkv, 48, generator=g).to(torch.bfloat16)
+    out = fmha.attention(q, k, v)
+    _C.set_cpu_isa("avx512bf16")
+    other = fmha.attention(q, k, v)
+    _C.set_cpu_isa("amx")
+    top = float(reference_out(q, k, v, False).abs().max())
+    assert float((out.double() - other.double()).abs().max()) <= 2.0**-7 * top
+    assert float((out == other).float().mean()) >= 0.99
+    if _C.testing_build and not _tiles_are_hardware():
+        _C.amx_plant_fault(1)
+        planted = fmha.attention(q, k, v)
+        _C.amx_plant_fault(0)
+        on_tiles = sq * hq // hkv > 4
+        assert torch.equal(planted, out) != on_tiles
 
 
 def test_amx_forward_model_matches_hardware():
-    """Where the tiles are the hardware's: the amx level's forward through the hardware and
-    through the model (FMHA_AMX_DENY=1) gives the same bits."""
+    """Where the tiles are the hardware's: the amx level's forward (tiled and decode) through
+    the hardware and through the model (FMHA_AMX_DENY=1) gives the same bits."""
     reason = _amx_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -686,8 +725,11 @@ def test_amx_forward_model_matches_hardware():
         import hashlib, torch, fmha
         g = torch.Generator().manual_seed(3)
         outs = []
-        for shape, causal in (((2, 100, 3, 64), True), ((1, 37, 2, 40), False), ((1, 65, 1, 256), False)):
-            q, k, v = (torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(3))
+        # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, d): tiled forwards, and a GQA decode
+        for (b, sq, sk, hq, hkv, d), causal in (((2, 100, 100, 3, 3, 64), True), ((1, 37, 37, 2, 2, 40), False),
+                                                ((1, 65, 65, 1, 1, 256), False), ((2, 2, 300, 8, 2, 80), False)):
+            q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16)
+            k, v = (torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
             o, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
             outs += [o.view(torch.int16).flatten().tolist(), lse.flatten().tolist()]
         print(fmha.cpu_isa(), hashlib.sha256(str(outs).encode()).hexdigest())
