@@ -1,4 +1,4 @@
-// The AMX tile products of the bfloat16 forward at the amx level (instantiate_amx.cpp), written
+// The AMX tile products of the bfloat16 kernels at the amx level (instantiate_amx.cpp), written
 // once as templates on the tile backend (cpu/amx.h: ModelTiles or HardwareTiles). Included by
 // every kernel translation unit so that forward.h names them in one source, but instantiated
 // only by the amx level's.
@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu/amx.h"
 #include "fmha/numeric.h"
@@ -106,6 +107,55 @@ inline void tile_gemm(int mt, int nt, int kt, const uint32_t* A, int64_t lda, co
       else tile_block<Tiles, 1, 1>(kt, a, lda, b, ldb, cj, ldc, accumulate);
     }
   }
+}
+
+// C (M x N fp32, row stride ldc) (+)= A B on tiles, for operands in the pair GEMM's layouts
+// (gemm.h): A(i, kp) = A[i * a_rs + kp * a_cs] for K pair words per row, B's K pair rows of N
+// words (ldb apart), N a multiple of 16. What the tiles cannot read in place -- A not row by
+// row, a partial 16-row or 16-pair step -- is copied, zero-padded, into this thread's staging
+// buffers; so is C when M is not a multiple of 16, so that no tile reads or writes past the
+// operands' rows. The tiles are configured for the call and released after it (TileScope).
+template <class Tiles, bool kAcc>
+inline void tile_gemm_pairs(int M, int N, int K, const uint32_t* A, int64_t a_rs, int64_t a_cs,
+                            const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  thread_local std::vector<uint32_t> a_buf, b_buf;
+  thread_local std::vector<float> c_buf;
+  const int mt = tiles_for(M), kt = (K + kTilePairs - 1) / kTilePairs;
+  const uint32_t* a = A;
+  int64_t lda = a_rs;
+  if (a_cs != 1 || M % kTileRows != 0 || K % kTilePairs != 0) {
+    lda = int64_t(kt) * kTilePairs;
+    a_buf.assign(size_t(mt * kTileRows * lda), 0u);
+    for (int i = 0; i < M; ++i)
+      for (int kp = 0; kp < K; ++kp) a_buf[size_t(i * lda + kp)] = A[i * a_rs + kp * a_cs];
+    a = a_buf.data();
+  }
+  const uint32_t* b = B;
+  int64_t ldb_t = ldb;
+  if (K % kTilePairs != 0) {
+    ldb_t = N;
+    b_buf.assign(size_t(kt) * kTilePairs * N, 0u);
+    for (int kp = 0; kp < K; ++kp)
+      std::memcpy(b_buf.data() + int64_t(kp) * N, B + kp * ldb, size_t(N) * sizeof(uint32_t));
+    b = b_buf.data();
+  }
+  float* c = C;
+  int64_t ldc_t = ldc;
+  if (M % kTileRows != 0) {
+    ldc_t = N;
+    c_buf.assign(size_t(mt) * kTileRows * N, 0.0f);
+    if (kAcc)
+      for (int i = 0; i < M; ++i)
+        std::memcpy(c_buf.data() + int64_t(i) * N, C + i * ldc, size_t(N) * sizeof(float));
+    c = c_buf.data();
+  }
+  {
+    TileScope<Tiles> scope;
+    tile_gemm<Tiles>(mt, N / kTileRows, kt, a, lda, b, ldb_t, c, ldc_t, kAcc);
+  }
+  if (c != C)
+    for (int i = 0; i < M; ++i)
+      std::memcpy(C + i * ldc, c + int64_t(i) * N, size_t(N) * sizeof(float));
 }
 
 // K's key tile as the A operand of Sᵀ = K Qᵀ: rows [0, nc) of bf16 (rows, d) at row stride

@@ -190,6 +190,55 @@ void tilezero(TileState& s, int t) {
   s.cfg.start_row = 0;
 }
 
+namespace {
+
+// On x86-64 Linux the steps below are compiled also for AVX-512 and AVX2 and the widest this
+// CPU runs is picked once (GCC's target_clones): the same IEEE operations at any width -- an
+// FMA the compiler may fuse from the product and the sum equals them, the product being exact
+// -- so the model's results never depend on the host.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FMHA_AMX_MODEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FMHA_AMX_MODEL_CLONES
+#endif
+
+// One row of TDPBF16PS's partial sums: for k = 0 .. K-1, temp[i] = FMA(a[2k + (i & 1)], b[k][i],
+// temp[i]) for i < n2 (= 2N), each step rounded once and flushed. The product of two bf16
+// values has at most 16 significant bits, so it is exact in fp32 unless it leaves fp32's normal
+// range; then the fp32 product followed by the fp32 sum rounds once, exactly as the FMA does,
+// and the loop is that vectorisable form. Returns whether some step's product of finite
+// non-zero operands is not a normal fp32 (below 2^-126, or overflow; products in
+// [FLT_MAX, 2^128) do not exist for 8-bit significands): the caller then redoes the row with
+// std::fma, step by step in the same order.
+FMHA_AMX_MODEL_CLONES
+bool fma_steps(const float* a, const float (*b)[2 * kMaxColsb / 4], int K, int n2, float* temp) {
+  int bad = 0;
+  for (int k = 0; k < K; ++k) {
+    alignas(64) float ak[2 * kMaxColsb / 4];
+    for (int i = 0; i < n2; ++i) ak[i] = a[2 * k + (i & 1)];
+    const float* bk = b[k];
+    for (int i = 0; i < n2; ++i) {
+      const float prod = ak[i] * bk[i];
+      uint32_t ua, ub, up;
+      std::memcpy(&ua, &ak[i], 4);
+      std::memcpy(&ub, &bk[i], 4);
+      std::memcpy(&up, &prod, 4);
+      ua &= 0x7fffffffu;
+      ub &= 0x7fffffffu;
+      up &= 0x7fffffffu;
+      bad |= int(ua != 0) & int(ub != 0) & int(ua < 0x7f800000u) & int(ub < 0x7f800000u) &
+             (int(up < 0x00800000u) | int(up == 0x7f800000u));
+      float sum = prod + temp[i];
+      uint32_t us;
+      std::memcpy(&us, &sum, 4);
+      temp[i] = (us & 0x7f800000u) == 0 ? (us & 0x80000000u ? -0.0f : 0.0f) : sum;  // FTZ
+    }
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
 // TDPBF16PS (SDM Vol. 2, "TDPBF16PS -- Dot Product of BF16 Tiles Accumulated into Packed
 // Single Precision Tile", Description and Operation). For each row m of C:
 //   - two fp32 partial sums per output column n, temp[2n] and temp[2n+1], start at +0;
@@ -234,31 +283,9 @@ void tdpbf16ps(TileState& s, int c, int a, int b) {
   for (int m = 0; m < M; ++m) {
     alignas(64) float temp[2 * kMaxColsb / 4];
     for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
-    // Each step is temp[i] = FMA(a, b, temp[i]), rounded once. The product of two bf16 values
-    // has at most 16 significant bits, so it is exact in fp32 unless it leaves fp32's normal
-    // range; then the fp32 product followed by the fp32 sum rounds once, exactly as the FMA
-    // does, and the loop below is that (vectorisable) form. A row where some step's product
-    // of finite non-zero operands is not a normal fp32 (underflow below 2^-126 or overflow;
-    // products in [FLT_MAX, 2^128) do not exist for 8-bit significands) is redone with
-    // std::fma, step by step in the same order.
-    bool inexact = false;
-    for (int k = 0; k < K; ++k) {
-      alignas(64) float ak[2 * kMaxColsb / 4];
-      for (int i = 0; i < 2 * N; ++i) ak[i] = av[m][2 * k + (i & 1)];
-      const float* bk = bv[k];
-      int bad = 0;
-      for (int i = 0; i < 2 * N; ++i) {
-        const float prod = ak[i] * bk[i];
-        const uint32_t ua = to_bits(ak[i]) & 0x7fffffffu, ub = to_bits(bk[i]) & 0x7fffffffu;
-        const uint32_t up = to_bits(prod) & 0x7fffffffu;
-        // finite non-zero operands whose product is below 2^-126 or infinite
-        bad |= int(ua != 0) & int(ub != 0) & int(ua < 0x7f800000u) & int(ub < 0x7f800000u) &
-               (int(up < 0x00800000u) | int(up == 0x7f800000u));
-        temp[i] = flush(prod + temp[i]);
-      }
-      inexact |= bad != 0;
-    }
-    if (inexact) {
+    // The steps in their vectorisable form, or, where a product is not exact, one std::fma
+    // each (fma_steps).
+    if (fma_steps(av[m], bv, K, 2 * N, temp)) {
       for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
       for (int k = 0; k < K; ++k)
         for (int i = 0; i < 2 * N; ++i)

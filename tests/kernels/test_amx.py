@@ -715,9 +715,50 @@ def test_amx_decode(amx_level, sq, hq, hkv):
         assert torch.equal(planted, out) != on_tiles
 
 
+@pytest.mark.parametrize("shape", [(1, 64, 64, 2, 2, 64, 64, False), (2, 100, 90, 4, 2, 40, 40, True),
+                                   (1, 7, 300, 8, 2, 80, 48, False), (1, 130, 33, 2, 2, 128, 96, True)],
+                         ids=["64x64-d64", "100x90-gqa-d40-causal", "7x300-gqa-d80/48", "130x33-d128/96-causal"])
+def test_amx_backward(amx_level, shape):
+    """The bfloat16 backward at the amx level (its five pair products on tiles) against the
+    avx512bf16 level's: at least 99% of each gradient's elements bitwise equal and the rest
+    within 2^-7 max|grad|. With the model's fault planted for the backward alone (the forward
+    run clean), every gradient changes: the products run on the tiles."""
+    import torch
+    b, sq, sk, hq, hkv, d, dv, causal = shape
+    g = torch.Generator().manual_seed(sq + 10 * sk)
+    q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, dv, generator=g).to(torch.bfloat16)
+    do = torch.randn(b, sq, hq, dv, generator=g).to(torch.bfloat16)
+
+    def grads(isa, fault=0):
+        _C.set_cpu_isa(isa)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fmha.attention(*leaves, causal=causal)
+        if fault:
+            probes().amx_plant_fault(fault)
+        try:
+            out.backward(do)
+        finally:
+            if fault:
+                probes().amx_plant_fault(0)
+            _C.set_cpu_isa("amx")
+        return [x.grad for x in leaves]
+
+    amx, other = grads("amx"), grads("avx512bf16")
+    for name, a, o in zip(("dq", "dk", "dv"), amx, other):
+        top = float(o.double().abs().max())
+        assert float((a.double() - o.double()).abs().max()) <= 2.0**-7 * top, name
+        assert float((a == o).float().mean()) >= 0.99, name
+    if _C.testing_build and not _tiles_are_hardware():
+        planted = grads("amx", fault=1)
+        for name, a, w in zip(("dq", "dk", "dv"), amx, planted):
+            assert float((a.double() - w.double()).abs().max()) > 0.05 * float(a.double().abs().max()), name
+
+
 def test_amx_forward_model_matches_hardware():
-    """Where the tiles are the hardware's: the amx level's forward (tiled and decode) through
-    the hardware and through the model (FMHA_AMX_DENY=1) gives the same bits."""
+    """Where the tiles are the hardware's: the amx level's forward (tiled and decode) and
+    backward through the hardware and through the model (FMHA_AMX_DENY=1) give the same bits."""
     reason = _amx_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -728,10 +769,13 @@ def test_amx_forward_model_matches_hardware():
         # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, d): tiled forwards, and a GQA decode
         for (b, sq, sk, hq, hkv, d), causal in (((2, 100, 100, 3, 3, 64), True), ((1, 37, 37, 2, 2, 40), False),
                                                 ((1, 65, 65, 1, 1, 256), False), ((2, 2, 300, 8, 2, 80), False)):
-            q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16)
-            k, v = (torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+            q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16).requires_grad_()
+            k, v = (torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16).requires_grad_()
+                    for _ in range(2))
             o, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
-            outs += [o.view(torch.int16).flatten().tolist(), lse.flatten().tolist()]
+            o.backward(torch.randn(o.shape, generator=g).to(torch.bfloat16))
+            outs += [x.detach().view(torch.int16).flatten().tolist() for x in (o, q.grad, k.grad, v.grad)]
+            outs.append(lse.detach().flatten().tolist())
         print(fmha.cpu_isa(), hashlib.sha256(str(outs).encode()).hexdigest())
     """)
     runs = {}
