@@ -114,7 +114,7 @@ inline void tile_gemm(int mt, int nt, int kt, const uint32_t* A, int64_t lda, co
 // words (ldb apart), N a multiple of 16. What the tiles cannot read in place -- A not row by
 // row, a partial 16-row or 16-pair step -- is copied, zero-padded, into this thread's staging
 // buffers; so is C when M is not a multiple of 16, so that no tile reads or writes past the
-// operands' rows. The tiles are configured for the call and released after it (TileScope).
+// operands' rows. The caller holds this thread's tiles configured (TileScope).
 template <class Tiles, bool kAcc>
 inline void tile_gemm_pairs(int M, int N, int K, const uint32_t* A, int64_t a_rs, int64_t a_cs,
                             const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
@@ -149,10 +149,7 @@ inline void tile_gemm_pairs(int M, int N, int K, const uint32_t* A, int64_t a_rs
         std::memcpy(c_buf.data() + int64_t(i) * N, C + i * ldc, size_t(N) * sizeof(float));
     c = c_buf.data();
   }
-  {
-    TileScope<Tiles> scope;
-    tile_gemm<Tiles>(mt, N / kTileRows, kt, a, lda, b, ldb_t, c, ldc_t, kAcc);
-  }
+  tile_gemm<Tiles>(mt, N / kTileRows, kt, a, lda, b, ldb_t, c, ldc_t, kAcc);
   if (c != C)
     for (int i = 0; i < M; ++i)
       std::memcpy(C + i * ldc, c + int64_t(i) * N, size_t(N) * sizeof(float));

@@ -40,8 +40,9 @@ namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
 // The bfloat16 pair products (A, B as pair words, gemm.h's layouts): AVX512-BF16's dot
 // products, or at the amx level AMX tiles (amx_gemm.h; the hardware's where usable and built,
-// the model's otherwise). Every pair product of the backward goes through here, so that its
-// orientations and pass structures still agree to the bit at either level.
+// the model's otherwise), configured by the task (run_task). Every pair product of the
+// backward goes through here, so that its orientations and pass structures still agree to the
+// bit at either level.
 template <bool kAcc>
 inline void pair_gemm(int M, int N, int K, const uint32_t* A, int64_t a_rs, int64_t a_cs,
                       const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
@@ -53,6 +54,24 @@ inline void pair_gemm(int M, int N, int K, const uint32_t* A, int64_t a_rs, int6
   tile_gemm_pairs<amx::ModelTiles, kAcc>(M, N, K, A, a_rs, a_cs, B, ldb, C, ldc);
 #else
   gemm<kAcc>(M, N, K, A, a_rs, a_cs, B, ldb, C, ldc);
+#endif
+}
+
+// Runs one task of the backward; at the amx level with this thread's tiles configured for its
+// pair products and released at its end (TileScope, as a forward task does).
+template <class F>
+inline void run_task(F&& f) {
+#if defined(FMHA_CPU_AMX_LEVEL)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles_on_hardware()) {
+    TileScope<amx::HardwareTiles> scope;
+    return f();
+  }
+#endif
+  TileScope<amx::ModelTiles> scope;
+  f();
+#else
+  f();
 #endif
 }
 
@@ -651,12 +670,13 @@ void backward_typed(const BwdParams& p) {
                d_work);
   if (use_single_pass(p)) {
     parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
-                 [&](int64_t t) { single_pass_task<T, A>(p, t, D.data()); }, work);
+                 [&](int64_t t) { run_task([&] { single_pass_task<T, A>(p, t, D.data()); }); },
+                 work);
   } else {
     parallel_for(int64_t(p.batch) * p.heads_kv * n_kblocks, p.num_threads,
-                 [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); }, work);
-    parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); },
-                 work);
+                 [&](int64_t t) { run_task([&] { dkdv_task<T, A>(p, t, D.data()); }); }, work);
+    parallel_for(q_tasks, p.num_threads,
+                 [&](int64_t t) { run_task([&] { dq_task<T, A>(p, t, D.data()); }); }, work);
   }
   if (dbias_is_zero(p)) {
     std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
@@ -665,7 +685,8 @@ void backward_typed(const BwdParams& p) {
   } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);
-    parallel_for(n, p.num_threads, [&](int64_t t) { dbias_task<T, A>(p, t, D.data()); }, work);
+    parallel_for(n, p.num_threads,
+                 [&](int64_t t) { run_task([&] { dbias_task<T, A>(p, t, D.data()); }); }, work);
   }
 }
 
