@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/amx.h"
+#include "cpu/simd.h"
 #include "fmha/numeric.h"
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
@@ -180,20 +181,37 @@ inline const uint32_t* k_tile_words(const bf16_t* src, int64_t stride, int nc, i
 // P's rows as the A operand of O += P V: P2 holds pair words along the keys in the GEMM's
 // layout (P2[kp * ld2 + i]: rows i along a word row, pack_float_pairs), rounded exactly as the
 // avx512bf16 level rounds P; out receives them row by row (out[i * ldo + kp]) for mt * 16
-// rows and kt * 16 words, zero for rows i >= m and words kp >= kpn.
-inline void p_rows_words(const uint32_t* P2, int ld2, int m, int kpn, int mt, int kt,
-                         uint32_t* out, int ldo) {
-  const bool swap = amx::planted_fault() == amx::kPlantedRepackFault;  // a test hook (amx_model.h)
-  for (int i = 0; i < mt * kTileRows; ++i) {
-    uint32_t* row = out + int64_t(i) * ldo;
-    int kp = 0;
-    if (i < m)
-      for (; kp < kpn; ++kp) {
-        const uint32_t w = P2[int64_t(kp) * ld2 + i];
-        row[kp] = swap ? (w >> 16) | (w << 16) : w;
-      }
-    for (; kp < kt * kTilePairs; ++kp) row[kp] = 0;
+// rows and kt * 16 words, zero for rows i >= m and words kp >= kpn. P2 must have kt * 16 word
+// rows of at least mt * 16 words: the padding is zeroed there first, then moved as 16 x 16
+// word blocks (AVX-512: through registers).
+inline void p_rows_words(uint32_t* P2, int ld2, int m, int kpn, int mt, int kt, uint32_t* out,
+                         int ldo) {
+  const int rows = mt * kTileRows, words = kt * kTilePairs;
+  for (int kp = 0; kp < words; ++kp) {
+    uint32_t* w = P2 + int64_t(kp) * ld2;
+    std::memset(w + (kp < kpn ? m : 0), 0, size_t(rows - (kp < kpn ? m : 0)) * sizeof(uint32_t));
   }
+  for (int i0 = 0; i0 < rows; i0 += kTileRows)
+    for (int k0 = 0; k0 < words; k0 += kTilePairs) {
+#if defined(FMHA_SIMD_AVX512)
+      __m512 x[16];
+      for (int j = 0; j < 16; ++j)
+        x[j] = _mm512_loadu_ps(reinterpret_cast<const float*>(P2 + int64_t(k0 + j) * ld2 + i0));
+      transpose16(x);
+      for (int t = 0; t < 16; ++t)
+        _mm512_storeu_ps(reinterpret_cast<float*>(out + int64_t(i0 + t) * ldo + k0), x[t]);
+#else
+      for (int t = 0; t < kTileRows; ++t)
+        for (int j = 0; j < kTilePairs; ++j)
+          out[int64_t(i0 + t) * ldo + k0 + j] = P2[int64_t(k0 + j) * ld2 + i0 + t];
+#endif
+    }
+  if (amx::planted_fault() == amx::kPlantedRepackFault)  // a test hook (amx_model.h)
+    for (int i = 0; i < m; ++i)
+      for (int kp = 0; kp < kpn; ++kp) {
+        uint32_t& w = out[int64_t(i) * ldo + kp];
+        w = (w >> 16) | (w << 16);
+      }
 }
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS
