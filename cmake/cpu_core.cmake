@@ -76,6 +76,20 @@ else()
   message(STATUS "fmha: target processor '${CMAKE_SYSTEM_PROCESSOR}' is not x86-64: only the "
                  "portable scalar CPU kernels are built")
 endif()
+
+# The amx level (csrc/cpu/instantiate_amx.cpp): the bfloat16 forward on AMX tiles, built on top
+# of avx512bf16 with its flags (the AMX flags are added below when the compiler takes them;
+# without them the level runs its tiles through the software model only). dispatch.cpp learns
+# of it from FMHA_CPU_HAVE_AMX.
+if("avx512bf16" IN_LIST FMHA_CPU_LEVELS)
+  add_library(fmha_cpu_amx OBJECT ${FMHA_CORE_ROOT}/csrc/cpu/instantiate_amx.cpp)
+  target_include_directories(fmha_cpu_amx PRIVATE ${FMHA_CORE_ROOT}/csrc
+                             ${FMHA_CORE_ROOT}/third_party)
+  target_compile_options(fmha_cpu_amx PRIVATE ${FMHA_CPU_COMMON_FLAGS} ${FMHA_CPU_FLAGS_avx512bf16})
+  target_sources(fmha_core PRIVATE $<TARGET_OBJECTS:fmha_cpu_amx>)
+  target_compile_definitions(fmha_core PRIVATE FMHA_CPU_HAVE_AMX=1)
+  list(APPEND FMHA_CPU_LEVELS amx)
+endif()
 message(STATUS "fmha: CPU kernel levels: ${FMHA_CPU_LEVELS}")
 
 # The AMX instructions (AMX-TILE, AMX-BF16): csrc/cpu/amx_hardware.cpp, the one translation unit
@@ -97,6 +111,9 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|x64)$")
     target_compile_options(fmha_cpu_amx_hw PRIVATE ${FMHA_CPU_COMMON_FLAGS} ${FMHA_CPU_FLAGS_amx})
     target_sources(fmha_core PRIVATE $<TARGET_OBJECTS:fmha_cpu_amx_hw>)
     target_compile_definitions(fmha_core PRIVATE FMHA_CPU_HAVE_AMX_HW=1)
+    if(TARGET fmha_cpu_amx)  # the amx level's kernels reach the hardware tiles too
+      target_compile_options(fmha_cpu_amx PRIVATE ${FMHA_CPU_FLAGS_amx})
+    endif()
     set(FMHA_CPU_AMX_HW ON)
   else()
     message(STATUS "fmha: the compiler does not take -mamx-tile -mamx-bf16 or their intrinsics: "

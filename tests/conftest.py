@@ -147,6 +147,14 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "backends(*names): run each test of the module once per kernel backend "
         "(cpu, emu, gpu), through the `backend` fixture")
+    # FMHA_TEST_AMX_PLANT=<n>: plant fault n of csrc/cpu/amx_model.h (the AMX model's or the amx
+    # level's forward) for the whole run: tests/kernels/test_amx.py runs part of the suite so,
+    # to show that the AMX level's suite fails on it. Needs the testing build's probe.
+    import os
+    plant = os.environ.get("FMHA_TEST_AMX_PLANT", "")
+    if plant not in ("", "0"):
+        from fmha import _C
+        _C.amx_plant_fault(int(plant))
 
 
 def pytest_generate_tests(metafunc):

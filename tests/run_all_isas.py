@@ -2,6 +2,10 @@
 (FMHA_CPU_ISA=avx2, scalar, ...), so each SIMD translation unit is tested, not only the one
 dispatch picks. Exits non-zero if any level fails. Used by the README's test command.
 
+The amx level runs too where the best level is avx512bf16: its tiles then go through the AMX
+model (csrc/cpu/amx_model.h), so the level's kernels are tested on every host with AVX512-BF16.
+On an AMX host the best level is amx, on the hardware tiles: the main pass.
+
 Lower levels run the suites that exercise the CPU kernels directly (KERNEL_SUITES: every
 feature, dtype, shape class and gradient of the kernels, and the CPU fuzz); the integration
 suites above them (nn, sdpa, transformers, the example, errors, the reference itself), the
@@ -32,6 +36,8 @@ KERNEL_SUITES = ["kernels/test_cpu_attention.py", "kernels/test_core.py", "api/t
 def main() -> int:
     best = _C.best_cpu_isa()
     lower = LEVELS[: LEVELS.index(best)]
+    if best == "avx512bf16":  # the amx level is built wherever avx512bf16 is: through the model
+        lower.append("amx")
     tests = os.path.dirname(os.path.abspath(__file__))
     # The levels run at the same time, each in its own process with its output in a file,
     # printed in order when all have finished: each pass is partly Python on one core, so
@@ -55,7 +61,8 @@ def main() -> int:
     for isa, proc, log in runs:
         code = proc.wait()
         log.seek(0)
-        print(f"== test suite at FMHA_CPU_ISA={isa} (best on this CPU: {best})", flush=True)
+        how = " (AMX tiles through the software model)" if isa == "amx" and isa != best else ""
+        print(f"== test suite at FMHA_CPU_ISA={isa}{how} (best on this CPU: {best})", flush=True)
         print(log.read(), end="", flush=True)
         if code != 0:
             failed.append(isa)

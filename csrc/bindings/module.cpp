@@ -174,6 +174,10 @@ void def_testing_probes(py::module_& m) {
         "Runs a tile program (csrc/cpu/amx.h: rows of {op, t0, t1, t2, offset, stride}) over "
         "the bytes of mem, through the AMX model or (hardware) the AMX instructions; mxcsr: "
         "the MXCSR to run it under (0: unchanged)");
+  m.def("amx_plant_fault", &cpu_amx_plant_fault, py::arg("fault"),
+        "Plants a fault for the tests that show the AMX level's suite fails on it (0: none; 1: "
+        "the model's TDPBF16PS drops the odd element of A's pairs; 2: the AMX forward swaps the "
+        "halves of P's pair words): csrc/cpu/amx_model.h");
   m.def("amx_decide", [](uint32_t cpuid7_edx, uint64_t xcr0, bool deny, int request_errno) {
     static thread_local int answer = 0, asked = 0;
     answer = request_errno;

@@ -2,6 +2,7 @@
 // the core's portable flags: the model is plain C++ and runs on every host.
 #include "cpu/amx_model.h"
 
+#include <atomic>
 #include <cfenv>
 #include <cmath>
 #include <cstring>
@@ -15,6 +16,12 @@
 #include "fmha/error.h"
 
 namespace fmha::cpu::amx {
+
+namespace {
+std::atomic<int> g_planted_fault{kPlantedNone};
+}  // namespace
+int planted_fault() { return g_planted_fault.load(std::memory_order_relaxed); }
+void set_planted_fault(int fault) { g_planted_fault.store(fault, std::memory_order_relaxed); }
 
 TileState& thread_tiles() {
   static thread_local TileState s;
@@ -183,6 +190,55 @@ void tilezero(TileState& s, int t) {
   s.cfg.start_row = 0;
 }
 
+namespace {
+
+// On x86-64 Linux the steps below are compiled also for AVX-512 and AVX2 and the widest this
+// CPU runs is picked once (GCC's target_clones): the same IEEE operations at any width -- an
+// FMA the compiler may fuse from the product and the sum equals them, the product being exact
+// -- so the model's results never depend on the host.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FMHA_AMX_MODEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FMHA_AMX_MODEL_CLONES
+#endif
+
+// One row of TDPBF16PS's partial sums: for k = 0 .. K-1, temp[i] = FMA(a[2k + (i & 1)], b[k][i],
+// temp[i]) for i < n2 (= 2N), each step rounded once and flushed. The product of two bf16
+// values has at most 16 significant bits, so it is exact in fp32 unless it leaves fp32's normal
+// range; then the fp32 product followed by the fp32 sum rounds once, exactly as the FMA does,
+// and the loop is that vectorisable form. Returns whether some step's product of finite
+// non-zero operands is not a normal fp32 (below 2^-126, or overflow; products in
+// [FLT_MAX, 2^128) do not exist for 8-bit significands): the caller then redoes the row with
+// std::fma, step by step in the same order.
+FMHA_AMX_MODEL_CLONES
+bool fma_steps(const float* a, const float (*b)[2 * kMaxColsb / 4], int K, int n2, float* temp) {
+  int bad = 0;
+  for (int k = 0; k < K; ++k) {
+    alignas(64) float ak[2 * kMaxColsb / 4];
+    for (int i = 0; i < n2; ++i) ak[i] = a[2 * k + (i & 1)];
+    const float* bk = b[k];
+    for (int i = 0; i < n2; ++i) {
+      const float prod = ak[i] * bk[i];
+      uint32_t ua, ub, up;
+      std::memcpy(&ua, &ak[i], 4);
+      std::memcpy(&ub, &bk[i], 4);
+      std::memcpy(&up, &prod, 4);
+      ua &= 0x7fffffffu;
+      ub &= 0x7fffffffu;
+      up &= 0x7fffffffu;
+      bad |= int(ua != 0) & int(ub != 0) & int(ua < 0x7f800000u) & int(ub < 0x7f800000u) &
+             (int(up < 0x00800000u) | int(up == 0x7f800000u));
+      float sum = prod + temp[i];
+      uint32_t us;
+      std::memcpy(&us, &sum, 4);
+      temp[i] = (us & 0x7f800000u) == 0 ? (us & 0x80000000u ? -0.0f : 0.0f) : sum;  // FTZ
+    }
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
 // TDPBF16PS (SDM Vol. 2, "TDPBF16PS -- Dot Product of BF16 Tiles Accumulated into Packed
 // Single Precision Tile", Description and Operation). For each row m of C:
 //   - two fp32 partial sums per output column n, temp[2n] and temp[2n+1], start at +0;
@@ -213,16 +269,28 @@ void tdpbf16ps(TileState& s, int c, int a, int b) {
   if (g.rows[b] != K) fault("#UD", concat(kInsn, ": B has ", int(g.rows[b]), " rows, A ", K, " pairs per row"));
   if (g.colsb[b] != g.colsb[c]) fault("#UD", concat(kInsn, ": B has ", g.colsb[b], " bytes per row, C ", g.colsb[c]));
   NearestEven rne;
+  // The operands once, as fp32 with denormals read as zero: row m of A as its 2K elements,
+  // row k of B as its 2N elements (the even and odd element of each column's pair).
+  alignas(64) float av[kMaxRows][2 * kMaxColsb / 4], bv[kMaxRows][2 * kMaxColsb / 4];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 2 * K; ++i) av[m][i] = flush(make_fp32(bf16_at(s, a, m, i)));
+  for (int k = 0; k < K; ++k)
+    for (int i = 0; i < 2 * N; ++i) bv[k][i] = flush(make_fp32(bf16_at(s, b, k, i)));
+  if (planted_fault() == kPlantedModelFault) {  // a test hook: the odd elements of A ignored
+    for (int m = 0; m < M; ++m)
+      for (int i = 1; i < 2 * K; i += 2) av[m][i] = 0.0f;
+  }
   for (int m = 0; m < M; ++m) {
-    float temp[2 * kMaxColsb / 4];
+    alignas(64) float temp[2 * kMaxColsb / 4];
     for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
-    for (int k = 0; k < K; ++k)
-      for (int n = 0; n < N; ++n)
-        for (int j = 0; j < 2; ++j) {
-          const float x = flush(make_fp32(bf16_at(s, a, m, 2 * k + j)));
-          const float y = flush(make_fp32(bf16_at(s, b, k, 2 * n + j)));
-          temp[2 * n + j] = flush(std::fma(x, y, temp[2 * n + j]));
-        }
+    // The steps in their vectorisable form, or, where a product is not exact, one std::fma
+    // each (fma_steps).
+    if (fma_steps(av[m], bv, K, 2 * N, temp)) {
+      for (int i = 0; i < 2 * N; ++i) temp[i] = 0.0f;
+      for (int k = 0; k < K; ++k)
+        for (int i = 0; i < 2 * N; ++i)
+          temp[i] = flush(std::fma(av[m][2 * k + (i & 1)], bv[k][i], temp[i]));
+    }
     for (int n = 0; n < N; ++n) {
       float acc;
       std::memcpy(&acc, &s.data[c][m][4 * n], 4);

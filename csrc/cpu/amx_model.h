@@ -68,4 +68,13 @@ void tilezero(TileState& s, int t);
 // order and rounding of the SDM's operation section -- see amx_model.cpp.
 void tdpbf16ps(TileState& s, int c, int a, int b);
 
+// Planted faults, for the tests that show the AMX level's suite catches a wrong model or a
+// wrong kernel (tests/kernels/test_amx.py): set only through the testing build's probe
+// fmha._C.amx_plant_fault; 0 (none) otherwise. kPlantedModelFault: the model's TDPBF16PS
+// reads the odd element of each of A's pairs as zero. kPlantedRepackFault: the AMX forward
+// swaps the two halves of P's pair words before P V (csrc/cpu/amx_gemm.h).
+constexpr int kPlantedNone = 0, kPlantedModelFault = 1, kPlantedRepackFault = 2;
+int planted_fault();
+void set_planted_fault(int fault);
+
 }  // namespace fmha::cpu::amx

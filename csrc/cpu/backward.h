@@ -38,6 +38,43 @@
 
 namespace fmha::cpu::FMHA_CPU_ISA_NS {
 
+// The bfloat16 pair products (A, B as pair words, gemm.h's layouts): AVX512-BF16's dot
+// products, or at the amx level AMX tiles (amx_gemm.h; the hardware's where usable and built,
+// the model's otherwise), configured by the task (run_task). Every pair product of the
+// backward goes through here, so that its orientations and pass structures still agree to the
+// bit at either level.
+template <bool kAcc>
+inline void pair_gemm(int M, int N, int K, const uint32_t* A, int64_t a_rs, int64_t a_cs,
+                      const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+#if defined(FMHA_CPU_AMX_LEVEL)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles_on_hardware())
+    return tile_gemm_pairs<amx::HardwareTiles, kAcc>(M, N, K, A, a_rs, a_cs, B, ldb, C, ldc);
+#endif
+  tile_gemm_pairs<amx::ModelTiles, kAcc>(M, N, K, A, a_rs, a_cs, B, ldb, C, ldc);
+#else
+  gemm<kAcc>(M, N, K, A, a_rs, a_cs, B, ldb, C, ldc);
+#endif
+}
+
+// Runs one task of the backward; at the amx level with this thread's tiles configured for its
+// pair products and released at its end (TileScope, as a forward task does).
+template <class F>
+inline void run_task(F&& f) {
+#if defined(FMHA_CPU_AMX_LEVEL)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles_on_hardware()) {
+    TileScope<amx::HardwareTiles> scope;
+    return f();
+  }
+#endif
+  TileScope<amx::ModelTiles> scope;
+  f();
+#else
+  f();
+#endif
+}
+
 // Dense tiles of one task, in the accumulation type. Row buffers that serve as a GEMM B
 // operand are padded to the vector width (ldq, ldv).
 template <typename A>
@@ -193,8 +230,8 @@ struct BwdHead {
         const uint32_t* Qw = pair_rows(q_at(i0), p.q_row_stride, nr, p.head_dim, t.q_rows, &ldq_w);
         const uint32_t* dOw =
             pair_rows(do_at(i0), p.do_row_stride, nr, p.head_dim_v, t.do_rows, &ldo_w);
-        gemm<false>(nr, ncp, (p.head_dim + 1) / 2, Qw, ldq_w, 1, t.kT2, kBc, t.S, kBc);
-        gemm<false>(nr, ncp, (p.head_dim_v + 1) / 2, dOw, ldo_w, 1, t.vT2, kBc, t.dP, kBc);
+        pair_gemm<false>(nr, ncp, (p.head_dim + 1) / 2, Qw, ldq_w, 1, t.kT2, kBc, t.S, kBc);
+        pair_gemm<false>(nr, ncp, (p.head_dim_v + 1) / 2, dOw, ldo_w, 1, t.vT2, kBc, t.dP, kBc);
       }
     }
     if (!pairs) {
@@ -251,8 +288,8 @@ struct BwdHead {
         const uint32_t* Kw = pair_rows(k_at(j0), p.k_row_stride, nc, p.head_dim, t.k_rows, &ldk_w);
         const uint32_t* Vw =
             pair_rows(v_at(j0), p.v_row_stride, nc, p.head_dim_v, t.v_rows, &ldv_w);
-        gemm<false>(nc, nrp, (p.head_dim + 1) / 2, Kw, ldk_w, 1, t.Q2, kBr, t.S, kBr);
-        gemm<false>(nc, nrp, (p.head_dim_v + 1) / 2, Vw, ldv_w, 1, t.dO2, kBr, t.dP, kBr);
+        pair_gemm<false>(nc, nrp, (p.head_dim + 1) / 2, Kw, ldk_w, 1, t.Q2, kBr, t.S, kBr);
+        pair_gemm<false>(nc, nrp, (p.head_dim_v + 1) / 2, Vw, ldv_w, 1, t.dO2, kBr, t.dP, kBr);
       }
     }
     if (!pairs) {
@@ -387,15 +424,15 @@ void key_tile_grads(const BwdParams& p, int b, int hk, int j0, int nc, const A* 
             pack_float_pairs(t.dP, 1, kBc, nc, nr, t.dS2, kBc);
           }
           const int64_t a_rs = few_rows ? kBr / 2 : 1, a_cs = few_rows ? 1 : kBc;
-          gemm<true>(nc, ldv, rp, t.P2, a_rs, a_cs, t.dO2r, ldv, dV, ldv);   // dV += (P∘Z)ᵀ dO
-          gemm<true>(nc, ldq, rp, t.dS2, a_rs, a_cs, t.Q2r, ldq, dK, ldq);  // dK += dSᵀ Q
+          pair_gemm<true>(nc, ldv, rp, t.P2, a_rs, a_cs, t.dO2r, ldv, dV, ldv);   // dV += (P∘Z)ᵀ dO
+          pair_gemm<true>(nc, ldq, rp, t.dS2, a_rs, a_cs, t.Q2r, ldq, dK, ldq);  // dK += dSᵀ Q
           if (dQ) {  // dQ += dS K, dS in pairs along the keys
             if (few_rows) {
               pack_float_pairs(t.dP, 1, kBr, nr, nc, t.dSq, kBr);
-              gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);
+              pair_gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);
             } else {
               pack_rows_bf16(t.dP, kBc, nr, nc, t.dSq, kBc / 2);
-              gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, kBc / 2, 1, t.K2c, ldq, dQ, ldq);
+              pair_gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, kBc / 2, 1, t.K2c, ldq, dQ, ldq);
             }
           }
           continue;
@@ -487,8 +524,16 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
   head.pack_query_tile(i0, nr, t);
 
   // Key tiles start at even keys: the bf16 path pairs keys (2k, 2k+1) as the single pass
-  // does, so both build dQ from the very same products in the same order.
-  const int j_begin = key_lo(p, s, i0) & ~1, j_end = key_hi(p, s, i0 + nr - 1) + 1;
+  // does, so both build dQ from the very same products in the same order. On AMX tiles the
+  // sums are rounded once per step of 32 keys (amx_gemm.h): the tiles start at a multiple of
+  // 32, as the single pass's key tiles do, so that the steps hold the same keys (a key before
+  // key_lo adds an exact zero: its dS is 0).
+#if defined(FMHA_CPU_AMX_LEVEL)
+  constexpr int kKeyAlign = 2 * kTilePairs;
+#else
+  constexpr int kKeyAlign = 2;
+#endif
+  const int j_begin = key_lo(p, s, i0) & ~(kKeyAlign - 1), j_end = key_hi(p, s, i0 + nr - 1) + 1;
   for (int j0 = j_begin; j0 < j_end; j0 += kBc) {
     const int nc = std::min(kBc, j_end - j0);
     if (j0 + kBc < j_end) {  // the next tile's rows of K and V, while this one runs
@@ -510,7 +555,7 @@ void dq_task(const BwdParams& p, int64_t task, const A* D_all) {
     if constexpr (std::is_same_v<T, bf16_t> && kBf16Dot) {
       if (head.pairs) {
         pack_float_pairs(t.dP, 1, kBr, nr, nc, t.dSq, kBr);
-        gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);  // dQ += dS K
+        pair_gemm<true>(nr, ldq, (nc + 1) / 2, t.dSq, 1, kBr, t.K2c, ldq, dQ, ldq);  // dQ += dS K
         continue;
       }
     }
@@ -625,12 +670,13 @@ void backward_typed(const BwdParams& p) {
                d_work);
   if (use_single_pass(p)) {
     parallel_for(int64_t(p.batch) * p.heads_kv, p.num_threads,
-                 [&](int64_t t) { single_pass_task<T, A>(p, t, D.data()); }, work);
+                 [&](int64_t t) { run_task([&] { single_pass_task<T, A>(p, t, D.data()); }); },
+                 work);
   } else {
     parallel_for(int64_t(p.batch) * p.heads_kv * n_kblocks, p.num_threads,
-                 [&](int64_t t) { dkdv_task<T, A>(p, t, D.data()); }, work);
-    parallel_for(q_tasks, p.num_threads, [&](int64_t t) { dq_task<T, A>(p, t, D.data()); },
-                 work);
+                 [&](int64_t t) { run_task([&] { dkdv_task<T, A>(p, t, D.data()); }); }, work);
+    parallel_for(q_tasks, p.num_threads,
+                 [&](int64_t t) { run_task([&] { dq_task<T, A>(p, t, D.data()); }); }, work);
   }
   if (dbias_is_zero(p)) {
     std::fill_n(static_cast<A*>(p.dbias), int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows,
@@ -639,10 +685,19 @@ void backward_typed(const BwdParams& p) {
   } else if (p.dbias) {
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads *
                       ((p.dbias_rows + kBr - 1) / kBr) * ((p.dbias_cols + kBc - 1) / kBc);
-    parallel_for(n, p.num_threads, [&](int64_t t) { dbias_task<T, A>(p, t, D.data()); }, work);
+    parallel_for(n, p.num_threads,
+                 [&](int64_t t) { run_task([&] { dbias_task<T, A>(p, t, D.data()); }); }, work);
   }
 }
 
+#if defined(FMHA_CPU_AMX_LEVEL)
+// The amx level (instantiate_amx.cpp): the bfloat16 backward with its pair products on tiles
+// (pair_gemm); the other dtypes run the avx512bf16 level's code.
+void backward(const BwdParams& p) {
+  if (p.dtype == DType::kBFloat16) return backward_typed<bf16_t>(p);
+  avx512bf16::backward(p);
+}
+#else
 void backward(const BwdParams& p) {
   switch (p.dtype) {
     case DType::kFloat64: return backward_typed<double>(p);
@@ -651,5 +706,6 @@ void backward(const BwdParams& p) {
     case DType::kFloat16: return backward_typed<f16_t>(p);
   }
 }
+#endif
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

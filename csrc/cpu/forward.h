@@ -11,9 +11,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "cpu/amx_gemm.h"
 #include "cpu/bf16_pairs.h"
 #include "cpu/dequant.h"
 #include "cpu/kernels.h"
@@ -82,16 +84,23 @@ inline std::atomic<uint64_t> g_forward_calls{0};
 // thread's PackedVTiles when the tile can be kept there (V read where it lies: not an 8-bit
 // cache's decoded rows, not a paged cache; a tile-aligned start; V small enough), else
 // packed into `scratch` as every tile was before.
+// pad_to: the pair rows the caller reads (the tiles' whole 16-row steps); rows past the
+// tile's (nc + 1) / 2 up to it are zero.
 template <typename T>
 inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int hk, uint64_t call,
                                    int j0, int nc, const T* vj, int64_t vs, uint32_t* scratch,
-                                   int ldv) {
+                                   int ldv, int pad_to = 0) {
+  auto zero_pad = [&](uint32_t* words) {
+    for (int kp = (nc + 1) / 2; kp < pad_to; ++kp)
+      std::memset(words + int64_t(kp) * ldv, 0, size_t(ldv) * sizeof(uint32_t));
+    return words;
+  };
   const int64_t tile_words = int64_t(kBc / 2) * ldv;
   const int64_t n_tiles = (int64_t(s.sk) + kBc - 1) / kBc;
   if (p.kv_code != KvCode::kNone || p.block_table || j0 % kBc != 0 ||
       n_tiles * tile_words * int64_t(sizeof(uint32_t)) > kPackedVBytes) {
     pack_row_pairs(vj, vs, nc, p.head_dim_v, scratch, ldv);
-    return scratch;
+    return zero_pad(scratch);
   }
   thread_local PackedVTiles cache;
   if (cache.call != call || cache.b != b || cache.hk != hk) {
@@ -107,10 +116,13 @@ inline const uint32_t* v_pair_tile(const FwdParams& p, const Seq& s, int b, int 
     pack_row_pairs(vj, vs, nc, p.head_dim_v, words, ldv);
     packed = nc;
   }
-  return words;
+  return zero_pad(words);
 }
 
-template <typename T>
+// Tiles: NoTiles, or the AMX backend (amx_gemm.h) whose tiles take S and P V of bfloat16
+// inputs at the amx level; everything else (softmax, masks, every score.h feature, the strong
+// zero, 8-bit caches' factors) is the same code either way.
+template <typename T, class Tiles = NoTiles>
 void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call) {
   using A = acc_t<T>;
   const int n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
@@ -123,14 +135,21 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   const int hk = h / (p.heads_q / p.heads_kv);  // GQA: query head h reads kv head hk
   const int d = p.head_dim, dv = p.head_dim_v, ldv = padded<A>(dv);
 
+  constexpr bool tiles = !std::is_same_v<Tiles, NoTiles>;
+  // The tiles' reduction runs in whole steps of 16 pairs: Q's pair rows (and K's repacked
+  // words) padded with zeros to kpad.
+  const int kpad = tiles ? tiles_for((d + 1) / 2) * kTilePairs : (d + 1) / 2;
   Workspace& ws = thread_workspace();
   ws.begin(Workspace::bytes<A>(int64_t(d) * kBr) + Workspace::bytes<A>(int64_t(kBc) * d) +
            Workspace::bytes<A>(int64_t(kBc) * ldv) + Workspace::bytes<A>(kBc * kBr) +
            Workspace::bytes<A>(int64_t(kBr) * ldv) + 3 * Workspace::bytes<A>(kBr) +
-           Workspace::bytes<uint32_t>(int64_t((d + 1) / 2) * kBr) +
+           Workspace::bytes<uint32_t>(int64_t(kpad) * kBr) +
            Workspace::bytes<uint32_t>(kBc / 2 * kBr) +
            Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv) +
-           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv));
+           Workspace::bytes<T>(int64_t(kBc) * d) + Workspace::bytes<T>(int64_t(kBc) * dv) +
+           (tiles ? Workspace::bytes<uint32_t>(int64_t(kBc) * kpad) +
+                        Workspace::bytes<uint32_t>(int64_t(kBr) * (kBc / 2))
+                  : 0));
   A* QiT = ws.take<A>(int64_t(d) * kBr);   // Qᵀ: (head_dim, kBr), the B of Sᵀ = K Qᵀ
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);  // K rows, when they need converting
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -139,11 +158,15 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   A* m = ws.take<A>(kBr);
   A* l = ws.take<A>(kBr);
   A* alpha = ws.take<A>(kBr);
-  uint32_t* Q2 = ws.take<uint32_t>(int64_t((d + 1) / 2) * kBr);  // bf16 pair path only
+  uint32_t* Q2 = ws.take<uint32_t>(int64_t(kpad) * kBr);  // bf16 pair path only
   uint32_t* P2 = ws.take<uint32_t>(kBc / 2 * kBr);
   uint32_t* V2 = ws.take<uint32_t>(int64_t(kBc / 2) * ldv);
   T* Kstage = ws.take<T>(int64_t(kBc) * d);  // paged cache rows, when gathered
   T* Vstage = ws.take<T>(int64_t(kBc) * dv);
+  [[maybe_unused]] uint32_t* Kw = tiles ? ws.take<uint32_t>(int64_t(kBc) * kpad) : nullptr;
+  [[maybe_unused]] uint32_t* Pw = tiles ? ws.take<uint32_t>(int64_t(kBr) * (kBc / 2)) : nullptr;
+  // At the amx level: this thread's tiles configured for this task, released at its end.
+  [[maybe_unused]] std::conditional_t<tiles, TileScope<Tiles>, NoTiles> tile_scope;
 
   const T* q = static_cast<const T*>(p.q) + h * p.q_head_stride +
                row_offset(p, b, p.q_batch_stride, p.q_row_stride, s.q_first, i0);
@@ -156,9 +179,11 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
   // The one transpose of the task: Q's tile (as pair words for the pair products). The scale
   // is applied to S after the GEMM, not folded into Q, so that the backward (which reads Q
   // in place) rebuilds the very same S.
-  if constexpr (pairs)
+  if constexpr (pairs) {
     pack_pairs_t(q, p.q_row_stride, nr, d, Q2, kBr);
-  else
+    for (int kp = (d + 1) / 2; kp < kpad; ++kp)  // the tiles' zero padding along d
+      std::memset(Q2 + int64_t(kp) * kBr, 0, size_t(kBr) * sizeof(uint32_t));
+  } else
     load_rows_t(q, p.q_row_stride, nr, d, QiT, kBr);
   fill(m, kBr, neg_inf<A>());
   fill(l, kBr, A(0));
@@ -184,7 +209,14 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
     [[maybe_unused]] int64_t ldvj = ldv;
     [[maybe_unused]] const A* Vj = nullptr;
     [[maybe_unused]] const uint32_t* V2j = V2;  // V's pair words for this tile
-    if constexpr (pairs) {
+    if constexpr (tiles) {  // Sᵀ = K Qᵀ on tiles: keys x query rows, 16 x 16 per C tile
+      int64_t ldkw;
+      const uint32_t* Kt = k_tile_words(kj, ks, nc, d, kpad, Kw, &ldkw);
+      tile_gemm<Tiles>(tiles_for(nc), nrp / kTileRows, kpad / kTilePairs, Kt, ldkw, Q2, kBr, ST,
+                       kBr, false);
+      V2j = v_pair_tile(p, s, b, hk, call, j0, nc, vj, vs, V2, ldv,
+                        tiles_for((nc + 1) / 2) * kTilePairs);
+    } else if constexpr (pairs) {
       int64_t ldkw;
       const uint32_t* Kw = pair_rows(kj, ks, nc, d, Kbuf, &ldkw);
       gemm<false>(nc, nrp, (d + 1) / 2, Kw, ldkw, 1, Q2, kBr, ST, kBr);  // Sᵀ = K Qᵀ
@@ -229,6 +261,11 @@ void forward_task(const FwdParams& p, int64_t task, bool dense_v, uint64_t call)
     if (quant) scale_each_row(ST, nc, nr, kBr, vscale);  // Pᵀ's row c times v_scale of key c
     if (may_zero && !quant && has_nonfinite(vj, vs, nc, dv)) {
       gemm_strong_zero(nr, dv, nc, ST, 1, kBr, vj, vs, O, ldv, excluded);  // O += P V
+    } else if constexpr (tiles) {  // O += P V on tiles: P's rows as pair words along keys
+      const int kpn = (nc + 1) / 2, kt = tiles_for(kpn), mt = tiles_for(nr);
+      pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
+      p_rows_words(P2, kBr, nr, kpn, mt, kt, Pw, kBc / 2);
+      tile_gemm<Tiles>(mt, ldv / kTileRows, kt, Pw, kBc / 2, V2j, ldv, O, ldv, true);
     } else if constexpr (pairs) {
       pack_float_pairs(ST, 1, kBr, nr, nc, P2, kBr);
       gemm<true>(nr, ldv, (nc + 1) / 2, P2, 1, kBr, V2j, ldv, O, ldv);  // O += P V
@@ -508,6 +545,68 @@ inline void pv_pairs(int M, int nc, int dv, int ldv, const float* P, int64_t ldp
   pack_pairs_of_rows<VT>([&](int i) { return V[i]; }, nc, dv, V2, ldv);
   gemm<true>(M, ldv, (nc + 1) / 2, P2, kBc / 2, 1, V2, ldv, O, ldv);
 }
+
+// The decode path's two products on AMX tiles (the amx level, more than 4 rows: amx_gemm.h),
+// on the same bfloat16 operands as dot_tile_bf16 and pv_pairs.
+//
+// S (M x nc, row stride lds) = Q Kᵀ: Q's M rows (bfloat16, ldq apart) as A, pair words along
+// head_dim in Qa (tiles_for(M) * 16 rows of kpad words, zero-padded); K's nc rows (by pointer:
+// a paged cache's rows where they lie) transposed into B's pair layout in Kb (kpad pair rows of
+// kBc words; pack_pairs_t when the rows are equally spaced), zero past d and past nc. S gets
+// tiles_for(M) * 16 rows of tiles_for(nc) * 16 scores: its buffer must hold them.
+template <class Tiles>
+inline void qk_tiles(int M, int nc, int d, const bf16_t* Q, int64_t ldq, const bf16_t* const* K,
+                     uint32_t* Qa, uint32_t* Kb, float* S, int64_t lds) {
+  const int kpn = (d + 1) / 2, kpad = tiles_for(kpn) * kTilePairs, mt = tiles_for(M);
+  const int nt = tiles_for(nc);
+  for (int i = 0; i < mt * kTileRows; ++i) {
+    uint32_t* row = Qa + int64_t(i) * kpad;
+    std::memset(row, 0, size_t(kpad) * 4);
+    if (i < M) std::memcpy(row, Q + i * ldq, size_t(d) * sizeof(bf16_t));
+  }
+  bool spaced = true;
+  for (int c = 2; c < nc && spaced; ++c) spaced = K[c] - K[c - 1] == K[1] - K[0];
+  if (spaced) {
+    pack_pairs_t(K[0], nc > 1 ? K[1] - K[0] : 0, nc, d, Kb, kBc);
+  } else {
+    for (int kp = 0; kp < kpn; ++kp) {
+      for (int c = 0; c < nc; ++c) {
+        const uint16_t hi = 2 * kp + 1 < d ? K[c][2 * kp + 1].bits : uint16_t(0);
+        Kb[int64_t(kp) * kBc + c] = pair_word(K[c][2 * kp].bits, hi);
+      }
+      for (int c = nc; c < kBc; ++c) Kb[int64_t(kp) * kBc + c] = 0;
+    }
+  }
+  for (int kp = kpn; kp < kpad; ++kp) std::memset(Kb + int64_t(kp) * kBc, 0, kBc * sizeof(uint32_t));
+  tile_gemm<Tiles>(mt, nt, kpad / kTilePairs, Qa, kpad, Kb, kBc, S, lds, false);
+}
+
+// O (M x ldv) += P V: P (M x nc, row stride ldp) rounded to bfloat16 pair words along the keys
+// as pv_pairs rounds it (P2: A's rows, kBc / 2 words each), V's nc rows interleaved into pair
+// rows (V2, B), both zero-padded to whole tiles. The C tiles run on Ot (tiles_for(M) * 16 rows
+// of ldv floats, O's rows copied in and out), so that no tile touches rows past O's M.
+template <class Tiles, typename VT>
+inline void pv_tiles(int M, int nc, int dv, int ldv, const float* P, int64_t ldp,
+                     const VT* const* V, uint32_t* P2, uint32_t* V2, float* Ot, float* O) {
+  constexpr int ldp2 = kBc / 2;
+  const int kpn = (nc + 1) / 2, kt = tiles_for(kpn), mt = tiles_for(M);
+  pack_rows_bf16(P, ldp, M, nc, P2, ldp2);
+  const bool swap = amx::planted_fault() == amx::kPlantedRepackFault;  // a test hook (amx_model.h)
+  for (int i = 0; i < mt * kTileRows; ++i) {
+    uint32_t* row = P2 + int64_t(i) * ldp2;
+    const int from = i < M ? kpn : 0;
+    if (swap && i < M)
+      for (int kp = 0; kp < kpn; ++kp) row[kp] = (row[kp] >> 16) | (row[kp] << 16);
+    for (int kp = from; kp < kt * kTilePairs; ++kp) row[kp] = 0;
+  }
+  pack_pairs_of_rows<VT>([&](int i) { return V[i]; }, nc, dv, V2, ldv);
+  for (int kp = kpn; kp < kt * kTilePairs; ++kp)
+    std::memset(V2 + int64_t(kp) * ldv, 0, size_t(ldv) * sizeof(uint32_t));
+  std::memcpy(Ot, O, size_t(M) * ldv * sizeof(float));
+  std::memset(Ot + int64_t(M) * ldv, 0, size_t(mt * kTileRows - M) * ldv * sizeof(float));
+  tile_gemm<Tiles>(mt, ldv / kTileRows, kt, P2, ldp2, V2, ldv, Ot, ldv, true);
+  std::memcpy(O, Ot, size_t(M) * ldv * sizeof(float));
+}
 #endif
 
 // Whether the decode path's P V reads V's rows in place (pv_tile: AVX-512, 16/32-bit types).
@@ -563,7 +662,10 @@ struct Partials {
 
 // The query rows of (batch b, kv heads hk0 .. hk0 + hb - 1) over keys [j_lo, j_hi) clipped to
 // what they see: row g * sq + i of kv head hk is query i of head hk * group + g.
-template <typename T>
+// Tiles: NoTiles, or (the amx level) the AMX backend whose tiles take S and P V of bfloat16
+// inputs when a GQA group and the queries fill more than 4 rows per kv head; fewer rows keep
+// the dot products of dot_tile_bf16 and pv_tile.
+template <typename T, class Tiles = NoTiles>
 void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
                         const Partials<acc_t<T>>& part) {
   using A = acc_t<T>;
@@ -575,6 +677,9 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   const int j_begin = std::max(key_lo(p, s, 0), chunk * kSplitKeys);
   const int j_end = std::min(key_hi(p, s, sq - 1) + 1, (chunk + 1) * kSplitKeys);
   const int R = hb * M;  // rows of the task: kv head x, row r is row x * M + r
+  constexpr bool tiles = !std::is_same_v<Tiles, NoTiles>;
+  const bool use_tiles = tiles && M > 4;
+  const int kpad = tiles_for((d + 1) / 2) * kTilePairs;
 
   Workspace& ws = thread_workspace();
   ws.begin(Workspace::bytes<A>(int64_t(R) * ldq) + Workspace::bytes<A>(int64_t(kBc) * d) +
@@ -583,7 +688,11 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
            Workspace::bytes<A>(kSmallRows) + Workspace::bytes<T>(int64_t(kBc) * dv) +
            Workspace::bytes<T>(int64_t(R) * d) + 2 * Workspace::bytes<A>(kBc) +
            Workspace::bytes<uint32_t>(kSmallRows * kBc / 2) +
-           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv));
+           Workspace::bytes<uint32_t>(int64_t(kBc / 2) * ldv) +
+           (use_tiles ? Workspace::bytes<uint32_t>(int64_t(kSmallRows) * kpad) +
+                            Workspace::bytes<uint32_t>(int64_t(kpad) * kBc) +
+                            Workspace::bytes<A>(int64_t(kSmallRows) * ldv)
+                      : 0));
   A* Qr = ws.take<A>(int64_t(R) * ldq);
   A* Kbuf = ws.take<A>(int64_t(kBc) * d);
   A* Vbuf = ws.take<A>(int64_t(kBc) * ldv);
@@ -598,6 +707,33 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
   T* Qt = ws.take<T>(int64_t(R) * d);  // the rows of Q in T, dense (pairs only)
   uint32_t* P2 = ws.take<uint32_t>(kSmallRows * kBc / 2);  // P V as pairs (pv_pairs)
   uint32_t* V2 = ws.take<uint32_t>(int64_t(kBc / 2) * ldv);
+  [[maybe_unused]] uint32_t* Qa = use_tiles ? ws.take<uint32_t>(int64_t(kSmallRows) * kpad) : nullptr;
+  [[maybe_unused]] uint32_t* Kb = use_tiles ? ws.take<uint32_t>(int64_t(kpad) * kBc) : nullptr;
+  [[maybe_unused]] A* Ot = use_tiles ? ws.take<A>(int64_t(kSmallRows) * ldv) : nullptr;
+  // At the amx level with tiles: this thread's tiles configured for this task, released at
+  // its end.
+  std::optional<std::conditional_t<tiles, TileScope<Tiles>, NoTiles>> tile_scope;
+  if (use_tiles) tile_scope.emplace();
+  // The products of bfloat16 pairs: on tiles (use_tiles) or AVX512-BF16's dot products.
+  [[maybe_unused]] auto scores_bf16 = [&](int nc, const bf16_t* Qx, const bf16_t* const* kr) {
+#if defined(__AVX512BF16__)
+    if constexpr (pairs) {
+      if constexpr (tiles) {
+        if (use_tiles) return qk_tiles<Tiles>(M, nc, d, Qx, d, kr, Qa, Kb, S, kBc);
+      }
+      dot_tile_bf16(M, nc, d, Qx, d, kr, S, kBc);
+    }
+#endif
+  };
+  // P V over more than 4 rows as bfloat16 pairs (V's rows bfloat16 or 8-bit codes).
+  [[maybe_unused]] auto pv_bf16 = [&](int nc, const auto* const* vr, A* Ox) {
+#if defined(__AVX512BF16__)
+    if constexpr (tiles) {
+      if (use_tiles) return pv_tiles<Tiles>(M, nc, dv, ldv, S, kBc, vr, P2, V2, Ot, Ox);
+    }
+    pv_pairs(M, nc, dv, ldv, S, kBc, vr, P2, V2, Ox);
+#endif
+  };
   // 8-bit caches: the products read the codes; each key's factors (dequant.h).
   const bool quant = p.kv_code != KvCode::kNone;
   A* kscale = ws.take<A>(kBc);
@@ -666,7 +802,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
             decode_rows(p, s, b, hk, false, j0, nc, d, Kt, d);
             const T* kr[kBc];
             for (int r = 0; r < nc; ++r) kr[r] = Kt + int64_t(r) * d;
-            dot_tile_bf16(M, nc, d, Qxt, d, kr, S, kBc);
+            scores_bf16(nc, Qxt, kr);
           }
 #endif
         } else {
@@ -694,7 +830,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         for (int r = 0; r < nc; ++r) krow[r] = k + koff[r];
 #if defined(__AVX512BF16__)
         if constexpr (pairs) {
-          dot_tile_bf16(M, nc, d, Qt + int64_t(x) * M * d, d, krow, S, kBc);
+          scores_bf16(nc, Qt + int64_t(x) * M * d, krow);
         } else
 #endif
         {
@@ -742,7 +878,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
             with_code(p.kv_code, [&](auto c) {
               const decltype(c)* vc[kBc];
               code_rows(p.v, p.v_head_stride, hk, voff, nc, vc);
-              pv_pairs(M, nc, dv, ldv, S, kBc, vc, P2, V2, Ox);
+              pv_bf16(nc, vc, Ox);
             });
             continue;
           }
@@ -787,7 +923,7 @@ void forward_small_task(const FwdParams& p, int b, int hk0, int hb, int chunk,
         const T* vrow[kBc];
         for (int r = 0; r < nc; ++r) vrow[r] = v + voff[r];
         if (M > 4)
-          pv_pairs(M, nc, dv, ldv, S, kBc, vrow, P2, V2, Ox);
+          pv_bf16(nc, vrow, Ox);
         else
           pv_tile(M, nc, dv, S, kBc, vrow, Ox, ldv);
 #endif
@@ -867,43 +1003,82 @@ void merge_chunks(const FwdParams& p, int b, int hk, const Partials<acc_t<T>>& p
   }
 }
 
-template <typename T>
-void forward_typed(const FwdParams& p) {
-  using A = acc_t<T>;
-  const int64_t work = cpu_work_estimate_ns(p);
-  if (use_small_rows(p)) {
-    Partials<A> part;
-    part.n_chunks = std::max(1, (p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
-    part.rows = p.heads_q / p.heads_kv * p.seqlen_q;
-    part.ldv = p.head_dim_v;
-    const int64_t heads = int64_t(p.batch) * p.heads_kv;
-    std::vector<A> o_buf, lse_buf;
-    if (part.n_chunks > 1) {
-      o_buf.resize(size_t(heads * part.n_chunks * part.rows * part.ldv));
-      lse_buf.assign(size_t(heads * part.n_chunks * part.rows), neg_inf<A>());
-      part.o = o_buf.data();
-      part.lse = lse_buf.data();
-    }
-    const int hb = small_head_block(p), blocks = p.heads_kv / hb;
-    parallel_for(int64_t(p.batch) * blocks * part.n_chunks, p.num_threads, [&](int64_t t) {
-      const int64_t bh = t / part.n_chunks;
-      forward_small_task<T>(p, int(bh / blocks), int(bh % blocks) * hb, hb,
-                            int(t % part.n_chunks), part);
-    }, work);
-    if (part.n_chunks > 1)
-      parallel_for(heads, p.num_threads, [&](int64_t t) {
-        merge_chunks<T>(p, int(t / p.heads_kv), int(t % p.heads_kv), part);
-      }, work / 64 + 1);
-    return;
-  }
+// The tiled forward: one task per (batch, query head, kBr query rows).
+template <typename T, class Tiles = NoTiles>
+void forward_tiled(const FwdParams& p) {
   const int64_t n_qblocks = (p.seqlen_q + kBr - 1) / kBr;
   const int64_t n_tasks = int64_t(p.batch) * p.heads_q * n_qblocks;
   const bool dense_v = copies_b_rows_dense();  // per microarchitecture (kernels.h)
   const uint64_t call = ++g_forward_calls;
   parallel_for(n_tasks, p.num_threads,
-               [&](int64_t t) { forward_task<T>(p, t, dense_v, call); }, work);
+               [&](int64_t t) { forward_task<T, Tiles>(p, t, dense_v, call); },
+               cpu_work_estimate_ns(p));
 }
 
+// Decode-shaped calls: tasks of (batch, kv head block, key chunk), then the chunks merged.
+template <typename T, class Tiles = NoTiles>
+void forward_small(const FwdParams& p) {
+  using A = acc_t<T>;
+  const int64_t work = cpu_work_estimate_ns(p);
+  Partials<A> part;
+  part.n_chunks = std::max(1, (p.seqlen_k + kSplitKeys - 1) / kSplitKeys);
+  part.rows = p.heads_q / p.heads_kv * p.seqlen_q;
+  part.ldv = p.head_dim_v;
+  const int64_t heads = int64_t(p.batch) * p.heads_kv;
+  std::vector<A> o_buf, lse_buf;
+  if (part.n_chunks > 1) {
+    o_buf.resize(size_t(heads * part.n_chunks * part.rows * part.ldv));
+    lse_buf.assign(size_t(heads * part.n_chunks * part.rows), neg_inf<A>());
+    part.o = o_buf.data();
+    part.lse = lse_buf.data();
+  }
+  const int hb = small_head_block(p), blocks = p.heads_kv / hb;
+  parallel_for(int64_t(p.batch) * blocks * part.n_chunks, p.num_threads, [&](int64_t t) {
+    const int64_t bh = t / part.n_chunks;
+    forward_small_task<T, Tiles>(p, int(bh / blocks), int(bh % blocks) * hb, hb,
+                                 int(t % part.n_chunks), part);
+  }, work);
+  if (part.n_chunks > 1)
+    parallel_for(heads, p.num_threads, [&](int64_t t) {
+      merge_chunks<T>(p, int(t / p.heads_kv), int(t % p.heads_kv), part);
+    }, work / 64 + 1);
+}
+
+template <typename T>
+void forward_typed(const FwdParams& p) {
+  if (use_small_rows(p)) return forward_small<T>(p);
+  forward_tiled<T>(p);
+}
+
+#if defined(FMHA_CPU_AMX_LEVEL)
+// The amx level (instantiate_amx.cpp): the tiled bfloat16 forward with S and P V on the
+// tiles -- the hardware's where this process may use them and the build has the
+// instructions, the software model's otherwise (FMHA_CPU_ISA=amx on a CPU without AMX, or
+// with FMHA_AMX_DENY=1); decode-shaped calls take the tiles over more than 4 rows per kv head
+// (forward_small_task). The other dtypes run the avx512bf16 level's code (docs/cpu_kernels.md,
+// "The AMX kernels").
+inline bool tiles_on_hardware() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+template <class Tiles>
+void forward_bf16_on(const FwdParams& p) {
+  if (use_small_rows(p)) return forward_small<bf16_t, Tiles>(p);
+  forward_tiled<bf16_t, Tiles>(p);
+}
+
+void forward(const FwdParams& p) {
+  if (p.dtype != DType::kBFloat16) return avx512bf16::forward(p);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles_on_hardware()) return forward_bf16_on<amx::HardwareTiles>(p);
+#endif
+  forward_bf16_on<amx::ModelTiles>(p);
+}
+#else
 void forward(const FwdParams& p) {
   switch (p.dtype) {
     case DType::kFloat64: return forward_typed<double>(p);
@@ -912,5 +1087,6 @@ void forward(const FwdParams& p) {
     case DType::kFloat16: return forward_typed<f16_t>(p);
   }
 }
+#endif
 
 }  // namespace fmha::cpu::FMHA_CPU_ISA_NS

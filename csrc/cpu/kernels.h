@@ -28,4 +28,10 @@ FMHA_DECLARE_ISA(avx2)
 FMHA_DECLARE_ISA(avx512)
 FMHA_DECLARE_ISA(avx512bf16)
 #undef FMHA_DECLARE_ISA
+// The amx level (instantiate_amx.cpp, built on top of avx512bf16): its forward and backward;
+// its probes are the avx512bf16 level's.
+namespace amx_tiles {
+void forward(const FwdParams& p);
+void backward(const BwdParams& p);
+}  // namespace amx_tiles
 }  // namespace fmha::cpu

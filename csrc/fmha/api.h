@@ -12,9 +12,10 @@ namespace fmha {
 
 // ---- CPU ----
 // kAvx512Bf16: AVX-512 plus the AVX512-BF16 dot products, used for bfloat16 inputs.
-// kAmx: kAvx512Bf16 plus the AMX bfloat16 tiles, where amx_usable(). No build has its kernels
-// yet, so no call selects it: best_cpu_isa() steps down to avx512bf16 (docs/cpu_kernels.md,
-// "AMX: the model and the level").
+// kAmx: kAvx512Bf16 plus the AMX bfloat16 tiles for the bfloat16 forward (docs/cpu_kernels.md,
+// "The AMX kernels"): the best level where amx_usable() and amx_hardware_built(); FMHA_CPU_ISA
+// or set_cpu_isa may also choose it on any CPU with AVX512-BF16, where the tiles are the
+// software model's (cpu/amx_model.h).
 enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 const char* isa_name(CpuIsa isa);
 // The best level this CPU (and OS) supports among those this build has: scalar always; the
@@ -29,13 +30,14 @@ std::vector<std::string> cpu_features();
 // flags that matter here, from /proc/cpuinfo ("unknown CPU" where it cannot be read).
 std::string cpu_description();
 // The level used by the CPU kernels: FMHA_CPU_ISA (scalar|avx2|avx512|avx512bf16|amx) if set,
-// else the best supported. Forcing a level the CPU (or the build) lacks is an error.
+// else the best supported. Forcing a level the CPU (or the build) lacks is an error; amx is
+// allowed wherever avx512bf16 runs (through the model without AMX).
 CpuIsa active_cpu_isa();
 // The CpuIsa that isa_name spells `name`; otherwise InvalidArgument "<source>: got '...',
 // expected one of scalar, avx2, avx512, avx512bf16, amx". FMHA_CPU_ISA and fmha._C.set_cpu_isa
 // both read names through it.
 CpuIsa parse_cpu_isa(const std::string& name, const char* source);
-void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it
+void set_cpu_isa(CpuIsa isa);  // throws Unsupported if the CPU lacks it (amx: as FMHA_CPU_ISA)
 
 void cpu_forward(const FwdParams& p);
 // The FMA peak of the active ISA on `threads` threads, measured (takes ~0.1-1 s).
@@ -71,6 +73,10 @@ double cpu_amx_peak_gflops(int threads);
 // and then the hardware (Unsupported unless amx_usable() and amx_hardware_built()).
 void cpu_amx_run_tiles(const int64_t* program, int64_t n, uint8_t* mem, int64_t bytes,
                        bool hardware);
+// Plants one of the faults of cpu/amx_model.h (kPlanted*; 0 removes it) in the AMX model or the
+// amx level's forward, process-wide: a hook for the tests that show the level's suite catches
+// them, bound only in the testing build's fmha._C.
+void cpu_amx_plant_fault(int fault);
 // The read bandwidth of `threads` threads summing a `bytes` buffer, measured (GB/s, 1e9 B/s):
 // the limit decode is judged against.
 double cpu_read_bandwidth_gbs(int threads, int64_t bytes);

@@ -61,8 +61,8 @@ struct IsaKernels {
 
 // The levels this build compiled (CMake defines FMHA_CPU_HAVE_<LEVEL>, cmake/cpu_core.cmake:
 // the x86 levels exist only on x86-64, and always as a prefix of kCpuIsas); nullptr for the
-// others, whose symbols do not exist in this build. The amx level has no kernels yet: it is
-// always nullptr, so best_cpu_isa never returns it (its detection is amx_status's).
+// others, whose symbols do not exist in this build. The amx level has its own forward and
+// backward (instantiate_amx.cpp) and the avx512bf16 level's probes.
 const IsaKernels* compiled_kernels(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar: {
@@ -84,6 +84,17 @@ const IsaKernels* compiled_kernels(CpuIsa isa) {
 #if defined(FMHA_CPU_HAVE_AVX512BF16)
     case CpuIsa::kAvx512Bf16: {
       static constexpr IsaKernels k = FMHA_ISA_KERNELS(avx512bf16);
+      return &k;
+    }
+#endif
+#if defined(FMHA_CPU_HAVE_AMX)
+    case CpuIsa::kAmx: {
+      static constexpr IsaKernels k{cpu::amx_tiles::forward, cpu::amx_tiles::backward,
+                                    cpu::avx512bf16::fma_peak_gflops,
+                                    cpu::avx512bf16::bf16_dot_peak_gflops,
+                                    cpu::avx512bf16::read_bandwidth_gbs,
+                                    cpu::avx512bf16::exp_array,
+                                    cpu::avx512bf16::decode_kv_codes};
       return &k;
     }
 #endif
@@ -263,6 +274,12 @@ void cpu_amx_run_tiles(const int64_t* program, int64_t n, uint8_t* mem, int64_t 
 #endif
 }
 
+void cpu_amx_plant_fault(int fault) {
+  FMHA_CHECK_ARG(fault >= cpu::amx::kPlantedNone && fault <= cpu::amx::kPlantedRepackFault,
+                 "fault: expected 0, 1 or 2, got ", fault);
+  cpu::amx::set_planted_fault(fault);
+}
+
 namespace {
 
 // The microarchitecture of an x86 (vendor, family, model), for the hosts this project has
@@ -331,14 +348,18 @@ static bool has(const std::vector<std::string>& f, const char* name) {
   return false;
 }
 
+// The best level is amx only where the tiles are the hardware's; FMHA_CPU_ISA=amx (or
+// set_cpu_isa) may also choose it on any CPU that runs the avx512bf16 level, where its kernels
+// run the tiles through the software model (cpu/amx_model.h): a level for testing, never
+// picked by default.
 CpuIsa best_cpu_isa() {
   const auto f = cpu_features();
   CpuIsa cpu = CpuIsa::kScalar;
   if (has(f, "avx512f") && has(f, "avx512bw") && has(f, "avx512vl") && has(f, "avx512dq") &&
       has(f, "fma") && has(f, "f16c"))
-    cpu = !has(f, "avx512bf16") ? CpuIsa::kAvx512
-          : amx_usable()        ? CpuIsa::kAmx
-                                : CpuIsa::kAvx512Bf16;
+    cpu = !has(f, "avx512bf16")                    ? CpuIsa::kAvx512
+          : amx_usable() && amx_hardware_built() ? CpuIsa::kAmx
+                                                 : CpuIsa::kAvx512Bf16;
   else if (has(f, "avx2") && has(f, "fma") && has(f, "f16c"))
     cpu = CpuIsa::kAvx2;
   // The compiled levels are a prefix of kCpuIsas: step down to the highest one built.
@@ -347,6 +368,27 @@ CpuIsa best_cpu_isa() {
 }
 
 namespace {
+// Whether `isa` may be chosen here: at most the best level, or the amx level (through the model
+// where the hardware is not usable) wherever the avx512bf16 level runs and the build has it.
+bool isa_allowed(CpuIsa isa) {
+  const CpuIsa best = best_cpu_isa();
+  if (int(isa) <= int(best)) return true;
+  return isa == CpuIsa::kAmx && best == CpuIsa::kAvx512Bf16 && compiled_kernels(isa) != nullptr;
+}
+
+// Why `isa` (above the best level) may not be chosen.
+std::string isa_refusal(CpuIsa isa) {
+  const CpuIsa best = best_cpu_isa();
+  if (!compiled_kernels(isa))
+    return concat("this build has no ", isa_name(isa), " kernels (the best level here is ",
+                  isa_name(best), ")");
+  if (isa == CpuIsa::kAmx)
+    return concat("this CPU supports at most ", isa_name(best),
+                  "; the amx level runs on CPUs with AVX512-BF16 (through the AMX model where "
+                  "there is no AMX: ", amx_status().note, ")");
+  return concat("this CPU supports at most ", isa_name(best));
+}
+
 std::once_flag isa_once;
 CpuIsa isa_value = CpuIsa::kScalar;
 std::string isa_error;
@@ -362,13 +404,8 @@ void init_isa() {
     isa_error = e.what();
     return;
   }
-  if (int(wanted) > int(isa_value)) {
-    isa_error = compiled_kernels(wanted)
-                    ? concat("FMHA_CPU_ISA=", env, ": this CPU supports at most ",
-                             isa_name(isa_value),
-                             wanted == CpuIsa::kAmx ? concat(" (", amx_status().note, ")") : "")
-                    : concat("FMHA_CPU_ISA=", env, ": this build has no ", env,
-                             " kernels (the best level here is ", isa_name(isa_value), ")");
+  if (!isa_allowed(wanted)) {
+    isa_error = concat("FMHA_CPU_ISA=", env, ": ", isa_refusal(wanted));
     return;
   }
   isa_value = wanted;
@@ -383,11 +420,8 @@ CpuIsa active_cpu_isa() {
 
 void set_cpu_isa(CpuIsa isa) {
   std::call_once(isa_once, init_isa);
-  if (int(isa) > int(best_cpu_isa()))
-    throw Unsupported(concat("CPU ISA ", isa_name(isa),
-                             compiled_kernels(isa) ? " is not supported by this CPU"
-                                                   : " has no kernels in this build",
-                             " (best: ", isa_name(best_cpu_isa()), ")"));
+  if (!isa_allowed(isa))
+    throw Unsupported(concat("CPU ISA ", isa_name(isa), ": ", isa_refusal(isa)));
   isa_value = isa;
   isa_error.clear();
 }

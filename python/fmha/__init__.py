@@ -91,8 +91,10 @@ def backends() -> list:
 
 
 def cpu_isa() -> str:
-    """Instruction set of the CPU kernels in use: "avx512bf16" (AVX-512 with bfloat16 dot
-    products), "avx512", "avx2" or "scalar" (set FMHA_CPU_ISA to force a lower one)."""
+    """Instruction set of the CPU kernels in use: "amx" (AVX512-BF16 plus AMX bfloat16 tiles),
+    "avx512bf16" (AVX-512 with bfloat16 dot products), "avx512", "avx2" or "scalar" (set
+    FMHA_CPU_ISA to force a lower one, or "amx" on any AVX512-BF16 CPU: its tiles then run
+    through a software model)."""
     return _C.cpu_isa()
 
 

@@ -441,8 +441,9 @@ def _cpuinfo_flags():
 
 
 def test_detection_agrees_with_the_os():
-    """fmha reports AMX only where Linux lists it; the amx level is never in use while it has
-    no kernels; a host without AMX says why."""
+    """fmha reports AMX only where Linux lists it; the amx level is the best one exactly where
+    the tiles are the hardware's (usable and built: the model is never picked by default); a
+    host without AMX says why."""
     feats = fmha.cpu_features()
     flags = _cpuinfo_flags()
     if flags is not None and "amx_tile" not in flags:
@@ -451,9 +452,8 @@ def test_detection_agrees_with_the_os():
         assert _C.cpu_amx_peak_gflops(1) == 0
     if flags is not None and "amx_bf16" in flags and "amx_tile" in flags:
         assert "amx_bf16" in feats and "amx_tile" in feats, feats
-    assert fmha.cpu_isa() != "amx" and _C.best_cpu_isa() != "amx"
-    with pytest.raises(NotImplementedError, match="amx"):
-        _C.set_cpu_isa("amx")
+    on_hardware = "amx_permitted" in feats and _C.amx_hardware_built()
+    assert (_C.best_cpu_isa() == "amx") == on_hardware, (_C.best_cpu_isa(), feats)
 
 
 def test_decision_table():
@@ -511,12 +511,280 @@ def test_refused_permission_falls_back_cleanly():
         assert "FMHA_AMX_DENY" in denied["note"]
 
 
-def test_forcing_the_amx_level_without_its_kernels_is_a_clear_error():
-    code = "import numpy as np, fmha; fmha.attention(*(np.ones((1, 2, 1, 4)),) * 3)"
+def _amx_level_runs_here():
+    """The amx level runs wherever the avx512bf16 level does (through the model without AMX)."""
+    return _C.best_cpu_isa() in ("avx512bf16", "amx")
+
+
+def test_forcing_the_amx_level():
+    """FMHA_CPU_ISA=amx selects the amx level on any CPU with AVX512-BF16 (through the AMX model
+    where the tiles are not the hardware's); elsewhere it is a clear error."""
+    code = ("import numpy as np, fmha; print(fmha.cpu_isa()); "
+            "fmha.attention(*(np.ones((1, 2, 1, 4), np.float32),) * 3)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, FMHA_CPU_ISA="amx"))
-    assert r.returncode != 0
-    assert "FMHA_CPU_ISA=amx" in r.stderr and "amx kernels" in r.stderr, r.stderr
+    if _amx_level_runs_here():
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["amx"]
+    else:
+        assert r.returncode != 0
+        assert "FMHA_CPU_ISA=amx" in r.stderr and "AVX512-BF16" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def amx_level():
+    """The amx level for one test (restored after); skips where it cannot run."""
+    if not _amx_level_runs_here():
+        pytest.skip(f"the amx level needs AVX512-BF16 (best level here: {_C.best_cpu_isa()})")
+    before = fmha.cpu_isa()
+    _C.set_cpu_isa("amx")
+    try:
+        yield
+    finally:
+        if _C.testing_build:
+            _C.amx_plant_fault(0)
+        _C.set_cpu_isa(before)
+
+
+def _tiles_are_hardware():
+    return "amx_permitted" in fmha.cpu_features() and _C.amx_hardware_built()
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, d, dv, causal): whole and partial 16-row
+# tiles, head_dim a multiple of 32 (K read in place) or not (K repacked), one and two steps of
+# 16 pairs in P V (odd key counts), GQA, and dv != d.
+AMX_SHAPES = [
+    (1, 64, 64, 2, 2, 64, 64, False),
+    (2, 100, 100, 3, 3, 64, 64, True),
+    (1, 37, 45, 4, 2, 40, 40, False),
+    (1, 130, 77, 2, 1, 128, 96, True),
+    (1, 33, 129, 2, 2, 16, 16, False),
+    (1, 65, 200, 1, 1, 256, 256, False),
+    (1, 48, 31, 2, 2, 80, 24, False),
+]
+
+
+@pytest.mark.parametrize("shape", AMX_SHAPES, ids=[f"{s[1]}x{s[2]}-h{s[3]}/{s[4]}-d{s[5]}/{s[6]}{'-causal' if s[7] else ''}" for s in AMX_SHAPES])
+def test_amx_forward_against_avx512bf16_and_the_reference(amx_level, shape):
+    """The amx level's bfloat16 forward (S and P V on tiles; P rounded to bfloat16 as at the
+    avx512bf16 level) is not bitwise the avx512bf16 level's: TDPBF16PS keeps two fp32 chains per
+    column (even and odd elements of the pairs) and adds them to C once per 32-element step,
+    where VDPBF16PS chains every product of a lane. The fp32 sums differ in their last bits, so
+    a few outputs round to the neighbouring bfloat16: at least 99% of the outputs are bitwise
+    equal, the rest differ by at most 2^-7 max|out| (one bfloat16 unit of the largest output),
+    and each level's error against the float64 reference is within 1.5x the other's plus
+    2^-9 max|out| (the same bound: the suite's tolerance rule holds both)."""
+    import torch
+    b, sq, sk, hq, hkv, d, dv, causal = shape
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, dv, generator=g).to(torch.bfloat16)
+    out_amx, lse_amx = fmha.attention(q, k, v, causal=causal, return_lse=True)
+    _C.set_cpu_isa("avx512bf16")
+    out_ref_level, lse_ref_level = fmha.attention(q, k, v, causal=causal, return_lse=True)
+    _C.set_cpu_isa("amx")
+    exact = reference_out(q, k, v, causal)
+    top = float(exact.abs().max())
+    diff = float((out_amx.double() - out_ref_level.double()).abs().max())
+    assert diff <= 2.0**-7 * top, (diff, top)
+    assert float((out_amx == out_ref_level).float().mean()) >= 0.99
+    torch.testing.assert_close(lse_amx, lse_ref_level, rtol=0, atol=1e-4)  # -inf: no key
+    err_amx = float((out_amx.double() - exact).abs().max())
+    err_bf16 = float((out_ref_level.double() - exact).abs().max())
+    assert err_amx <= 1.5 * err_bf16 + 2.0**-9 * top, (err_amx, err_bf16)
+    assert err_bf16 <= 1.5 * err_amx + 2.0**-9 * top, (err_amx, err_bf16)
+    # float32 at the amx level is the avx512bf16 level's code: bitwise the same
+    qf, kf, vf = q.float(), k.float(), v.float()
+    a = fmha.attention(qf, kf, vf, causal=causal)
+    _C.set_cpu_isa("avx512bf16")
+    bb = fmha.attention(qf, kf, vf, causal=causal)
+    _C.set_cpu_isa("amx")
+    assert torch.equal(a, bb)
+
+
+def reference_out(q, k, v, causal):
+    """softmax(q kᵀ / sqrt(d)) v in float64 (GQA: each kv head serves its group; causal aligned
+    bottom-right)."""
+    import torch
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    s = qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:  # bottom-right aligned, as fmha's causal
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(torch.arange(sk)[None, :] > i, float("-inf"))
+    # a row that sees no key (causal, seqlen_q > seqlen_k) is 0, as fmha's
+    return torch.nan_to_num(torch.softmax(s, -1) @ vd, nan=0.0).transpose(1, 2)
+
+
+@pytest.mark.parametrize("fault", [1, 2], ids=["model-drops-odd-elements", "kernel-swaps-P-pairs"])
+def test_planted_faults_change_only_the_amx_forward(amx_level, fault):
+    """A fault planted in the model (TDPBF16PS) or the kernel (P's repack into tile rows) makes
+    the amx level's bfloat16 forward wrong -- and nothing else: the avx512bf16 level and the amx
+    level's float32 are untouched. (The model's fault cannot reach hardware tiles: there
+    test_planted_faults_fail_the_suite runs the model with FMHA_AMX_DENY=1.)"""
+    import torch
+    if fault == 1 and _tiles_are_hardware():
+        pytest.skip("the tiles here are the hardware's; the model's fault is checked with "
+                    "FMHA_AMX_DENY=1 in test_planted_faults_fail_the_suite")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 70, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    clean = fmha.attention(q, k, v)
+    f32 = fmha.attention(q.float(), k.float(), v.float())
+    probes().amx_plant_fault(fault)
+    wrong = fmha.attention(q, k, v)
+    f32_planted = fmha.attention(q.float(), k.float(), v.float())
+    _C.set_cpu_isa("avx512bf16")
+    other_level = fmha.attention(q, k, v)
+    _C.set_cpu_isa("amx")
+    probes().amx_plant_fault(0)
+    exact = reference_out(q, k, v, False)
+    top = float(exact.abs().max())
+    assert float((clean.double() - exact).abs().max()) < 0.02 * top
+    assert float((wrong.double() - exact).abs().max()) > 0.1 * top
+    assert torch.equal(f32, f32_planted)
+    assert float((other_level.double() - exact).abs().max()) < 0.02 * top
+    assert torch.equal(fmha.attention(q, k, v), clean)  # removed: the level is right again
+
+
+# Slices of the AMX level's kernel suite: the forward's bfloat16 cases and the KV-cache decode's
+# GQA cases (more than 4 rows per kv head: on tiles).
+SUITE_SLICES = {
+    "forward": ("kernels/test_cpu_attention.py",
+                "bfloat16 and (test_dtypes or test_causal or test_gqa_mqa or test_odd_head_dim)"),
+    "decode": ("kvcache/test_kvcache.py", "bfloat16 and gqa"),
+}
+
+
+def _run_suite_slice(name, fault):
+    """Runs a slice at FMHA_CPU_ISA=amx through the model (FMHA_AMX_DENY=1: on an AMX host too)
+    with fault `fault` planted (FMHA_TEST_AMX_PLANT, tests/conftest.py)."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path, select = SUITE_SLICES[name]
+    env = dict(os.environ, FMHA_CPU_ISA="amx", FMHA_AMX_DENY="1", FMHA_TEST_AMX_PLANT=str(fault))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         os.path.join(tests, path), "-k", select],
+        capture_output=True, text=True, env=env, cwd=tests)
+
+
+@pytest.mark.parametrize("fault", [0, 1, 2], ids=["none", "model-drops-odd-elements", "kernel-swaps-P-pairs"])
+@pytest.mark.parametrize("name", sorted(SUITE_SLICES))
+def test_planted_faults_fail_the_suite(name, fault):
+    """The AMX level's part of the kernel suite (tests/run_all_isas.py runs it at
+    FMHA_CPU_ISA=amx) passes as it is and fails with either fault planted: the model's
+    TDPBF16PS reading A's odd elements as zero, or the kernels' repack of P into tile rows
+    swapping the halves of each pair word."""
+    probes()
+    if not _amx_level_runs_here():
+        pytest.skip(f"the amx level needs AVX512-BF16 (best level here: {_C.best_cpu_isa()})")
+    r = _run_suite_slice(name, fault)
+    if fault == 0:
+        assert r.returncode == 0, r.stdout[-3000:]
+        assert " passed" in r.stdout and "failed" not in r.stdout
+    else:
+        assert r.returncode == 1, r.stdout[-3000:]
+        assert " failed" in r.stdout
+
+
+@pytest.mark.parametrize("sq,hq,hkv", [(1, 8, 1), (3, 12, 4), (16, 2, 2), (1, 4, 1), (2, 2, 1)])
+def test_amx_decode(amx_level, sq, hq, hkv):
+    """Decode-shaped calls (a few queries against many keys) take the tiles where a GQA group
+    and the queries fill more than 4 rows per kv head, and the avx512bf16 level's dot products
+    otherwise: a planted fault changes the output exactly in the first case. Either way the
+    output is within the bound of the tiled forward's test of the avx512bf16 level's."""
+    import torch
+    g = torch.Generator().manual_seed(sq * 100 + hq)
+    q = torch.randn(2, sq, hq, 80, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 300, hkv, 80, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 300, hkv, 48, generator=g).to(torch.bfloat16)
+    out = fmha.attention(q, k, v)
+    _C.set_cpu_isa("avx512bf16")
+    other = fmha.attention(q, k, v)
+    _C.set_cpu_isa("amx")
+    top = float(reference_out(q, k, v, False).abs().max())
+    assert float((out.double() - other.double()).abs().max()) <= 2.0**-7 * top
+    assert float((out == other).float().mean()) >= 0.99
+    if _C.testing_build and not _tiles_are_hardware():
+        _C.amx_plant_fault(1)
+        planted = fmha.attention(q, k, v)
+        _C.amx_plant_fault(0)
+        on_tiles = sq * hq // hkv > 4
+        assert torch.equal(planted, out) != on_tiles
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 64, 2, 2, 64, 64, False), (2, 100, 90, 4, 2, 40, 40, True),
+                                   (1, 7, 300, 8, 2, 80, 48, False), (1, 130, 33, 2, 2, 128, 96, True)],
+                         ids=["64x64-d64", "100x90-gqa-d40-causal", "7x300-gqa-d80/48", "130x33-d128/96-causal"])
+def test_amx_backward(amx_level, shape):
+    """The bfloat16 backward at the amx level (its five pair products on tiles) against the
+    avx512bf16 level's: at least 99% of each gradient's elements bitwise equal and the rest
+    within 2^-7 max|grad|. With the model's fault planted for the backward alone (the forward
+    run clean), every gradient changes: the products run on the tiles."""
+    import torch
+    b, sq, sk, hq, hkv, d, dv, causal = shape
+    g = torch.Generator().manual_seed(sq + 10 * sk)
+    q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hkv, dv, generator=g).to(torch.bfloat16)
+    do = torch.randn(b, sq, hq, dv, generator=g).to(torch.bfloat16)
+
+    def grads(isa, fault=0):
+        _C.set_cpu_isa(isa)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fmha.attention(*leaves, causal=causal)
+        if fault:
+            probes().amx_plant_fault(fault)
+        try:
+            out.backward(do)
+        finally:
+            if fault:
+                probes().amx_plant_fault(0)
+            _C.set_cpu_isa("amx")
+        return [x.grad for x in leaves]
+
+    amx, other = grads("amx"), grads("avx512bf16")
+    for name, a, o in zip(("dq", "dk", "dv"), amx, other):
+        top = float(o.double().abs().max())
+        assert float((a.double() - o.double()).abs().max()) <= 2.0**-7 * top, name
+        assert float((a == o).float().mean()) >= 0.99, name
+    if _C.testing_build and not _tiles_are_hardware():
+        planted = grads("amx", fault=1)
+        for name, a, w in zip(("dq", "dk", "dv"), amx, planted):
+            assert float((a.double() - w.double()).abs().max()) > 0.05 * float(a.double().abs().max()), name
+
+
+def test_amx_forward_model_matches_hardware():
+    """Where the tiles are the hardware's: the amx level's forward (tiled and decode) and
+    backward through the hardware and through the model (FMHA_AMX_DENY=1) give the same bits."""
+    reason = _amx_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    code = textwrap.dedent("""
+        import hashlib, torch, fmha
+        g = torch.Generator().manual_seed(3)
+        outs = []
+        # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, d): tiled forwards, and a GQA decode
+        for (b, sq, sk, hq, hkv, d), causal in (((2, 100, 100, 3, 3, 64), True), ((1, 37, 37, 2, 2, 40), False),
+                                                ((1, 65, 65, 1, 1, 256), False), ((2, 2, 300, 8, 2, 80), False)):
+            q = torch.randn(b, sq, hq, d, generator=g).to(torch.bfloat16).requires_grad_()
+            k, v = (torch.randn(b, sk, hkv, d, generator=g).to(torch.bfloat16).requires_grad_()
+                    for _ in range(2))
+            o, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+            o.backward(torch.randn(o.shape, generator=g).to(torch.bfloat16))
+            outs += [x.detach().view(torch.int16).flatten().tolist() for x in (o, q.grad, k.grad, v.grad)]
+            outs.append(lse.detach().flatten().tolist())
+        print(fmha.cpu_isa(), hashlib.sha256(str(outs).encode()).hexdigest())
+    """)
+    runs = {}
+    for deny in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, FMHA_CPU_ISA="amx", FMHA_AMX_DENY=deny))
+        runs[deny] = r.stdout.split()
+    assert runs["0"][0] == runs["1"][0] == "amx"
+    assert runs["0"][1] == runs["1"][1]
 
 
 def test_amx_peak_probe():
