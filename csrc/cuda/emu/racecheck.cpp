@@ -106,10 +106,11 @@ void report(const char* kind, uintptr_t address, const ThreadImpl& t, const void
   g_reports.push_back(os.str());
 }
 
-void report_text(const void* pc, const void* other_pc, const std::string& text) {
+// Counts a hazard; true if it is to be described (the first of its pair of pcs, within the
+// report limit). Describing calls addr2line: only then.
+bool counts_new_report(const void* pc, const void* other_pc) {
   ++g_hazards;
-  if (g_reports.size() >= kMaxReports || !g_seen.insert({pc, other_pc}).second) return;
-  g_reports.push_back(text);
+  return g_reports.size() < kMaxReports && g_seen.insert({pc, other_pc}).second;
 }
 
 // Has thread t seen the phase that completes the TMA write w? (g_mu held)
@@ -132,6 +133,7 @@ void check_async_locked(const ThreadImpl& t, uintptr_t a0, size_t bytes, bool wr
     if (it == g_async.end()) continue;
     const AsyncWrite& w = it->second;
     if (!seen_locked(t, w)) {
+      if (!counts_new_report(pc, w.pc)) continue;
       std::ostringstream os;
       os << "async-proxy hazard at " << describe_address(reinterpret_cast<const void*>(c << 4))
          << ": " << describe_thread(t.tid, false) << (write ? " writes" : " reads") << " "
@@ -140,7 +142,7 @@ void check_async_locked(const ThreadImpl& t, uintptr_t a0, size_t bytes, bool wr
          << ", before it has seen phase " << w.phase << " of the mbarrier at "
          << describe_address(w.bar)
          << " complete (wait on the mbarrier: mbarrier.try_wait.parity)";
-      report_text(pc, w.pc, os.str());
+      g_reports.push_back(os.str());
     } else if (write) {
       g_async.erase(it);
     }
@@ -223,13 +225,14 @@ void async_read(const void* address, size_t bytes, const void* pc, const char* w
     if (it == g_shadow.end() || it->second.w_tid == kNone) continue;
     const Cell& c = it->second;
     if (g_fences[c.w_tid] != c.w_fences) continue;  // the writer fenced since
+    if (!counts_new_report(pc, c.w_pc)) break;
     std::ostringstream os;
     os << "proxy hazard at " << describe_address(reinterpret_cast<const void*>(a)) << ": "
        << describe_thread(t.tid, false) << " reads " << what << " at " << describe_pc(pc)
        << " through the async proxy; " << describe_thread(c.w_tid, false)
        << " wrote it through the generic proxy at " << describe_pc(c.w_pc)
        << " with no fence.proxy.async after the write";
-    report_text(pc, c.w_pc, os.str());
+    g_reports.push_back(os.str());
     break;
   }
 }
