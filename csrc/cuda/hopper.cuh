@@ -29,8 +29,20 @@
 #define __grid_constant__
 #endif
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "cuda/hopper.cuh needs the arch-specific target sm_90a (wgmma, setmaxnreg)"
+// Which device passes get the PTX: mbarrier, TMA, fences and elect.sync need sm_90;
+// wgmma and setmaxnreg the arch-specific sm_90a (-gencode arch=compute_90a,code=sm_90a).
+// Other device passes (sm_80, or the generic compute_90 PTX nvcc also embeds for
+// -arch=sm_90a) get a trap: those kernels must never be launched there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FMHA_HOPPER_PTX 1
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FMHA_HOPPER_PTX_A 1
+#endif
+#endif
+#if defined(__CUDA_ARCH__)
+#define FMHA_HOPPER_UNSUPPORTED() __trap()
+#else
+#define FMHA_HOPPER_UNSUPPORTED() ((void)0)
 #endif
 
 #include "cuda/hopper_wgmma_asm.inc"
@@ -59,29 +71,31 @@ FMHA_DEVICE uint32_t smem_u32(const void* p) {
 // completes when its arrivals and its transaction bytes are all in.
 
 FMHA_DEVICE void mbarrier_init(uint64_t* bar, uint32_t count) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
                : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::mbarrier_init(bar, count);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)count;
 #endif
 }
 
 FMHA_DEVICE void mbarrier_inval(uint64_t* bar) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::mbarrier_inval(bar);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar;
 #endif
 }
 
 // Returns the state token of the arrival's phase (for mbarrier_test_wait-style checks).
 FMHA_DEVICE uint64_t mbarrier_arrive(uint64_t* bar, uint32_t count = 1) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint64_t state;
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 %0, [%1], %2;\n"
                : "=l"(state) : "r"(smem_u32(bar)), "r"(count) : "memory");
@@ -89,13 +103,14 @@ FMHA_DEVICE uint64_t mbarrier_arrive(uint64_t* bar, uint32_t count = 1) {
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::mbarrier_arrive(bar, count);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)count;
   return 0;
 #endif
 }
 
 FMHA_DEVICE uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint64_t state;
   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 %0, [%1], %2;\n"
                : "=l"(state) : "r"(smem_u32(bar)), "r"(tx_bytes) : "memory");
@@ -103,36 +118,39 @@ FMHA_DEVICE uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t tx_bytes)
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::mbarrier_arrive_expect_tx(bar, tx_bytes);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)tx_bytes;
   return 0;
 #endif
 }
 
 FMHA_DEVICE void mbarrier_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
                ::"r"(smem_u32(bar)), "r"(tx_bytes) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::mbarrier_expect_tx(bar, tx_bytes);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)tx_bytes;
 #endif
 }
 
 FMHA_DEVICE void mbarrier_complete_tx(uint64_t* bar, uint32_t tx_bytes) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
                ::"r"(smem_u32(bar)), "r"(tx_bytes) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::mbarrier_complete_tx(bar, tx_bytes);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)tx_bytes;
 #endif
 }
 
 // Has the phase the state token (from mbarrier_arrive) names completed?
 FMHA_DEVICE bool mbarrier_test_wait(uint64_t* bar, uint64_t state) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -143,6 +161,7 @@ FMHA_DEVICE bool mbarrier_test_wait(uint64_t* bar, uint64_t state) {
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::mbarrier_test_wait(bar, state);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)state;
   return true;
 #endif
@@ -150,7 +169,7 @@ FMHA_DEVICE bool mbarrier_test_wait(uint64_t* bar, uint64_t state) {
 
 // Has the phase of parity `parity` completed (the current phase's parity differs)?
 FMHA_DEVICE bool mbarrier_test_wait_parity(uint64_t* bar, uint32_t parity) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -161,6 +180,7 @@ FMHA_DEVICE bool mbarrier_test_wait_parity(uint64_t* bar, uint32_t parity) {
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::mbarrier_test_wait_parity(bar, parity);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)parity;
   return true;
 #endif
@@ -169,7 +189,7 @@ FMHA_DEVICE bool mbarrier_test_wait_parity(uint64_t* bar, uint32_t parity) {
 // Potentially blocking (up to a system-dependent time limit on the GPU; until the phase
 // completes in the emulator, which reports a wait that can never end as a deadlock).
 FMHA_DEVICE bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint32_t done;
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -180,6 +200,7 @@ FMHA_DEVICE bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::mbarrier_try_wait_parity(bar, parity);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)bar, (void)parity;
   return true;
 #endif
@@ -217,28 +238,34 @@ FMHA_DEVICE uint64_t make_smem_desc(const void* smem, uint32_t lbo_bytes, uint32
 }
 
 FMHA_DEVICE void wgmma_fence() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::wgmma_fence();
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
 FMHA_DEVICE void wgmma_commit_group() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::wgmma_commit_group();
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
 template <int kPending>
 FMHA_DEVICE void wgmma_wait_group() {
   static_assert(kPending >= 0 && kPending <= 7, "wgmma.wait_group N: 0..7");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::wgmma_wait_group(kPending);
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
@@ -251,7 +278,7 @@ template <> struct WgmmaType<bf16_t> { static constexpr int kind = 1; };
 template <> struct WgmmaType<e4m3_t> { static constexpr int kind = 2; };
 template <> struct WgmmaType<e5m2_t> { static constexpr int kind = 3; };
 
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
 // One asm statement per (N, types, operand source); the operand lists: hopper_wgmma_asm.inc.
 // scale-d is a predicate built from a register; the scales and transposes are immediates.
 #define FMHA_WGMMA_SS16(N, TY)                                                                \
@@ -317,7 +344,7 @@ struct WgmmaAsm;
   };
 FMHA_WGMMA_FOR_EACH_N(FMHA_WGMMA_SPECIALIZE)
 #undef FMHA_WGMMA_SPECIALIZE
-#endif  // FMHA_GPU_DEVICE_PATH
+#endif  // FMHA_HOPPER_PTX_A
 
 }  // namespace hopper_detail
 
@@ -333,7 +360,7 @@ FMHA_DEVICE void wgmma_ss(float (&d)[N / 2], uint64_t a_desc, uint64_t b_desc, b
   constexpr int kA = hopper_detail::WgmmaType<TA>::kind, kB = hopper_detail::WgmmaType<TB>::kind;
   static_assert((kA < 2) == (kB < 2) && (kA >= 2 || kA == kB), "wgmma: mismatched types");
   static_assert(kA < 2 || (kTransA == 0 && kTransB == 0), "wgmma: 8-bit operands are K-major");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   hopper_detail::WgmmaAsm<N>::template ss<kA, kB, kScaleA, kScaleB, kTransA, kTransB>(
       d, a_desc, b_desc, scale_d);
 #elif defined(FMHA_GPU_EMU_PATH)
@@ -341,6 +368,7 @@ FMHA_DEVICE void wgmma_ss(float (&d)[N / 2], uint64_t a_desc, uint64_t b_desc, b
                         b_desc, scale_d, kScaleA, kScaleB, kTransA, kTransB};
   ::emu::wgmma_mma_async(args);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)d, (void)a_desc, (void)b_desc, (void)scale_d;
 #endif
 }
@@ -356,7 +384,7 @@ FMHA_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_
   constexpr int kA = hopper_detail::WgmmaType<TA>::kind, kB = hopper_detail::WgmmaType<TB>::kind;
   static_assert((kA < 2) == (kB < 2) && (kA >= 2 || kA == kB), "wgmma: mismatched types");
   static_assert(kA < 2 || kTransB == 0, "wgmma: 8-bit operands are K-major");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   hopper_detail::WgmmaAsm<N>::template rs<kA, kB, kScaleA, kScaleB, kTransB>(d, a, b_desc,
                                                                               scale_d);
 #elif defined(FMHA_GPU_EMU_PATH)
@@ -364,6 +392,7 @@ FMHA_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_
                         scale_d, kScaleA, kScaleB, 0, kTransB};
   ::emu::wgmma_mma_async(args);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)d, (void)a, (void)b_desc, (void)scale_d;
 #endif
 }
@@ -434,7 +463,7 @@ template <int kRank>
 FMHA_DEVICE void tma_load(void* smem_dst, const TensorMap* map, const int32_t (&coords)[kRank],
                           uint64_t* bar) {
   static_assert(kRank >= 1 && kRank <= 5, "tma_load: rank 1..5");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   const uint32_t dst = smem_u32(smem_dst), mbar = smem_u32(bar);
   const uint64_t m = reinterpret_cast<uint64_t>(map);
   if constexpr (kRank == 1)
@@ -463,6 +492,7 @@ FMHA_DEVICE void tma_load(void* smem_dst, const TensorMap* map, const int32_t (&
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::tma_load(smem_dst, map, coords, bar);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)smem_dst, (void)map, (void)coords, (void)bar;
 #endif
 }
@@ -475,7 +505,7 @@ template <int kRank>
 FMHA_DEVICE void tma_store(const TensorMap* map, const int32_t (&coords)[kRank],
                            const void* smem_src) {
   static_assert(kRank >= 1 && kRank <= 5, "tma_store: rank 1..5");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   const uint32_t src = smem_u32(smem_src);
   const uint64_t m = reinterpret_cast<uint64_t>(map);
   if constexpr (kRank == 1)
@@ -500,24 +530,29 @@ FMHA_DEVICE void tma_store(const TensorMap* map, const int32_t (&coords)[kRank],
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::tma_store(map, coords, smem_src);
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   (void)map, (void)coords, (void)smem_src;
 #endif
 }
 
 FMHA_DEVICE void bulk_commit_group() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::bulk_commit_group();
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
 template <int kPending>
 FMHA_DEVICE void bulk_wait_group_read() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::bulk_wait_group_read(kPending);
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
@@ -527,10 +562,12 @@ FMHA_DEVICE void bulk_wait_group_read() {
 // visible to later async-proxy reads (wgmma operands, TMA stores) -- PTX ISA "membar /
 // fence", and "Memory Consistency Model: proxies".
 FMHA_DEVICE void fence_proxy_async() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::fence_proxy_async();
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
@@ -540,25 +577,29 @@ FMHA_DEVICE void fence_proxy_async() {
 template <int kCount>
 FMHA_DEVICE void setmaxnreg_inc() {
   static_assert(kCount >= 24 && kCount <= 256 && kCount % 8 == 0, "setmaxnreg: 24..256, by 8");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::setmaxnreg(true, kCount);
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 template <int kCount>
 FMHA_DEVICE void setmaxnreg_dec() {
   static_assert(kCount >= 24 && kCount <= 256 && kCount % 8 == 0, "setmaxnreg: 24..256, by 8");
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX_A)
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::setmaxnreg(false, kCount);
+#else
+  FMHA_HOPPER_UNSUPPORTED();
 #endif
 }
 
 // elect.sync _|p, 0xffffffff (PTX ISA "elect.sync"), by all 32 lanes: true in one of them.
 FMHA_DEVICE bool elect_one() {
-#if defined(FMHA_GPU_DEVICE_PATH)
+#if defined(FMHA_HOPPER_PTX)
   uint32_t leader;
   asm volatile(
       "{\n.reg .pred p;\n"
@@ -569,6 +610,7 @@ FMHA_DEVICE bool elect_one() {
 #elif defined(FMHA_GPU_EMU_PATH)
   return ::emu::elect_one();
 #else
+  FMHA_HOPPER_UNSUPPORTED();
   return true;
 #endif
 }

@@ -171,7 +171,7 @@ __global__ void tma_store_kernel(const __grid_constant__ TensorMap map, int bug)
     const int32_t c[2] = {24, 30};
     tma_store<2>(&map, c, tile);
     bulk_commit_group();
-    bulk_wait_group_read<0>();
+    if (bug != 2) bulk_wait_group_read<0>();  // 2: the store still completes (at the exit)
   }
 }
 
@@ -182,27 +182,38 @@ EMU_TEST("hopper.tma.store2d", CITE_TMA "; cp.async.bulk.tensor .global.shared::
   const uint32_t box[2] = {32, 16}, es[2] = {1, 1};
   const TensorMap map = encode_tensor_map(TmaDtype::kF16, 2, g.data(), dims, strides, box, es,
                                           SmemSwizzle::kNone);
-  FMHA_LAUNCH(tma_store_kernel, dim3(1), dim3(64), 16 * 32 * 2, nullptr, map, 0);
-  for (int y = 0; y < rows; ++y)
-    for (int x = 0; x < cols; ++x) {
-      const bool in = x >= 24 && y >= 30;  // the box's part inside the tensor
-      const uint16_t want = in ? uint16_t(0x4000 + (y - 30) * 32 + (x - 24)) : 0x1111;
-      if (g[size_t(y * cols + x)] != want)
-        return fail("global (" + std::to_string(y) + ", " + std::to_string(x) + ") wrong");
-    }
+  for (int variant : {0, 2}) {
+    std::fill(g.begin(), g.end(), uint16_t(0x1111));
+    FMHA_LAUNCH(tma_store_kernel, dim3(1), dim3(64), 16 * 32 * 2, nullptr, map, variant);
+    for (int y = 0; y < rows; ++y)
+      for (int x = 0; x < cols; ++x) {
+        const bool in = x >= 24 && y >= 30;  // the box's part inside the tensor
+        const uint16_t want = in ? uint16_t(0x4000 + (y - 30) * 32 + (x - 24)) : 0x1111;
+        if (g[size_t(y * cols + x)] != want)
+          return fail("global (" + std::to_string(y) + ", " + std::to_string(x) + ") wrong" +
+                      (variant ? " (no bulk wait before the exit)" : ""));
+      }
+  }
   return pass();
 }
 
-EMU_TEST("planted.tma_store_fence.buggy", "(racecheck) a TMA store of shared memory written "
-                                          "without fence.proxy.async") {
+Result tma_store_fence_case(int bug) {
   const int rows = 37, cols = 40;
   std::vector<uint16_t> g(size_t(rows * cols), 0x1111);
   const uint64_t dims[2] = {uint64_t(cols), uint64_t(rows)}, strides[1] = {uint64_t(cols) * 2};
   const uint32_t box[2] = {32, 16}, es[2] = {1, 1};
   const TensorMap map = encode_tensor_map(TmaDtype::kF16, 2, g.data(), dims, strides, box, es,
                                           SmemSwizzle::kNone);
-  FMHA_LAUNCH(tma_store_kernel, dim3(1), dim3(64), 16 * 32 * 2, nullptr, map, 1);
+  FMHA_LAUNCH(tma_store_kernel, dim3(1), dim3(64), 16 * 32 * 2, nullptr, map, bug);
   return pass();
+}
+
+EMU_TEST("planted.tma_store_fence.buggy", "(racecheck) a TMA store of shared memory written "
+                                          "without fence.proxy.async") {
+  return tma_store_fence_case(1);
+}
+EMU_TEST("planted.tma_store_fence.fixed", "the same store with each writer's fence.proxy.async") {
+  return tma_store_fence_case(0);
 }
 
 // ---- TMA -> wgmma, pipelined: C (64 x 64) = A (64 x 256) * B (256 x 64), f16, in k-tiles

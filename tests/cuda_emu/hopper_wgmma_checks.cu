@@ -161,7 +161,7 @@ __global__ void wgmma_gemm_kernel(Params p) {
     if constexpr (kGroupPerStep) wgmma_commit_group();
   }
   if constexpr (!kGroupPerStep) wgmma_commit_group();
-  if (p.bug == 2 && tid == 0)  // the operand is rewritten while the wgmma may still read it
+  if (p.bug == 2 && tid == 64)  // the operand is rewritten while the wgmma may still read it
     for (int i = 0; i < 64; ++i) smem[p.b_start[0] + uint32_t(i)] = 0;
   if (p.bug == 1)  // the accumulators are read before the wait
     for (int r = 0; r < N / 2; ++r) {

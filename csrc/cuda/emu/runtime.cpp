@@ -1430,12 +1430,16 @@ void execute_wgmma(BlockState& b, ThreadImpl* const* ts, size_t index) {
   // The race checker sees the operand reads again here, at the end of the window in which
   // the hardware may read them (as cp.async's copies are seen at both ends).
   if (g_race_checker) {
+    // Attributed to the warpgroup's first thread, as at the issue (whoever arrived last).
+    const ThreadState* self = g_thread;
+    g_thread = &ts[0]->pub;
     const void* pc = op0.pc;
     if (!a.a_regs)
       for (uint32_t c : operand_chunks(decode_desc(a.a_desc), a.trans_a, eb, 64, K))
         race_access(b.dynamic_smem + size_t(c) * 16, 16, false, pc);
     for (uint32_t c : operand_chunks(db, a.trans_b, eb, N, K))
       race_access(b.dynamic_smem + size_t(c) * 16, 16, false, pc);
+    g_thread = self;
   }
   const double sa = a.scale_a, sb = a.scale_b;
   for (int i = 0; i < 128; ++i) {
@@ -1565,7 +1569,7 @@ uint64_t box_bytes(const TmaDescriptor& m) {
 namespace {
 void perform_bulk_stores(ThreadImpl& t, const std::vector<PendingBulkStore>& group) {
   for (const PendingBulkStore& s : group) {
-    const TmaDescriptor& m = tensor_map_of(s.tensor_map);
+    const TmaDescriptor& m = s.tensor_map;
     const uint32_t base = smem_offset_of(t, s.smem_src, box_bytes(m), "cp.async.bulk.tensor store");
     unsigned char* smem = t.block->dynamic_smem;
     for_each_box_element(m, s.coords, base, [&](const unsigned char* g, uint32_t a) {
@@ -1942,7 +1946,7 @@ void tma_store(const void* tensor_map, const int32_t* coords, const void* src) {
           t.block->dynamic_smem + (detail::swizzle_address(base + uint32_t(c * 16), span) & ~15u),
           16, pc, "a cp.async.bulk.tensor store's source");
   }
-  detail::PendingBulkStore s{tensor_map, {0, 0, 0, 0, 0}, src, pc};
+  detail::PendingBulkStore s{m, {0, 0, 0, 0, 0}, src, pc};
   for (int i = 0; i < m.rank; ++i) s.coords[i] = coords[i];
   t.bulk_uncommitted.push_back(s);
 }

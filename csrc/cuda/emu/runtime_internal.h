@@ -33,7 +33,7 @@ struct WgmmaOp {
 
 // A TMA store issued and not yet performed (cp.async.bulk.tensor ... .bulk_group).
 struct PendingBulkStore {
-  const void* tensor_map;
+  TmaDescriptor tensor_map;  // a copy: the kernel's parameter may be gone when it is performed
   int32_t coords[5];
   const void* smem_src;
   const void* pc;
