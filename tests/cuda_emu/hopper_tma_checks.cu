@@ -139,6 +139,52 @@ EMU_TEST("hopper.tma.load3d.element_stride", CITE_TMA) {
   return pass();
 }
 
+// 5D, bytes: box (16, 2, 2, 1, 2) at (0, 2, -1, 1, 2) of a (16, 3, 2, 2, 3) tensor with
+// padded strides: every dimension but the first has an out-of-bounds part or an offset.
+__global__ void tma_5d_kernel(const __grid_constant__ TensorMap map, uint8_t* out) {
+  FMHA_DYNAMIC_SHARED(uint8_t, smem);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 1024);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar, 1);
+    mbarrier_arrive_expect_tx(bar, 16 * 2 * 2 * 1 * 2);
+    const int32_t c[5] = {0, 2, -1, 1, 2};
+    tma_load<5>(smem, &map, c, bar);
+  }
+  __syncthreads();
+  mbarrier_wait(bar, 0);
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) out[i] = smem[i];
+}
+
+EMU_TEST("hopper.tma.load5d", CITE_TMA) {
+  const uint64_t dims[5] = {16, 3, 2, 2, 3};
+  const uint64_t strides[4] = {32, 32 * 4, 32 * 4 * 2, 32 * 4 * 2 * 3};  // padded pitches
+  std::vector<uint8_t> g(size_t(strides[3] * 3));
+  for (size_t i = 0; i < g.size(); ++i) g[i] = uint8_t(1 + i % 251);
+  const uint32_t box[5] = {16, 2, 2, 1, 2}, es[5] = {1, 1, 1, 1, 1};
+  const TensorMap map = encode_tensor_map(TmaDtype::kU8, 5, g.data(), dims, strides, box, es,
+                                          SmemSwizzle::kNone);
+  std::vector<uint8_t> out(128, 0xEE);
+  FMHA_LAUNCH(tma_5d_kernel, dim3(1), dim3(32), 1024 + 8, nullptr, map, out.data());
+  const int c[5] = {0, 2, -1, 1, 2};
+  size_t at = 0;
+  for (int i4 = 0; i4 < 2; ++i4)
+    for (int i3 = 0; i3 < 1; ++i3)
+      for (int i2 = 0; i2 < 2; ++i2)
+        for (int i1 = 0; i1 < 2; ++i1)
+          for (int i0 = 0; i0 < 16; ++i0, ++at) {
+            const int x[5] = {c[0] + i0, c[1] + i1, c[2] + i2, c[3] + i3, c[4] + i4};
+            bool in = true;
+            size_t off = size_t(x[0]);
+            for (int d = 0; d < 5; ++d) in = in && x[d] >= 0 && x[d] < int(dims[d]);
+            for (int d = 1; d < 5 && in; ++d) off += size_t(x[d]) * size_t(strides[d - 1]);
+            const uint8_t want = in ? g[off] : 0;
+            if (out[at] != want)
+              return fail("element " + std::to_string(at) + ": " + std::to_string(out[at]) +
+                          ", expected " + std::to_string(want));
+          }
+  return pass();
+}
+
 // Encoder rules (cuTensorMapEncodeTiled's): a swizzled box's inner dimension fits the span.
 EMU_TEST("hopper.tma.encode_rules", CITE_TMA) {
   std::vector<uint16_t> g(64 * 64);

@@ -187,7 +187,18 @@ struct BlockState {
   // Hopper (guarded by m). The running threads (for warpgroup collectives, which read each
   // other's pending wgmma operations), the warpgroups' barriers (WarpState reused: 128
   // threads), the mbarrier objects by address, and the register pool of setmaxnreg.
+  // Each slot is set by its thread at its start without the lock (a lock there would order
+  // every thread after those that ran before it, hiding races from ThreadSanitizer); it is
+  // read only by warpgroup collectives, after every participant has taken the lock.
   std::vector<ThreadImpl*> threads;
+  // The shared-memory chunks (address >> 4) each pending wgmma of the block reads, by its
+  // issuing warpgroup's first thread and that thread's issue number.
+  struct InflightWgmma {
+    int tid;
+    uint64_t seq;
+    std::vector<uint32_t> chunks;
+  };
+  std::vector<InflightWgmma> wgmma_inflight;
   int nwgroups = 0;
   std::unique_ptr<WarpState[]> wgroups;
   struct Mbar {
@@ -512,10 +523,7 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
   }
 #endif
   g_thread = &t.pub;
-  {
-    std::lock_guard<std::mutex> lk(b->m);
-    b->threads[size_t(tid)] = &t;
-  }
+  b->threads[size_t(tid)] = &t;  // see BlockState::threads
 
   try {
     thunk(closure);
@@ -1488,29 +1496,11 @@ void execute_wgmma(BlockState& b, ThreadImpl* const* ts, size_t index) {
   }
 }
 
-// Shared-memory chunks (address >> 4) of the operands of every pending wgmma of the block.
+// Does a pending wgmma of the block read a chunk in [chunk_lo, chunk_hi)? (lock held)
 bool overlaps_pending_wgmma(BlockState& b, uint32_t chunk_lo, uint32_t chunk_hi) {
-  for (ThreadImpl* t : b.threads) {
-    if (!t || t->tid % 128 != 0) continue;
-    auto check = [&](const std::vector<WgmmaOp>& ops) {
-      for (const WgmmaOp& op : ops) {
-        const bool eight = is_8bit(op.args.type_a);
-        const int K = eight ? 32 : 16, eb = eight ? 1 : 2;
-        std::vector<uint32_t> chunks =
-            operand_chunks(decode_desc(op.args.b_desc), op.args.trans_b, eb, op.args.n, K);
-        if (!op.args.a_regs) {
-          const auto more = operand_chunks(decode_desc(op.args.a_desc), op.args.trans_a, eb, 64, K);
-          chunks.insert(chunks.end(), more.begin(), more.end());
-        }
-        for (uint32_t c : chunks)
-          if (c >= chunk_lo && c < chunk_hi) return true;
-      }
-      return false;
-    };
-    if (check(t->wgmma_uncommitted)) return true;
-    for (const auto& g : t->wgmma_groups)
-      if (check(g)) return true;
-  }
+  for (const BlockState::InflightWgmma& w : b.wgmma_inflight)
+    for (uint32_t c : w.chunks)
+      if (c >= chunk_lo && c < chunk_hi) return true;
   return false;
 }
 
@@ -1796,6 +1786,17 @@ void wgmma_mma_async(const WgmmaArgs& a) {
     std::memcpy(op.c, a.d, sizeof(float) * size_t(a.n / 2));
   }
   for (int r = 0; r < a.n / 2; ++r) a.d[r] = f32_from_bits(detail::kAccPoison);
+  op.seq = t.wgmma_issued++;
+  if (t.tid % 128 == 0) {  // the warpgroup's operands, for TMA loads that would overwrite them
+    std::vector<uint32_t> chunks =
+        detail::operand_chunks(detail::decode_desc(a.b_desc), a.trans_b, eb, a.n, K);
+    if (!a.a_regs) {
+      const auto more = detail::operand_chunks(detail::decode_desc(a.a_desc), a.trans_a, eb, 64, K);
+      chunks.insert(chunks.end(), more.begin(), more.end());
+    }
+    std::lock_guard<std::mutex> lk(t.block->m);
+    t.block->wgmma_inflight.push_back({t.tid, op.seq, std::move(chunks)});
+  }
   // The operand reads, as the race checker sees them at the issue: once per warpgroup.
   if (detail::g_race_checker && t.tid % 128 == 0) {
     unsigned char* smem = t.block->dynamic_smem;
@@ -1839,6 +1840,12 @@ void wgmma_wait_group(int n) {
         if (ts[i]->wgmma_groups.front().size() != ops)
           detail::fail_locked(b, "the threads of a warpgroup committed wgmma groups of different sizes");
       for (size_t k = 0; k < ops; ++k) detail::execute_wgmma(b, ts, k);
+      for (const detail::WgmmaOp& op : ts[0]->wgmma_groups.front()) {
+        auto& in = b.wgmma_inflight;
+        in.erase(std::remove_if(in.begin(), in.end(), [&](const BlockState::InflightWgmma& w) {
+                   return w.tid == ts[0]->tid && w.seq == op.seq;
+                 }), in.end());
+      }
       for (int i = 0; i < 128; ++i) ts[i]->wgmma_groups.erase(ts[i]->wgmma_groups.begin());
     }
     for (int i = 0; i < 128; ++i) ts[i]->wgmma_fenced = false;

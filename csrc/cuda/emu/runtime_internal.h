@@ -29,6 +29,7 @@ struct WgmmaOp {
   float c[128];        // the accumulator's input, when it was not a pending wgmma's output
   bool chained;        // the input is the output of an earlier pending wgmma on the same d
   const void* pc;
+  uint64_t seq;        // the issuing thread's count of wgmmas before this one
 };
 
 // A TMA store issued and not yet performed (cp.async.bulk.tensor ... .bulk_group).
@@ -60,6 +61,7 @@ struct ThreadImpl {
   std::vector<std::vector<WgmmaOp>> wgmma_groups;
   std::vector<std::pair<float*, std::vector<float>>> wgmma_carry;
   bool wgmma_fenced = false;
+  uint64_t wgmma_issued = 0;
   // TMA stores (bulk async-groups): uncommitted, and committed groups oldest first.
   std::vector<PendingBulkStore> bulk_uncommitted;
   std::vector<std::vector<PendingBulkStore>> bulk_groups;
