@@ -10,6 +10,7 @@
 //                 m64nNk32 e4m3/e5m2), wgmma_commit_group, wgmma_wait_group<N>
 //   TMA           encode_tensor_map (host), tma_load (2D..5D, completes on an mbarrier),
 //                 tma_store, bulk_commit_group, bulk_wait_group_read<N>
+//   FP8           pack_fp8x2<e4m3_t / e5m2_t> (cvt.rn.satfinite from two floats)
 //   others        fence_proxy_async, setmaxnreg_inc<N> / _dec<N>, elect_one, smem_u32
 //
 // Warpgroup-level functions (wgmma_*, setmaxnreg_*) are called by all 128 threads of a
@@ -394,6 +395,33 @@ FMHA_DEVICE void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_
 #else
   FMHA_HOPPER_UNSUPPORTED();
   (void)d, (void)a, (void)b_desc, (void)scale_d;
+#endif
+}
+
+// ---------------------------------------------------------------------------- FP8
+// cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (PTX ISA "cvt"; the formats: "Alternate
+// Floating-Point Data Formats"): two floats to two 8-bit values, `lo` in the low byte;
+// round to nearest even; NaN gives NaN (0x7F), infinities and values beyond the largest
+// finite one (e4m3: 448, e5m2: 57344) give that largest value, with the sign.
+template <typename T>
+FMHA_DEVICE uint16_t pack_fp8x2(float lo, float hi) {
+  constexpr bool k4 = hopper_detail::WgmmaType<T>::kind == 2;
+  static_assert(hopper_detail::WgmmaType<T>::kind >= 2, "pack_fp8x2: e4m3_t or e5m2_t");
+#if defined(FMHA_HOPPER_PTX)
+  uint16_t d;
+  if constexpr (k4)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#elif defined(FMHA_GPU_EMU_PATH)
+  const uint8_t l = k4 ? ::emu::f32_to_e4m3(lo) : ::emu::f32_to_e5m2(lo);
+  const uint8_t h = k4 ? ::emu::f32_to_e4m3(hi) : ::emu::f32_to_e5m2(hi);
+  return uint16_t(l | (h << 8));
+#else
+  FMHA_HOPPER_UNSUPPORTED();
+  (void)lo, (void)hi;
+  return 0;
 #endif
 }
 

@@ -2,7 +2,9 @@
 // mbarrier phases, setmaxnreg, elect.sync here; wgmma and TMA in hopper_wgmma_checks.cu and
 // hopper_tma_checks.cu. Expected values come from the PTX ISA's rules as the cases state
 // them, never from the emulator.
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -246,6 +248,84 @@ EMU_TEST("hopper.elect_one", "PTX ISA elect.sync: exactly one leader among the l
     if (lanes[size_t(w)] < 0) return fail("the leader changed between two elections");
   }
   return pass();
+}
+
+// ---------------------------------------------------------------- FP8 conversion
+namespace fp8 {
+
+// The formats, from their definition (PTX ISA "Alternate Floating-Point Data Formats"):
+// e4m3: bias 7, no infinities, S.1111.111 NaN, largest 448; e5m2: bias 15, IEEE-like.
+double value(bool e4m3, int code) {
+  const double s = (code & 0x80) ? -1.0 : 1.0;
+  if (e4m3) {
+    const int e = code >> 3 & 15, m = code & 7;
+    if (e == 15 && m == 7) return NAN;
+    return s * (e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7));
+  }
+  const int e = code >> 2 & 31, m = code & 3;
+  if (e == 31) return m ? NAN : s * INFINITY;
+  return s * (e == 0 ? std::ldexp(m / 4.0, -14) : std::ldexp(1.0 + m / 4.0, e - 15));
+}
+bool is_nan_code(bool e4m3, int code) { return std::isnan(value(e4m3, code)); }
+
+}  // namespace fp8
+
+template <typename T>
+__global__ void fp8_convert_kernel(const float* in, uint16_t* out, int pairs) {
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) out[i] = pack_fp8x2<T>(in[2 * i], in[2 * i + 1]);
+}
+
+template <typename T>
+Result fp8_case(bool e4m3) {
+  const int max_code = e4m3 ? 0x7E : 0x7B;
+  std::vector<float> in;
+  std::vector<int> want;  // the expected code, or -1: a NaN code
+  auto add = [&](double x, int code) {
+    in.push_back(float(x));
+    want.push_back(code);
+  };
+  for (int c = 0; c <= max_code; ++c) {  // every finite value, both signs, converts to itself
+    add(fp8::value(e4m3, c), c);
+    add(-fp8::value(e4m3, c), c | 0x80);
+  }
+  for (int c = 0; c < max_code; ++c) {  // between neighbours: nearest, ties to the even code
+    const double lo = fp8::value(e4m3, c), hi = fp8::value(e4m3, c + 1), mid = (lo + hi) / 2;
+    add(mid, c % 2 == 0 ? c : c + 1);
+    add(-mid, (c % 2 == 0 ? c : c + 1) | 0x80);
+    add(mid + (hi - lo) / 8, c + 1);
+    add(mid - (hi - lo) / 8, c);
+  }
+  const double top = fp8::value(e4m3, max_code);
+  add(top * 1.03, max_code);  // beyond the largest finite value: saturates (.satfinite)
+  add(1e30, max_code);
+  add(INFINITY, max_code);
+  add(-INFINITY, max_code | 0x80);
+  add(NAN, -1);
+  add(fp8::value(e4m3, 1) / 4, 0);  // below half the smallest subnormal: zero
+  if (in.size() % 2) add(0.0, 0);
+  const int pairs = int(in.size() / 2);
+  std::vector<uint16_t> out(static_cast<size_t>(pairs));
+  auto kernel = &fp8_convert_kernel<T>;
+  FMHA_LAUNCH(kernel, dim3(1), dim3(32), 0, nullptr, in.data(), out.data(), pairs);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const int got = (out[i / 2] >> (8 * (i % 2))) & 0xFF;  // the first of a pair: low byte
+    const bool ok = want[i] < 0 ? fp8::is_nan_code(e4m3, got) : got == want[i];
+    if (!ok) {
+      char msg[160];
+      std::snprintf(msg, sizeof msg, "%.9g -> 0x%02x, expected 0x%02x", double(in[i]), got, want[i]);
+      return fail(msg);
+    }
+  }
+  return pass(std::to_string(in.size()) + " conversions");
+}
+
+EMU_TEST("hopper.cvt.e4m3x2", "PTX ISA cvt.rn.satfinite.e4m3x2.f32; Alternate Floating-Point Data "
+                              "Formats (e4m3)") {
+  return fp8_case<e4m3_t>(true);
+}
+EMU_TEST("hopper.cvt.e5m2x2", "PTX ISA cvt.rn.satfinite.e5m2x2.f32; Alternate Floating-Point Data "
+                              "Formats (e5m2)") {
+  return fp8_case<e5m2_t>(false);
 }
 
 }  // namespace

@@ -83,6 +83,11 @@ __global__ void tma_kernel(const __grid_constant__ TensorMap map1, const __grid_
   }
 }
 
+__global__ void fp8_kernel(const float* in, uint16_t* out) {
+  out[2 * threadIdx.x] = pack_fp8x2<e4m3_t>(in[2 * threadIdx.x], in[2 * threadIdx.x + 1]);
+  out[2 * threadIdx.x + 1] = pack_fp8x2<e5m2_t>(in[2 * threadIdx.x], in[2 * threadIdx.x + 1]);
+}
+
 // setmaxnreg needs the register count at entry: launch bounds of 384 threads, one block.
 __global__ void __launch_bounds__(384, 1) setmaxnreg_kernel(int* out) {
   if (threadIdx.x < 128) {

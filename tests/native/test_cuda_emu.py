@@ -237,7 +237,7 @@ def test_tsan_clean(programs):
     """ThreadSanitizer finds no race in the emulator runtime nor in correct kernels."""
     proc = programs.run("tsan", "kat.*", "gemm.f16.64x64x64", "gemm.bf16.17x33x29",
                         "planted.race.fixed", "planted.race_pipeline.fixed", "hopper.*")
-    _assert_all_pass(proc, expect_at_least=len(KATS) + 4 + 34)
+    _assert_all_pass(proc, expect_at_least=len(KATS) + 4 + 37)
     assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-4000:]
 
 
@@ -312,13 +312,14 @@ def test_hopper_model(programs, variant):
     TMA tiles with out-of-bounds edges, a store, and a pipelined TMA -> wgmma GEMM -- in bounds
     (ASan) and free of races, async-proxy and proxy-fence hazards (race checker)."""
     proc = programs.run(variant, "hopper.*")
-    res = _assert_all_pass(proc, expect_at_least=34)
+    res = _assert_all_pass(proc, expect_at_least=37)
     assert "ERROR: AddressSanitizer" not in proc.stderr
     for swizzle in HOPPER_SWIZZLES:
         assert any(n.startswith("hopper.wgmma.") and n.endswith(swizzle) for n in res), swizzle
         assert f"hopper.tma.load2d.{swizzle}" in res
     assert {"hopper.mbarrier.phases", "hopper.mbarrier.over_arrival", "hopper.mbarrier.deadlock",
-            "hopper.setmaxnreg.budget", "hopper.tma_wgmma.nmajor.sw128"} <= set(res)
+            "hopper.setmaxnreg.budget", "hopper.tma_wgmma.nmajor.sw128", "hopper.tma.load5d",
+            "hopper.cvt.e4m3x2", "hopper.cvt.e5m2x2"} <= set(res)
 
 
 @pytest.mark.parametrize("bug", ["wgmma_swizzle", "wgmma_wait", "wgmma_operand"])
@@ -435,12 +436,12 @@ def test_wgmma_asm_operand_lists_are_generated():
 def test_hopper_wrappers_assemble_for_sm90a(nvcc):
     """Every inline-PTX form of csrc/cuda/hopper.cuh (mbarrier, wgmma for f16/bf16/e4m3/e5m2
     from shared memory and registers, TMA loads and stores of rank 1-5, setmaxnreg, elect.sync,
-    fence.proxy.async) is assembled by ptxas for sm_90a (tests/cuda_emu/hopper_compile_check.cu),
+    fence.proxy.async, cvt to e4m3x2/e5m2x2) is assembled by ptxas for sm_90a (tests/cuda_emu/hopper_compile_check.cu),
     without spills or a stack frame."""
     kernels, errors = ptxas_check.check([EMU_TESTS / "hopper_compile_check.cu"], ["90a"], nvcc)
     assert not errors, "\n".join(errors)
     names = " ".join(k.name for k in kernels)
-    for kernel in ("mbarrier_kernel", "tma_kernel", "setmaxnreg_kernel"):
+    for kernel in ("mbarrier_kernel", "tma_kernel", "setmaxnreg_kernel", "fp8_kernel"):
         assert kernel in names, kernel
     assert sum("wgmma_kernel" in k.name for k in kernels) == 8
     assert all(k.arch == "sm_90a" for k in kernels)

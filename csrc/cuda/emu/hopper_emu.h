@@ -87,6 +87,12 @@ void tma_store(const void* tensor_map, const int32_t* coords, const void* smem_s
 void bulk_commit_group();
 void bulk_wait_group_read(int n);
 
+// ---- FP8 conversion: cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (PTX ISA "cvt", and "Alternate
+// Floating-Point Data Formats"): round to nearest even, NaN to NaN (0x7F), infinities and
+// finite values beyond the format's largest (e4m3 448, e5m2 57344) to that largest, signed.
+uint8_t f32_to_e4m3(float x);
+uint8_t f32_to_e5m2(float x);
+
 // ---- fences, registers, election ----
 // fence.proxy.async (PTX ISA, "membar / fence"): orders this thread's generic-
 // proxy shared-memory writes before later async-proxy accesses (wgmma, TMA store).

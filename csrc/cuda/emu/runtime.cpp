@@ -1973,6 +1973,41 @@ void bulk_wait_group_read(int n) {
   }
 }
 
+// ---- FP8 conversion (PTX ISA "cvt" with .rn.satfinite and the .e4m3x2/.e5m2x2 types;
+// the formats: "Alternate Floating-Point Data Formats"). The nearest representable value,
+// ties to the even code (the one whose mantissa's last bit is 0); beyond the largest finite
+// value (or infinite): the largest finite value (.satfinite); NaN: 0x7F.
+
+namespace detail {
+namespace {
+// The values of the positive finite codes 0..max_code, increasing with the code.
+std::vector<double> fp8_values(bool e4m3) {
+  std::vector<double> v;
+  const int max_code = e4m3 ? 0x7E : 0x7B;
+  for (int c = 0; c <= max_code; ++c)
+    v.push_back(double(element_value(e4m3 ? WgmmaType::kE4M3 : WgmmaType::kE5M2, uint16_t(c))));
+  return v;
+}
+
+uint8_t f32_to_fp8(bool e4m3, float x) {
+  static const std::vector<double> k4 = fp8_values(true), k5 = fp8_values(false);
+  const std::vector<double>& v = e4m3 ? k4 : k5;
+  if (std::isnan(x)) return 0x7F;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(double(x));
+  if (a >= v.back()) return uint8_t(sign | (v.size() - 1));  // saturate (also infinity)
+  const size_t hi = size_t(std::upper_bound(v.begin(), v.end(), a) - v.begin());  // v[hi] > a
+  const size_t lo = hi - 1;                                                         // v[lo] <= a
+  const double dlo = a - v[lo], dhi = v[hi] - a;
+  const size_t code = dlo < dhi ? lo : dhi < dlo ? hi : (lo % 2 == 0 ? lo : hi);
+  return uint8_t(sign | code);
+}
+}  // namespace
+}  // namespace detail
+
+uint8_t f32_to_e4m3(float x) { return detail::f32_to_fp8(true, x); }
+uint8_t f32_to_e5m2(float x) { return detail::f32_to_fp8(false, x); }
+
 // ---- fence.proxy.async, setmaxnreg, elect.sync ----
 
 void fence_proxy_async() {
