@@ -1099,8 +1099,6 @@ void cp_async_wait(int n) {
 namespace detail {
 namespace {
 
-BlockState& block_of(ThreadImpl& t) { return *t.block; }
-
 // The shared-window address of a byte of dynamic shared memory.
 uint32_t smem_offset_of(ThreadImpl& t, const void* p, size_t bytes, const char* what) {
   const BlockState& b = *t.block;
