@@ -318,16 +318,23 @@ __global__ void wgmma_nofence_kernel(Params p) {
     d[1] = 0.0f;
     wgmma_wait_group<0>();
   }
+  if (p.bug == 4) {  // the kernel ends with a wgmma nobody waits for
+    wgmma_fence();
+    wgmma_ss<8, half_t>(d, desc, desc, true);
+    wgmma_commit_group();
+  }
 }
 
 EMU_TEST("hopper.wgmma.rules", "PTX ISA wgmma.fence (required before a wgmma whose registers were "
-                               "accessed), accumulator registers are undefined until wgmma.wait_group") {
+                               "accessed), accumulator registers are undefined until wgmma.wait_group "
+                               "(and a wgmma never waited for is an error here)") {
   Params p{};
-  for (int bug = 0; bug < 4; ++bug) {
+  for (int bug = 0; bug < 5; ++bug) {
     p.bug = bug;
     const std::string err = launch_error(
         [&] { FMHA_LAUNCH(wgmma_nofence_kernel, dim3(1), dim3(128), 2048, nullptr, p); });
     const char* want = bug == 0 ? "" : bug == 2 ? "were written before the wgmma.wait_group"
+                                     : bug == 4 ? "in flight (no wgmma.wait_group"
                                                 : "no wgmma.fence";
     if (bug == 0 && !err.empty()) return fail("the fenced kernel failed: " + err);
     if (bug > 0 && err.find(want) == std::string::npos)

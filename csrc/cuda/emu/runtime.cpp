@@ -552,6 +552,16 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
         abort_locked(*b, describe_thread(tid) + " exited while its warpgroup waits at " +
                              op_name(g.op) + " " + where(g.file, g.line, g.pc));
     }
+    // wgmma.mma_async in flight at the exit: its results can never be read (a missing
+    // wgmma.wait_group).
+    const size_t inflight = t.wgmma_uncommitted.size() + [&] {
+      size_t n = 0;
+      for (const auto& g : t.wgmma_groups) n += g.size();
+      return n;
+    }();
+    if (!b->aborted && inflight > 0)
+      abort_locked(*b, describe_thread(tid) + " exited with " + std::to_string(inflight) +
+                           " wgmma.mma_async in flight (no wgmma.wait_group retired them)");
     if (!b->aborted && b->arrived > 0) {
       abort_locked(*b, describe_thread(tid) + " exited while " + std::to_string(b->arrived) +
                            " threads wait at __syncthreads " + where(b->file, b->line) +
