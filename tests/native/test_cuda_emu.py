@@ -10,6 +10,10 @@ the static checks of the kernels.
 * Planted bugs (tests/cuda_emu/planted_bugs.cu), each caught: (a) a wrong fragment index by
   the result check, (b) a missing __syncthreads by the race checker and by ThreadSanitizer,
   (c) out-of-bounds reads by AddressSanitizer.
+* The Hopper model (tests/cuda_emu/hopper_*.cu): mbarrier, setmaxnreg, elect.sync, wgmma for
+  every swizzle mode, TMA, and its planted bugs (a wrong swizzle, a missing wgmma.wait_group, a
+  TMA destination read before its mbarrier phase, a missing fence.proxy.async); the inline PTX
+  of csrc/cuda/hopper.cuh assembled for sm_90a.
 * Every kernel is built for sm_80 and sm_90 with no register spill and no stack frame: the
   shipped ones as the installed build's ptxas report says (fmha/_ptxas/), the test-only ones
   compiled here (tools/ptxas_check.py). Skipped only where nvcc is missing.
@@ -232,8 +236,8 @@ def test_decode_clean_under_sanitizers(programs, variant):
 def test_tsan_clean(programs):
     """ThreadSanitizer finds no race in the emulator runtime nor in correct kernels."""
     proc = programs.run("tsan", "kat.*", "gemm.f16.64x64x64", "gemm.bf16.17x33x29",
-                        "planted.race.fixed", "planted.race_pipeline.fixed")
-    _assert_all_pass(proc, expect_at_least=len(KATS) + 4)
+                        "planted.race.fixed", "planted.race_pipeline.fixed", "hopper.*")
+    _assert_all_pass(proc, expect_at_least=len(KATS) + 4 + 37)
     assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-4000:]
 
 
@@ -291,6 +295,62 @@ def test_planted_out_of_bounds_read_is_caught_by_asan(programs, case, kernel):
     assert kernel in bad.stderr and "planted_bugs.cu" in bad.stderr
     assert bad.returncode != 0
     _assert_all_pass(programs.run("asan", f"planted.oob.{case}.fixed"))
+
+
+# ----------------------------------------------------------------------------- Hopper (sm_90a)
+# The emulator's model of Hopper's asynchronous machinery (csrc/cuda/hopper.cuh on top of
+# csrc/cuda/emu/hopper_emu.h; what it does not model: csrc/cuda/emu/README.md, "Hopper").
+
+HOPPER_SWIZZLES = ("none", "sw32", "sw64", "sw128")
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan", "racecheck"])
+def test_hopper_model(programs, variant):
+    """tests/cuda_emu/hopper_*.cu: mbarrier phase logic (arrivals, tx-count, parity waits,
+    over-arrival, deadlock), setmaxnreg budgets, elect.sync; wgmma GEMMs for every swizzle mode
+    and both majors (f16/bf16/e4m3/e5m2, A from shared memory or registers) against host loops;
+    TMA tiles with out-of-bounds edges, a store, and a pipelined TMA -> wgmma GEMM -- in bounds
+    (ASan) and free of races, async-proxy and proxy-fence hazards (race checker)."""
+    proc = programs.run(variant, "hopper.*")
+    res = _assert_all_pass(proc, expect_at_least=37)
+    assert "ERROR: AddressSanitizer" not in proc.stderr
+    for swizzle in HOPPER_SWIZZLES:
+        assert any(n.startswith("hopper.wgmma.") and n.endswith(swizzle) for n in res), swizzle
+        assert f"hopper.tma.load2d.{swizzle}" in res
+    assert {"hopper.mbarrier.phases", "hopper.mbarrier.over_arrival", "hopper.mbarrier.deadlock",
+            "hopper.setmaxnreg.budget", "hopper.tma_wgmma.nmajor.sw128", "hopper.tma.load5d",
+            "hopper.cvt.e4m3x2", "hopper.cvt.e5m2x2"} <= set(res)
+
+
+@pytest.mark.parametrize("bug", ["wgmma_swizzle", "wgmma_wait", "wgmma_operand"])
+def test_planted_hopper_bug_gives_a_wrong_result(programs, bug):
+    """A wrong swizzle in a wgmma descriptor, accumulators read before wgmma.wait_group (the
+    emulator leaves NaN in in-flight accumulators), a wgmma operand rewritten before the wait
+    (the product is computed at the wait): each gives a wrong GEMM; the fixed kernel passes."""
+    bad = programs.run("plain", f"planted.{bug}.buggy")
+    assert bad.returncode == 1
+    ok, detail = _results(bad)[f"planted.{bug}.buggy"]
+    assert not ok and "mismatch" in detail
+    if bug == "wgmma_wait":
+        assert "nan" in detail
+    _assert_all_pass(programs.run("plain", f"planted.{bug}.fixed"))
+
+
+@pytest.mark.parametrize("bug,words", [
+    ("tma_wait", ["async-proxy hazard", "a TMA destination", "before it has seen phase 0"]),
+    ("proxy_fence", ["proxy hazard", "wgmma.mma_async operand", "no fence.proxy.async"]),
+    ("tma_store_fence", ["proxy hazard", "cp.async.bulk.tensor store", "no fence.proxy.async"]),
+    ("wgmma_operand", ["racecheck: memory hazards", "wgmma_ss"]),
+])
+def test_planted_hopper_hazard_is_caught_by_racecheck(programs, bug, words):
+    """Reading a TMA destination before its mbarrier phase completes, generic shared-memory
+    writes read by the async proxy (wgmma, TMA store) without fence.proxy.async, and a wgmma
+    operand rewritten while the wgmma is in flight: the race checker reports each."""
+    bad = programs.run("racecheck", f"planted.{bug}.buggy")
+    assert bad.returncode == 1
+    for w in words:
+        assert w in bad.stdout, (w, bad.stdout[-3000:])
+    _assert_all_pass(programs.run("racecheck", f"planted.{bug}.fixed"))
 
 
 # ----------------------------------------------------------------------------- nvcc / ptxas
@@ -364,6 +424,27 @@ def test_ptxas_test_kernels(nvcc):
     assert not errors, "\n".join(errors)
     names = " ".join(k.name for k in kernels)
     assert "gemm_tc_kernel" in names and "mma_kat_kernel" in names
+    _assert_clean(kernels)
+
+
+def test_wgmma_asm_operand_lists_are_generated():
+    """csrc/cuda/hopper_wgmma_asm.inc is what tools/generate_wgmma_asm.py writes."""
+    import generate_wgmma_asm
+    assert generate_wgmma_asm.main(["--check"]) == 0, "run python tools/generate_wgmma_asm.py"
+
+
+def test_hopper_wrappers_assemble_for_sm90a(nvcc):
+    """Every inline-PTX form of csrc/cuda/hopper.cuh (mbarrier, wgmma for f16/bf16/e4m3/e5m2
+    from shared memory and registers, TMA loads and stores of rank 1-5, setmaxnreg, elect.sync,
+    fence.proxy.async, cvt to e4m3x2/e5m2x2) is assembled by ptxas for sm_90a (tests/cuda_emu/hopper_compile_check.cu),
+    without spills or a stack frame."""
+    kernels, errors = ptxas_check.check([EMU_TESTS / "hopper_compile_check.cu"], ["90a"], nvcc)
+    assert not errors, "\n".join(errors)
+    names = " ".join(k.name for k in kernels)
+    for kernel in ("mbarrier_kernel", "tma_kernel", "setmaxnreg_kernel", "fp8_kernel"):
+        assert kernel in names, kernel
+    assert sum("wgmma_kernel" in k.name for k in kernels) == 8
+    assert all(k.arch == "sm_90a" for k in kernels)
     _assert_clean(kernels)
 
 

@@ -26,11 +26,14 @@
 //  * __shared__ memory: a static `__shared__ T x[N];` is function-static storage; blocks run
 //    one at a time, so it is per block. Dynamic shared memory (FMHA_DYNAMIC_SHARED in
 //    cuda/primitives.cuh; `extern __shared__` cannot be expressed in C++) is allocated for
-//    each block with its exact size -- AddressSanitizer sees any access past its end -- and
-//    filled with 0xFF bytes (NaN in f16/bf16/f32), so reading shared memory that no thread
-//    wrote shows up in the results. More than 48 KiB needs the opt-in, as on the GPU.
+//    each block with its exact size (1024-byte aligned) -- AddressSanitizer sees any access
+//    past its end -- and filled with 0xFF bytes (NaN in f16/bf16/f32), so reading shared
+//    memory that no thread wrote shows up in the results. More than 48 KiB needs the
+//    opt-in, as on the GPU.
 //  * cp.async copies are deferred to the cp.async.wait_group that retires their group, so a
 //    kernel that reads its tile before waiting sees stale data here too.
+//  * Hopper's asynchronous machinery (mbarrier, wgmma, TMA, setmaxnreg, elect.sync) is in
+//    hopper_emu.h, used through cuda/hopper.cuh; its model and limits: README.md, "Hopper".
 //  * Errors (barrier misuse, misaligned ldmatrix/cp.async, __trap) abort the launch; the
 //    launch then throws emu::LaunchError naming the kernel, block and thread.
 //

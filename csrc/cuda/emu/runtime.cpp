@@ -60,7 +60,11 @@ namespace {
 // kernel; the error itself was recorded by whoever found it.
 struct Abort {};
 
-enum Op : int { kOpSyncwarp = 0, kOpShfl, kOpBallot, kOpMma, kOpLdmatrix };
+enum Op : int {
+  kOpSyncwarp = 0, kOpShfl, kOpBallot, kOpMma, kOpLdmatrix, kOpElect,
+  // warpgroup collectives (Hopper)
+  kOpWgmmaWait, kOpSetmaxnreg
+};
 const char* op_name(int op) {
   switch (op) {
     case kOpSyncwarp: return "__syncwarp";
@@ -68,6 +72,9 @@ const char* op_name(int op) {
     case kOpBallot: return "vote.sync.ballot";
     case kOpMma: return "mma.sync";
     case kOpLdmatrix: return "ldmatrix";
+    case kOpElect: return "elect.sync";
+    case kOpWgmmaWait: return "wgmma.wait_group";
+    case kOpSetmaxnreg: return "setmaxnreg";
   }
   return "?";
 }
@@ -176,6 +183,35 @@ struct BlockState {
   unsigned char* dynamic_smem = nullptr;
   size_t dynamic_smem_bytes = 0;
   Traffic traffic;  // this block's memory traffic (guarded by m)
+
+  // Hopper (guarded by m). The running threads (for warpgroup collectives, which read each
+  // other's pending wgmma operations), the warpgroups' barriers (WarpState reused: 128
+  // threads), the mbarrier objects by address, and the register pool of setmaxnreg.
+  // Each slot is set by its thread at its start without the lock (a lock there would order
+  // every thread after those that ran before it, hiding races from ThreadSanitizer); it is
+  // read only by warpgroup collectives, after every participant has taken the lock.
+  std::vector<ThreadImpl*> threads;
+  // The shared-memory chunks (address >> 4) each pending wgmma of the block reads, by its
+  // issuing warpgroup's first thread and that thread's issue number.
+  struct InflightWgmma {
+    int tid;
+    uint64_t seq;
+    std::vector<uint32_t> chunks;
+  };
+  std::vector<InflightWgmma> wgmma_inflight;
+  int nwgroups = 0;
+  std::unique_ptr<WarpState[]> wgroups;
+  struct Mbar {
+    uint32_t expected = 0, pending = 0;
+    int64_t tx = 0;
+    uint64_t phases = 0;  // completed phases; the current phase's parity is phases & 1
+    int waiters = 0;      // threads blocked in a wait on it (counted in `blocked`)
+  };
+  std::map<const void*, Mbar> mbars;
+  int regs_launch = 0;        // per-thread registers at launch (see setmaxnreg)
+  int64_t regs_pool = 0;      // registers released to the CTA's pool, not yet claimed
+  std::vector<int> wg_regs;   // per-thread register count of each warpgroup
+  int regs_waiters = 0;       // threads blocked in setmaxnreg.inc (counted in `blocked`)
 };
 
 namespace {
@@ -277,6 +313,19 @@ void check_deadlock_locked(BlockState& b) {
   std::ostringstream os;
   os << "deadlock: every live thread of the block waits at a barrier that cannot complete (";
   if (b.arrived) os << b.arrived << " at __syncthreads " << where(b.file, b.line) << "; ";
+  for (const auto& entry : b.mbars)
+    if (entry.second.waiters)
+      os << entry.second.waiters << " waiting on the mbarrier at "
+         << describe_address(entry.first) << " (phase " << entry.second.phases << ", "
+         << entry.second.pending << " arrivals and " << entry.second.tx
+         << " transaction bytes pending); ";
+  for (int g = 0; g < b.nwgroups; ++g) {
+    const WarpState& ws = b.wgroups[size_t(g)];
+    if (ws.arrived)
+      os << "warpgroup " << g << ": " << ws.arrived << " of " << ws.live << " threads at "
+         << op_name(ws.op) << " " << where(ws.file, ws.line, ws.pc) << "; ";
+  }
+  if (b.regs_waiters) os << b.regs_waiters << " in setmaxnreg.inc waiting for registers; ";
   for (int w = 0; w < b.nwarps; ++w) {
     const WarpState& ws = b.warps[size_t(w)];
     if (ws.arrived)
@@ -474,9 +523,11 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
   }
 #endif
   g_thread = &t.pub;
+  b->threads[size_t(tid)] = &t;  // see BlockState::threads
 
   try {
     thunk(closure);
+    flush_bulk_stores(t);  // TMA stores in flight complete even if nothing waits for them
   } catch (const Abort&) {
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lk(b->m);
@@ -493,6 +544,24 @@ void thread_main(BlockState* b, int tid, Thunk thunk, void* closure) {
     --b->live;
     ++b->exited;
     --w.live;
+    b->threads[size_t(tid)] = nullptr;
+    if (b->nwgroups > tid / 128) {
+      WarpState& g = b->wgroups[size_t(tid / 128)];
+      --g.live;
+      if (!b->aborted && g.arrived > 0)
+        abort_locked(*b, describe_thread(tid) + " exited while its warpgroup waits at " +
+                             op_name(g.op) + " " + where(g.file, g.line, g.pc));
+    }
+    // wgmma.mma_async in flight at the exit: its results can never be read (a missing
+    // wgmma.wait_group).
+    const size_t inflight = t.wgmma_uncommitted.size() + [&] {
+      size_t n = 0;
+      for (const auto& g : t.wgmma_groups) n += g.size();
+      return n;
+    }();
+    if (!b->aborted && inflight > 0)
+      abort_locked(*b, describe_thread(tid) + " exited with " + std::to_string(inflight) +
+                           " wgmma.mma_async in flight (no wgmma.wait_group retired them)");
     if (!b->aborted && b->arrived > 0) {
       abort_locked(*b, describe_thread(tid) + " exited while " + std::to_string(b->arrived) +
                            " threads wait at __syncthreads " + where(b->file, b->line) +
@@ -1032,6 +1101,987 @@ void cp_async_wait(int n) {
   }
 }
 
+// ---------------------------------------------------------------------------- Hopper
+//
+// The sm_90a asynchronous machinery (cuda/emu/hopper_emu.h). PTX ISA sections are cited by
+// name. What is modelled and what is not: README.md, "Hopper".
+
+namespace detail {
+namespace {
+
+// The shared-window address of a byte of dynamic shared memory.
+uint32_t smem_offset_of(ThreadImpl& t, const void* p, size_t bytes, const char* what) {
+  const BlockState& b = *t.block;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), lo = reinterpret_cast<uintptr_t>(b.dynamic_smem);
+  if (a < lo || a + bytes > lo + b.dynamic_smem_bytes) {
+    std::ostringstream os;
+    os << what << ": address " << p << " (" << bytes
+       << " bytes) is not in the block's dynamic shared memory (the emulator gives shared-window "
+          "addresses to dynamic shared memory only)";
+    fail(os.str());
+  }
+  return uint32_t(a - lo);
+}
+
+// The swizzle patterns of wgmma's canonical layouts and of TMA (PTX ISA "Shared Memory
+// Matrix Layout" / "Tensor-map" swizzle modes): the 16-byte chunk index inside a
+// 128-byte line (address bits 4..6) is XORed with the line's index (bits 7..9), of which
+// 128B swizzle uses three bits, 64B two and 32B one. A function of the address, so TMA
+// writes and wgmma reads agree whatever tile they cut from a swizzle atom.
+uint32_t swizzle_address(uint32_t address, int span_bytes) {
+  const uint32_t mask = span_bytes == 128 ? 7u : span_bytes == 64 ? 3u : span_bytes == 32 ? 1u : 0u;
+  return address ^ (((address >> 7) & mask) << 4);
+}
+
+// ---- mbarrier ----
+
+BlockState::Mbar& mbar_locked(ThreadImpl& t, const void* bar, const char* what) {
+  BlockState& b = *t.block;
+  if (reinterpret_cast<uintptr_t>(bar) % 8 != 0)
+    fail_locked(b, describe_thread(t.tid) + ": " + what + " on an address that is not 8-byte aligned");
+  auto it = b.mbars.find(bar);
+  if (it == b.mbars.end())
+    fail_locked(b, describe_thread(t.tid) + ": " + what + " on " + describe_address(bar) +
+                       ", which is not an initialized mbarrier (mbarrier.init first, and "
+                       "__syncthreads before other threads use it)");
+  return it->second;
+}
+
+// "Phase completion": when the pending arrival count and the tx-count are both zero, the
+// phase completes: the barrier moves to the next phase (its parity flips), the pending count
+// is reloaded with the expected count, and the waiters of the completed phase are released.
+void mbar_maybe_complete_locked(BlockState& b, BlockState::Mbar& m) {
+  if (m.pending != 0 || m.tx != 0) return;
+  ++m.phases;
+  m.pending = m.expected;
+  b.blocked -= m.waiters;
+  m.waiters = 0;
+  b.cv.notify_all();
+}
+
+constexpr int64_t kMaxTx = (int64_t(1) << 20) - 1;  // tx-count range: +-(2^20 - 1)
+
+void mbar_add_tx_locked(ThreadImpl& t, BlockState::Mbar& m, int64_t delta, const char* what) {
+  m.tx += delta;
+  if (m.tx > kMaxTx || m.tx < -kMaxTx) {
+    std::ostringstream os;
+    os << describe_thread(t.tid) << ": " << what << ": the mbarrier's tx-count " << m.tx
+       << " leaves the range +-(2^20 - 1) of the PTX ISA";
+    fail_locked(*t.block, os.str());
+  }
+}
+
+// A blocking wait until `done(m)`, with the deadlock check of every barrier.
+template <typename Done>
+void mbar_wait_locked(ThreadImpl& t, std::unique_lock<std::mutex>& lk, BlockState::Mbar& m,
+                      Done done) {
+  BlockState& b = *t.block;
+  if (done(m)) return;
+  ++m.waiters;
+  ++b.blocked;
+  check_deadlock_locked(b);
+  wait_until(b.cv, lk, [&] { return done(m) || b.aborted; });
+  if (!done(m)) throw Abort{};
+}
+
+// Consecutive unsuccessful test_waits of a thread: a kernel spinning on a phase that no
+// thread will complete would otherwise spin forever (fibers are not preempted).
+__thread uint64_t t_failed_tests = 0;
+constexpr uint64_t kMaxFailedTests = 10000000;
+
+void after_failed_test() {
+  if (++t_failed_tests == kMaxFailedTests)
+    fail("mbarrier.test_wait failed 10^7 times in a row: the phase it waits for never completes");
+#if FMHA_EMU_FIBERS
+  fiber_yield();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+void mbar_observed(const void* bar, uint64_t completed) {
+  t_failed_tests = 0;
+  if (g_race_checker) g_race_checker->observed(bar, completed);
+}
+
+// ---- warpgroup collectives ----
+
+// The 128 threads of the caller's warpgroup meet (.sync.aligned); the last to arrive runs
+// `last()` with the block's lock held while the others wait, then all proceed.
+template <typename Fn>
+void warpgroup_meet(ThreadImpl& t, int op, const void* pc, Fn&& last) {
+  BlockState& b = *t.block;
+  std::unique_lock<std::mutex> lk(b.m);
+  if (b.aborted) throw Abort{};
+  WarpState& g = b.wgroups[size_t(t.tid / 128)];
+  if (g.live != 128) {
+    std::ostringstream os;
+    os << describe_thread(t.tid) << ": " << op_name(op) << " at " << where(nullptr, 0, pc)
+       << " needs all 128 threads of the warpgroup (warps " << 4 * (t.tid / 128) << ".."
+       << 4 * (t.tid / 128) + 3 << "), but only " << g.live
+       << (g.size < 128 ? " exist" : " have not exited");
+    fail_locked(b, os.str());
+  }
+  if (g.arrived == 0) {
+    g.op = op;
+    g.pc = pc;
+  } else if (g.op != op) {
+    std::ostringstream os;
+    os << "divergent warpgroup: " << describe_thread(t.tid) << " is at " << op_name(op) << " "
+       << where(nullptr, 0, pc) << " while " << g.arrived << " threads of its warpgroup are at "
+       << op_name(g.op) << " " << where(nullptr, 0, g.pc);
+    fail_locked(b, os.str());
+  }
+  if (++g.arrived == g.live) {
+    last(lk);
+    b.blocked -= g.arrived - 1;
+    g.arrived = 0;
+    ++g.generation;
+    b.cv.notify_all();
+  } else {
+    const uint64_t gen = g.generation;
+    ++b.blocked;
+    check_deadlock_locked(b);
+    wait_until(b.cv, lk, [&] { return g.generation != gen || b.aborted; });
+    if (g.generation == gen) throw Abort{};
+  }
+}
+
+// ---- wgmma ----
+
+constexpr uint32_t kAccPoison = 0x7FC0BAD5u;  // a quiet NaN: "accumulator in flight"
+
+bool is_8bit(WgmmaType ty) { return ty == WgmmaType::kE4M3 || ty == WgmmaType::kE5M2; }
+
+// The exact value of an element (all of these widen to float exactly). e4m3: 1 sign, 4
+// exponent (bias 7), 3 mantissa bits, no infinities, S.1111.111 is NaN; e5m2: the upper
+// byte of an f16 (PTX ISA "Alternate Floating-Point Data Formats").
+float element_value(WgmmaType ty, uint16_t bits) {
+  switch (ty) {
+    case WgmmaType::kF16: return f16_bits_to_f32(bits);
+    case WgmmaType::kBF16: return bf16_bits_to_f32(bits);
+    case WgmmaType::kE5M2: return f16_bits_to_f32(uint16_t(bits << 8));
+    case WgmmaType::kE4M3: {
+      const int sign = bits >> 7 & 1, e = bits >> 3 & 15, m = bits & 7;
+      float v;
+      if (e == 15 && m == 7) v = NAN;
+      else if (e == 0) v = std::ldexp(float(m), -9);
+      else v = std::ldexp(float(8 + m), e - 10);
+      return sign ? -v : v;
+    }
+  }
+  return NAN;
+}
+
+struct Desc {
+  uint32_t start, lbo, sbo;
+  int base_offset, span;  // span: swizzle bytes (0 = none)
+};
+
+// PTX ISA "Matrix Descriptor Format": bits 0-13 start address >> 4, 16-29 leading-dimension
+// byte offset >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 matrix base offset,
+// 62-63 swizzle mode (0 none, 1 128B, 2 64B, 3 32B).
+Desc decode_desc(uint64_t d) {
+  static const int spans[4] = {0, 128, 64, 32};
+  return {uint32_t(d & 0x3FFF) << 4, uint32_t(d >> 16 & 0x3FFF) << 4,
+          uint32_t(d >> 32 & 0x3FFF) << 4, int(d >> 49 & 7), spans[d >> 62 & 3]};
+}
+
+// The shared-window address of element (mn, k) of an operand (mn: the row of A or column of
+// B; k along K) in the canonical layouts of PTX ISA "Shared Memory Matrix Layout", for a
+// descriptor `d` and elements of `eb` bytes (T = 16 / eb per 16-byte chunk). Core matrices
+// are 8 x 16 bytes.
+//  K-major (the default; transpose = 0), no swizzle: the 8 rows of a core matrix are 16
+//    bytes apart; core matrices adjacent in K are LBO apart, in M/N SBO apart.
+//  K-major, swizzle S bytes: rows S bytes apart (K contiguous inside a row), groups of 8
+//    rows SBO apart; LBO is not used (one instruction's K is 32 bytes, within one row).
+//  M/N-major (transpose = 1), no swizzle: a core matrix holds 8 K-rows of 16 bytes of M/N;
+//    core matrices adjacent in M/N are SBO apart, in K LBO apart.
+//  M/N-major, swizzle S bytes: S bytes of M/N contiguous per K-row, K-rows S bytes apart,
+//    groups of 8 K-rows SBO apart, S-byte M/N blocks LBO apart.
+// Then the swizzle pattern is applied to the address.
+uint32_t operand_address(const Desc& d, bool mn_major, int eb, int mn, int k) {
+  const int T = 16 / eb;
+  uint32_t off;
+  if (!mn_major) {
+    if (d.span == 0)
+      off = uint32_t(mn % 8) * 16 + uint32_t(mn / 8) * d.sbo + uint32_t(k % T) * eb +
+            uint32_t(k / T) * d.lbo;
+    else
+      off = uint32_t(mn % 8) * uint32_t(d.span) + uint32_t(mn / 8) * d.sbo + uint32_t(k * eb);
+  } else {
+    if (d.span == 0)
+      off = uint32_t(mn % T) * eb + uint32_t(mn / T) * d.sbo + uint32_t(k % 8) * 16 +
+            uint32_t(k / 8) * d.lbo;
+    else {
+      const int row = d.span / eb;  // elements of M/N per K-row of the swizzle atom
+      off = uint32_t(mn % row) * eb + uint32_t(mn / row) * d.lbo +
+            uint32_t(k % 8) * uint32_t(d.span) + uint32_t(k / 8) * d.sbo;
+    }
+  }
+  return swizzle_address(d.start + off, d.span);
+}
+
+// The 16-byte chunks (shared-window address >> 4) an operand of rows x K elements reads.
+std::vector<uint32_t> operand_chunks(const Desc& d, bool mn_major, int eb, int rows, int K) {
+  std::vector<uint32_t> chunks;
+  for (int mn = 0; mn < rows; ++mn)
+    for (int k = 0; k < K; ++k) chunks.push_back(operand_address(d, mn_major, eb, mn, k) >> 4);
+  std::sort(chunks.begin(), chunks.end());
+  chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+  return chunks;
+}
+
+void check_operand(ThreadImpl& t, const Desc& d, bool mn_major, int eb, int rows, int K,
+                   const char* which) {
+  std::ostringstream os;
+  if (d.base_offset != 0)
+    os << "the matrix base offset (descriptor bits 49-51) is " << d.base_offset
+       << "; the emulator models only 0 (swizzle atoms aligned to their repeat)";
+  else if (d.span == 0 && !mn_major && (d.lbo == 0 || d.sbo == 0))
+    os << "a no-swizzle K-major operand needs nonzero leading and stride byte offsets";
+  const BlockState& b = *t.block;
+  for (int mn = 0; os.str().empty() && mn < rows; ++mn)
+    for (int k = 0; k < K; ++k) {
+      const uint32_t a = operand_address(d, mn_major, eb, mn, k);
+      if (size_t(a) + size_t(eb) > b.dynamic_smem_bytes) {
+        os << "element (" << mn << ", " << k << ") is at shared address " << a
+           << ", past the block's " << b.dynamic_smem_bytes << " bytes of dynamic shared memory";
+        break;
+      }
+    }
+  if (!os.str().empty()) fail(std::string("wgmma.mma_async operand ") + which + ": " + os.str());
+}
+
+// Accumulator fragment of a warpgroup (PTX ISA "Register Fragments and Shared Memory Matrix
+// Layouts", the figure for the m64nNk16/k32 accumulator D): warp w of the warpgroup holds
+// rows 16w..16w+15; in each 8-column block j, register 4j+i of lane L holds row
+// 16w + L/4 + 8*(i/2), column 8j + 2*(L%4) + i%2 -- the mma.m16n8 C layout, repeated.
+void acc_position(int tid_in_group, int reg, int* row, int* col) {
+  const int w = tid_in_group / 32, lane = tid_in_group % 32, j = reg / 4, i = reg % 4;
+  *row = 16 * w + lane / 4 + 8 * (i / 2);
+  *col = 8 * j + 2 * (lane % 4) + i % 2;
+}
+
+// A from registers (PTX ISA, the figure for the m64nNk16/k32 register fragment of A): warp w
+// holds rows 16w..16w+15 as the mma.m16n8k16 A fragment: register r of lane L holds, for
+// 16-bit types, row L/4 + 8*(r%2), columns 2*(L%4) + 8*(r/2) + {0,1} (the lower column in
+// the low half); for 8-bit types, row L/4 + 8*(r%2), columns 4*(L%4) + 16*(r/2) + {0..3}
+// (the lowest in the lowest byte).
+struct AOwner {
+  int tid, reg, shift, bits;
+};
+AOwner a_owner(bool eight_bit, int row, int k) {
+  const int w = row / 16, r = row % 16;
+  if (!eight_bit)
+    return {32 * w + (r % 8) * 4 + (k % 8) / 2, r / 8 + 2 * (k / 8), 16 * (k % 2), 16};
+  return {32 * w + (r % 8) * 4 + (k % 16) / 4, r / 8 + 2 * (k / 16), 8 * (k % 4), 8};
+}
+
+bool targets(const std::vector<WgmmaOp>& ops, const float* d) {
+  for (const WgmmaOp& o : ops)
+    if (o.args.d == d) return true;
+  return false;
+}
+
+bool pending_on(const ThreadImpl& t, const float* d) {
+  if (targets(t.wgmma_uncommitted, d)) return true;
+  for (const auto& g : t.wgmma_groups)
+    if (targets(g, d)) return true;
+  return false;
+}
+
+std::string args_mismatch(const WgmmaArgs& x, const WgmmaArgs& y) {
+  if (x.n != y.n) return "N";
+  if (x.type_a != y.type_a || x.type_b != y.type_b) return "the types";
+  if ((x.a_regs == nullptr) != (y.a_regs == nullptr)) return "the source of A";
+  if (!x.a_regs && x.a_desc != y.a_desc) return "the A descriptor";
+  if (x.b_desc != y.b_desc) return "the B descriptor";
+  if (x.scale_d != y.scale_d || x.scale_a != y.scale_a || x.scale_b != y.scale_b)
+    return "the scale operands";
+  if (x.trans_a != y.trans_a || x.trans_b != y.trans_b) return "the transpose operands";
+  return "";
+}
+
+// Executes op number `index` of the oldest committed group of every thread of the
+// warpgroup `ts` (the same instruction: .sync.aligned), reading shared memory as it is now.
+// Called with the block's lock held by the last thread to reach wgmma.wait_group.
+void execute_wgmma(BlockState& b, ThreadImpl* const* ts, size_t index) {
+  const WgmmaOp& op0 = ts[0]->wgmma_groups.front()[index];
+  const WgmmaArgs& a = op0.args;
+  for (int i = 1; i < 128; ++i) {
+    const std::string what = args_mismatch(a, ts[i]->wgmma_groups.front()[index].args);
+    if (!what.empty())
+      fail_locked(b, describe_thread(ts[i]->tid) + ": wgmma.mma_async number " +
+                         std::to_string(index) + " of its group differs in " + what +
+                         " from that of " + describe_thread(ts[0]->tid, false) +
+                         " (.sync.aligned: the warpgroup executes the same instruction)");
+  }
+  const bool eight = is_8bit(a.type_a);
+  const int K = eight ? 32 : 16, eb = eight ? 1 : 2, N = a.n;
+  auto read_elem = [&](WgmmaType ty, uint32_t address) {
+    uint16_t bits = 0;
+    std::memcpy(&bits, b.dynamic_smem + address, size_t(eb));
+    return double(element_value(ty, bits));
+  };
+  std::vector<double> A(size_t(64 * K)), B(size_t(K * N));
+  if (a.a_regs) {
+    for (int row = 0; row < 64; ++row)
+      for (int k = 0; k < K; ++k) {
+        const AOwner o = a_owner(eight, row, k);
+        const uint32_t reg = ts[o.tid]->wgmma_groups.front()[index].a_regs[o.reg];
+        const uint16_t bits = uint16_t((reg >> o.shift) & ((1u << o.bits) - 1u));
+        A[size_t(row * K + k)] = double(element_value(a.type_a, bits));
+      }
+  } else {
+    const Desc d = decode_desc(a.a_desc);
+    for (int row = 0; row < 64; ++row)
+      for (int k = 0; k < K; ++k)
+        A[size_t(row * K + k)] = read_elem(a.type_a, operand_address(d, a.trans_a, eb, row, k));
+  }
+  const Desc db = decode_desc(a.b_desc);
+  for (int k = 0; k < K; ++k)
+    for (int n = 0; n < N; ++n)
+      B[size_t(k * N + n)] = read_elem(a.type_b, operand_address(db, a.trans_b, eb, n, k));
+  // The race checker sees the operand reads again here, at the end of the window in which
+  // the hardware may read them (as cp.async's copies are seen at both ends).
+  if (g_race_checker) {
+    // Attributed to the warpgroup's first thread, as at the issue (whoever arrived last).
+    const ThreadState* self = g_thread;
+    g_thread = &ts[0]->pub;
+    const void* pc = op0.pc;
+    if (!a.a_regs)
+      for (uint32_t c : operand_chunks(decode_desc(a.a_desc), a.trans_a, eb, 64, K))
+        race_access(b.dynamic_smem + size_t(c) * 16, 16, false, pc);
+    for (uint32_t c : operand_chunks(db, a.trans_b, eb, N, K))
+      race_access(b.dynamic_smem + size_t(c) * 16, 16, false, pc);
+    g_thread = self;
+  }
+  const double sa = a.scale_a, sb = a.scale_b;
+  for (int i = 0; i < 128; ++i) {
+    ThreadImpl& t = *ts[i];
+    const WgmmaOp& op = t.wgmma_groups.front()[index];
+    if (op.args.a_regs && std::memcmp(op.args.a_regs, op.a_regs, sizeof op.a_regs) != 0)
+      fail_locked(b, describe_thread(t.tid) + ": the A-fragment registers of a wgmma.mma_async "
+                                              "were modified before the wgmma.wait_group that "
+                                              "retires it");
+    // The accumulator's input: the snapshot taken at the issue, or the output of the
+    // earlier pending wgmma on the same registers.
+    std::vector<float> in(op.c, op.c + N / 2);
+    if (op.chained) {
+      auto it = std::find_if(t.wgmma_carry.begin(), t.wgmma_carry.end(),
+                             [&](const auto& e) { return e.first == op.args.d; });
+      if (it == t.wgmma_carry.end()) fail_locked(b, "emulator bug: a chained wgmma has no input");
+      in = std::move(it->second);
+      t.wgmma_carry.erase(it);
+    }
+    std::vector<float> out(size_t(N / 2));
+    for (int r = 0; r < N / 2; ++r) {
+      int row, col;
+      acc_position(i, r, &row, &col);
+      // Products of f16/bf16/fp8 values are exact in double, and so (to within 2^-53)
+      // is their sum: rounded once to float, as mma.sync is modelled (cuda_emu.h).
+      double s = a.scale_d ? double(in[size_t(r)]) : 0.0;
+      for (int k = 0; k < K; ++k) s += sa * A[size_t(row * K + k)] * sb * B[size_t(k * N + col)];
+      out[size_t(r)] = float(s);
+    }
+    // Does a later pending wgmma of this thread accumulate into the same registers?
+    bool later = targets(t.wgmma_uncommitted, op.args.d);
+    const auto& first = t.wgmma_groups.front();
+    for (size_t j = index + 1; !later && j < first.size(); ++j) later = first[j].args.d == op.args.d;
+    for (size_t g = 1; !later && g < t.wgmma_groups.size(); ++g)
+      later = targets(t.wgmma_groups[g], op.args.d);
+    if (later) {
+      t.wgmma_carry.emplace_back(op.args.d, std::move(out));
+      continue;
+    }
+    for (int r = 0; r < N / 2; ++r)
+      if (f32_bits(op.args.d[r]) != kAccPoison)
+        fail_locked(b, describe_thread(t.tid) +
+                           ": accumulator registers of a wgmma.mma_async in flight were "
+                           "written before the wgmma.wait_group that retires it");
+    std::memcpy(op.args.d, out.data(), sizeof(float) * size_t(N / 2));
+  }
+}
+
+// Does a pending wgmma of the block read a chunk in [chunk_lo, chunk_hi)? (lock held)
+bool overlaps_pending_wgmma(BlockState& b, uint32_t chunk_lo, uint32_t chunk_hi) {
+  for (const BlockState::InflightWgmma& w : b.wgmma_inflight)
+    for (uint32_t c : w.chunks)
+      if (c >= chunk_lo && c < chunk_hi) return true;
+  return false;
+}
+
+// ---- TMA ----
+
+const TmaDescriptor& tensor_map_of(const void* p) {
+  const auto* m = static_cast<const TmaDescriptor*>(p);
+  if (reinterpret_cast<uintptr_t>(p) % 64 != 0 || m->magic != kTmaMagic)
+    fail("cp.async.bulk.tensor: the tensor map is not 64-byte aligned or was not made by "
+         "encode_tensor_map");
+  return *m;
+}
+
+// Walks the box of a tile-mode copy (PTX ISA "Tensor Access Modes": tile mode; the tensor
+// map's traversal strides): element j_i of dimension i is at coordinate
+// coords[i] + j_i * element_strides[i], j_i < ceil(box[i] / element_strides[i]); in shared
+// memory the elements are dense, dimension 0 fastest, then swizzled. fn(global_ptr or null
+// when out of bounds, shared-window address).
+template <typename Fn>
+uint64_t for_each_box_element(const TmaDescriptor& m, const int32_t* coords, uint32_t smem_base,
+                              Fn&& fn) {
+  int64_t count[5] = {1, 1, 1, 1, 1};
+  uint64_t total = 1;
+  for (int i = 0; i < m.rank; ++i) {
+    count[i] = (m.box[i] + m.element_strides[i] - 1) / m.element_strides[i];
+    total *= uint64_t(count[i]);
+  }
+  const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
+  int64_t j[5] = {0, 0, 0, 0, 0};
+  for (uint64_t e = 0; e < total; ++e) {
+    uint64_t rem = e;
+    bool in = true;
+    int64_t offset = 0;  // bytes from the global base, meaningful when in bounds
+    for (int i = 0; i < m.rank; ++i) {
+      j[i] = int64_t(rem % uint64_t(count[i]));
+      rem /= uint64_t(count[i]);
+      const int64_t c = int64_t(coords[i]) + j[i] * int64_t(m.element_strides[i]);
+      if (c < 0 || c >= int64_t(m.dims[i])) in = false;
+      offset += c * int64_t(i == 0 ? m.element_bytes : m.strides[i - 1]);
+    }
+    const unsigned char* g = in ? static_cast<const unsigned char*>(m.global) + offset : nullptr;
+    fn(g, swizzle_address(smem_base + uint32_t(e * m.element_bytes), span));
+  }
+  return total * m.element_bytes;
+}
+
+uint64_t box_bytes(const TmaDescriptor& m) {
+  uint64_t total = m.element_bytes;
+  for (int i = 0; i < m.rank; ++i)
+    total *= (m.box[i] + m.element_strides[i] - 1) / m.element_strides[i];
+  return total;
+}
+
+}  // namespace
+
+namespace {
+void perform_bulk_stores(ThreadImpl& t, const std::vector<PendingBulkStore>& group) {
+  for (const PendingBulkStore& s : group) {
+    const TmaDescriptor& m = s.tensor_map;
+    const uint32_t base = smem_offset_of(t, s.smem_src, box_bytes(m), "cp.async.bulk.tensor store");
+    unsigned char* smem = t.block->dynamic_smem;
+    for_each_box_element(m, s.coords, base, [&](const unsigned char* g, uint32_t a) {
+      if (g) std::memcpy(const_cast<unsigned char*>(g), smem + a, m.element_bytes);
+    });
+  }
+}
+}  // namespace
+
+void flush_bulk_stores(ThreadImpl& t) {
+  for (const auto& group : t.bulk_groups) perform_bulk_stores(t, group);
+  t.bulk_groups.clear();
+  perform_bulk_stores(t, t.bulk_uncommitted);
+  t.bulk_uncommitted.clear();
+}
+
+}  // namespace detail
+
+uint32_t smem_address(const void* p) {
+  return detail::smem_offset_of(detail::me(), p, 0, "cvta.to.shared");
+}
+
+void* smem_pointer(uint32_t address) {
+  ThreadImpl& t = detail::me();
+  if (address > t.block->dynamic_smem_bytes)
+    detail::fail("shared-window address " + std::to_string(address) +
+                 " is past the block's dynamic shared memory");
+  return t.block->dynamic_smem + address;
+}
+
+// ---- mbarrier: PTX ISA "Parallel Synchronization and Communication Instructions:
+// mbarrier" (its "Contents of the mbarrier object", "Phase Completion", "tx-count"). An
+// mbarrier holds a phase, a pending arrival count, the expected arrival count (reloaded into
+// the pending count at each phase completion) and a tx-count (transaction bytes announced by
+// expect-tx and not yet completed by complete-tx). The emulator keeps this state beside the
+// object, by address, for the running block.
+
+void mbarrier_init(uint64_t* bar, uint32_t count) {
+  ThreadImpl& t = detail::me();
+  if (count < 1 || count > uint32_t(detail::kMaxTx))
+    detail::fail("mbarrier.init: the count must be in [1, 2^20 - 1], not " + std::to_string(count));
+  BlockState& b = *t.block;
+  std::lock_guard<std::mutex> lk(b.m);
+  if (reinterpret_cast<uintptr_t>(bar) % 8 != 0)
+    detail::fail_locked(b, detail::describe_thread(t.tid) + ": mbarrier.init on an address that is not 8-byte aligned");
+  auto it = b.mbars.find(bar);
+  if (it != b.mbars.end() && it->second.waiters)
+    detail::fail_locked(b, detail::describe_thread(t.tid) + ": mbarrier.init of an mbarrier that threads wait on");
+  BlockState::Mbar m;
+  m.expected = m.pending = count;
+  b.mbars[bar] = m;
+  std::memset(bar, 0, sizeof *bar);  // the object's bytes: opaque; the state is beside it
+}
+
+void mbarrier_inval(uint64_t* bar) {
+  ThreadImpl& t = detail::me();
+  std::lock_guard<std::mutex> lk(t.block->m);
+  BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.inval");
+  if (m.waiters) detail::fail_locked(*t.block, "mbarrier.inval of an mbarrier that threads wait on");
+  t.block->mbars.erase(bar);
+}
+
+// mbarrier.arrive{.expect_tx}: the arrive-on operation decrements the pending count by
+// `count`; arriving more often than the phase expects is undefined behaviour in the PTX
+// ISA, an error here. Returns the phase the arrival belongs to (the state operand).
+uint64_t mbarrier_arrive(uint64_t* bar, uint32_t count) {
+  ThreadImpl& t = detail::me();
+  BlockState& b = *t.block;
+  std::lock_guard<std::mutex> lk(b.m);
+  BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.arrive");
+  if (count < 1 || count > m.pending) {
+    std::ostringstream os;
+    os << detail::describe_thread(t.tid) << ": mbarrier.arrive with count " << count << " on "
+       << detail::describe_address(bar) << ", whose current phase (" << m.phases
+       << ") expects only " << m.pending << " more arrivals (over-arrival)";
+    detail::fail_locked(b, os.str());
+  }
+  const uint64_t state = m.phases;
+  m.pending -= count;
+  detail::mbar_maybe_complete_locked(b, m);
+  return state;
+}
+
+// expect-tx increments the tx-count of the current phase (before the arrival, for
+// mbarrier.arrive.expect_tx).
+void mbarrier_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
+  ThreadImpl& t = detail::me();
+  std::lock_guard<std::mutex> lk(t.block->m);
+  BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.expect_tx");
+  detail::mbar_add_tx_locked(t, m, int64_t(tx_bytes), "mbarrier.expect_tx");
+}
+
+uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t tx_bytes) {
+  mbarrier_expect_tx(bar, tx_bytes);
+  return mbarrier_arrive(bar, 1);
+}
+
+// complete-tx decrements the tx-count (what a TMA does as its bytes land).
+void mbarrier_complete_tx(uint64_t* bar, uint32_t tx_bytes) {
+  ThreadImpl& t = detail::me();
+  BlockState& b = *t.block;
+  std::lock_guard<std::mutex> lk(b.m);
+  BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.complete_tx");
+  detail::mbar_add_tx_locked(t, m, -int64_t(tx_bytes), "mbarrier.complete_tx");
+  detail::mbar_maybe_complete_locked(b, m);
+}
+
+// test_wait / try_wait with a state: has the phase the state names completed?
+// .parity variants: phaseParity names the current phase or the one just before it; the wait
+// succeeds once the phase of that parity has completed, i.e. when the current phase's parity
+// differs from it.
+bool mbarrier_test_wait(uint64_t* bar, uint64_t state) {
+  ThreadImpl& t = detail::me();
+  bool done;
+  uint64_t phases;
+  {
+    std::lock_guard<std::mutex> lk(t.block->m);
+    BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.test_wait");
+    done = m.phases > state;
+    phases = m.phases;
+  }
+  if (done) detail::mbar_observed(bar, phases);
+  else detail::after_failed_test();
+  return done;
+}
+
+bool mbarrier_test_wait_parity(uint64_t* bar, uint32_t parity) {
+  ThreadImpl& t = detail::me();
+  bool done;
+  uint64_t phases;
+  {
+    std::lock_guard<std::mutex> lk(t.block->m);
+    BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.test_wait.parity");
+    done = (m.phases & 1) != (parity & 1);
+    phases = m.phases;
+  }
+  if (done) detail::mbar_observed(bar, phases);
+  else detail::after_failed_test();
+  return done;
+}
+
+bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
+  ThreadImpl& t = detail::me();
+  uint64_t phases;
+  {
+    std::unique_lock<std::mutex> lk(t.block->m);
+    BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.try_wait.parity");
+    detail::mbar_wait_locked(t, lk, m, [&](const BlockState::Mbar& x) {
+      return (x.phases & 1) != (parity & 1);
+    });
+    phases = m.phases;
+  }
+  detail::mbar_observed(bar, phases);
+  return true;
+}
+
+bool mbarrier_try_wait(uint64_t* bar, uint64_t state) {
+  ThreadImpl& t = detail::me();
+  uint64_t phases;
+  {
+    std::unique_lock<std::mutex> lk(t.block->m);
+    BlockState::Mbar& m = detail::mbar_locked(t, bar, "mbarrier.try_wait");
+    detail::mbar_wait_locked(t, lk, m, [&](const BlockState::Mbar& x) { return x.phases > state; });
+    phases = m.phases;
+  }
+  detail::mbar_observed(bar, phases);
+  return true;
+}
+
+// ---- wgmma: PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate
+// Instructions" (wgmma.mma_async, wgmma.fence, wgmma.commit_group, wgmma.wait_group).
+//
+// Asynchrony as modelled here:
+//  * wgmma.mma_async records the operation; the product is computed when the
+//    wgmma.wait_group that retires its group runs -- from the shared memory as it is THEN,
+//    so a kernel that overwrites an operand before the wait computes with the new bytes
+//    (and the race checker sees the operand reads at both ends of that window).
+//  * At the issue the accumulator registers are saved (as the input) and overwritten with a
+//    NaN (0x7FC0BAD5): a kernel that reads them before the wait reads NaN; one that writes
+//    them before the wait is reported at the wait; the wait stores the result.
+//  * Chained wgmmas on the same accumulator registers (no wait between, as the ISA allows for
+//    the same shape) take the previous one's output as their input.
+//  * A wgmma.mma_async needs a wgmma.fence after the thread's last wgmma.wait_group (the ISA
+//    asks for one before the first wgmma and whenever the registers it reads were accessed
+//    since; a wait is followed by such accesses in every real kernel). Stricter than the
+//    hardware for a kernel that waits and then issues without touching any register.
+//  * The A-fragment registers must not change until the wait (checked there).
+
+void wgmma_fence() { detail::me().wgmma_fenced = true; }
+
+void wgmma_mma_async(const WgmmaArgs& a) {
+  ThreadImpl& t = detail::me();
+  const bool eight = detail::is_8bit(a.type_a);
+  std::string bad;
+  if (a.n < 8 || a.n > 256 || a.n % 8 != 0) bad = "N must be a multiple of 8 in [8, 256]";
+  else if (eight != detail::is_8bit(a.type_b) || (!eight && a.type_a != a.type_b))
+    bad = "A and B must both be f16, both bf16, or both e4m3/e5m2";
+  else if (eight && (a.trans_a || a.trans_b))
+    bad = "the transpose operands are for 16-bit types only (8-bit operands are K-major)";
+  else if (a.a_regs && a.trans_a) bad = "imm-trans-a applies to A in shared memory only";
+  else if ((a.scale_a != 1 && a.scale_a != -1) || (a.scale_b != 1 && a.scale_b != -1))
+    bad = "imm-scale-a/b must be 1 or -1";
+  else if (!t.wgmma_fenced)
+    bad = "no wgmma.fence since this thread's last wgmma.wait_group (or the kernel's start): the "
+          "PTX ISA requires one before a wgmma.mma_async whose registers were accessed";
+  if (!bad.empty()) detail::fail("wgmma.mma_async: " + bad);
+  const int K = eight ? 32 : 16, eb = eight ? 1 : 2;
+  if (!a.a_regs)
+    detail::check_operand(t, detail::decode_desc(a.a_desc), a.trans_a, eb, 64, K, "A");
+  detail::check_operand(t, detail::decode_desc(a.b_desc), a.trans_b, eb, a.n, K, "B");
+
+  detail::WgmmaOp op{};
+  op.args = a;
+  op.pc = __builtin_return_address(0);
+  if (a.a_regs) std::memcpy(op.a_regs, a.a_regs, sizeof op.a_regs);
+  op.chained = detail::pending_on(t, a.d);
+  if (op.chained) {
+    for (int r = 0; r < a.n / 2; ++r)
+      if (f32_bits(a.d[r]) != detail::kAccPoison)
+        detail::fail("wgmma.mma_async: its accumulator registers, the target of a wgmma still in "
+                     "flight, were written since that wgmma was issued (wait with "
+                     "wgmma.wait_group first)");
+  } else {
+    std::memcpy(op.c, a.d, sizeof(float) * size_t(a.n / 2));
+  }
+  for (int r = 0; r < a.n / 2; ++r) a.d[r] = f32_from_bits(detail::kAccPoison);
+  op.seq = t.wgmma_issued++;
+  if (t.tid % 128 == 0) {  // the warpgroup's operands, for TMA loads that would overwrite them
+    std::vector<uint32_t> chunks =
+        detail::operand_chunks(detail::decode_desc(a.b_desc), a.trans_b, eb, a.n, K);
+    if (!a.a_regs) {
+      const auto more = detail::operand_chunks(detail::decode_desc(a.a_desc), a.trans_a, eb, 64, K);
+      chunks.insert(chunks.end(), more.begin(), more.end());
+    }
+    std::lock_guard<std::mutex> lk(t.block->m);
+    t.block->wgmma_inflight.push_back({t.tid, op.seq, std::move(chunks)});
+  }
+  // The operand reads, as the race checker sees them at the issue: once per warpgroup.
+  if (detail::g_race_checker && t.tid % 128 == 0) {
+    unsigned char* smem = t.block->dynamic_smem;
+    if (!a.a_regs)
+      for (uint32_t c : detail::operand_chunks(detail::decode_desc(a.a_desc), a.trans_a, eb, 64, K))
+        detail::g_race_checker->async_read(smem + size_t(c) * 16, 16, op.pc, "a wgmma.mma_async operand (A)");
+    for (uint32_t c : detail::operand_chunks(detail::decode_desc(a.b_desc), a.trans_b, eb, a.n, K))
+      detail::g_race_checker->async_read(smem + size_t(c) * 16, 16, op.pc, "a wgmma.mma_async operand (B)");
+  }
+  t.wgmma_uncommitted.push_back(op);
+}
+
+void wgmma_commit_group() {
+  ThreadImpl& t = detail::me();
+  t.wgmma_groups.push_back(std::move(t.wgmma_uncommitted));
+  t.wgmma_uncommitted.clear();
+}
+
+// wgmma.wait_group N: waits until at most N of the thread's most recent wgmma-groups are
+// pending (and all earlier ones complete). .sync.aligned: the warpgroup meets here, and the
+// last thread to arrive performs the retired groups' products for all 128.
+void wgmma_wait_group(int n) {
+  ThreadImpl& t = detail::me();
+  if (n < 0 || n > 7) detail::fail("wgmma.wait_group: N must be in [0, 7]");
+  detail::warpgroup_meet(t, detail::kOpWgmmaWait, __builtin_return_address(0),
+                         [&](std::unique_lock<std::mutex>&) {
+    BlockState& b = *t.block;
+    ThreadImpl* ts[128];
+    const int base = t.tid / 128 * 128;
+    for (int i = 0; i < 128; ++i) ts[i] = b.threads[size_t(base + i)];
+    for (int i = 1; i < 128; ++i)
+      if (ts[i]->wgmma_groups.size() != ts[0]->wgmma_groups.size())
+        detail::fail_locked(b, detail::describe_thread(ts[i]->tid) + " has " +
+                                   std::to_string(ts[i]->wgmma_groups.size()) +
+                                   " wgmma groups pending, " + detail::describe_thread(ts[0]->tid, false) +
+                                   " " + std::to_string(ts[0]->wgmma_groups.size()) +
+                                   " (the warpgroup must issue the same wgmma instructions)");
+    while (ts[0]->wgmma_groups.size() > size_t(n)) {
+      const size_t ops = ts[0]->wgmma_groups.front().size();
+      for (int i = 1; i < 128; ++i)
+        if (ts[i]->wgmma_groups.front().size() != ops)
+          detail::fail_locked(b, "the threads of a warpgroup committed wgmma groups of different sizes");
+      for (size_t k = 0; k < ops; ++k) detail::execute_wgmma(b, ts, k);
+      for (const detail::WgmmaOp& op : ts[0]->wgmma_groups.front()) {
+        auto& in = b.wgmma_inflight;
+        in.erase(std::remove_if(in.begin(), in.end(), [&](const BlockState::InflightWgmma& w) {
+                   return w.tid == ts[0]->tid && w.seq == op.seq;
+                 }), in.end());
+      }
+      for (int i = 0; i < 128; ++i) ts[i]->wgmma_groups.erase(ts[i]->wgmma_groups.begin());
+    }
+    for (int i = 0; i < 128; ++i) ts[i]->wgmma_fenced = false;
+  });
+}
+
+// ---- TMA: PTX ISA "Data Movement and Conversion Instructions: cp.async.bulk.tensor"
+// (tile mode), "Tensor-map", and cuTensorMapEncodeTiled's rules (CUDA Driver API, "Tensor
+// Map Object Management"). The load is performed at the issue -- the bytes land, then
+// complete_tx is performed on the mbarrier with the box's full size, out-of-bounds elements
+// included (they are filled with zeros). A consumer that reads the tile without having
+// waited for that phase is reported by the race checker (the async proxy's writes are
+// visible only through the mbarrier); a TMA that overwrites an operand of a wgmma still in
+// flight is an error.
+
+void tma_encode(TmaDescriptor* out, TmaDtype dtype, int rank, const void* global,
+                const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                const uint32_t* estrides, TmaSwizzle swizzle) {
+  auto bad = [](const std::string& why) {
+    throw std::invalid_argument("encode_tensor_map: " + why);
+  };
+  const int eb = dtype == TmaDtype::kU8 ? 1 : dtype == TmaDtype::kF32 ? 4 : 2;
+  if (rank < 1 || rank > 5) bad("rank must be 1..5");
+  if (reinterpret_cast<uintptr_t>(global) % 16 != 0) bad("the global address must be 16-byte aligned");
+  TmaDescriptor m{};
+  m.magic = kTmaMagic;
+  m.element_bytes = uint8_t(eb);
+  m.rank = uint8_t(rank);
+  m.swizzle = uint8_t(swizzle);
+  m.dtype = uint8_t(dtype);
+  m.global = global;
+  for (int i = 0; i < rank; ++i) {
+    if (dims[i] < 1 || dims[i] > (uint64_t(1) << 32)) bad("each dimension must be in [1, 2^32]");
+    if (box[i] < 1 || box[i] > 256) bad("each box dimension must be in [1, 256]");
+    if (estrides[i] < 1 || estrides[i] > 8) bad("each element stride must be in [1, 8]");
+    m.dims[i] = dims[i];
+    m.box[i] = box[i];
+    m.element_strides[i] = estrides[i];
+    if (i > 0) {
+      if (strides[i - 1] % 16 != 0 || strides[i - 1] >= (uint64_t(1) << 40))
+        bad("each global stride must be a multiple of 16 below 2^40 bytes");
+      m.strides[i - 1] = strides[i - 1];
+    }
+  }
+  const uint64_t inner = uint64_t(box[0]) * uint64_t(eb);
+  if (inner % 16 != 0) bad("the box's inner dimension must be a multiple of 16 bytes");
+  const int span = swizzle == TmaSwizzle::k32B ? 32 : swizzle == TmaSwizzle::k64B ? 64
+                   : swizzle == TmaSwizzle::k128B ? 128 : 0;
+  if (span && inner > uint64_t(span))
+    bad("with a swizzle, the box's inner dimension must be at most the swizzle span (" +
+        std::to_string(span) + " bytes), not " + std::to_string(inner));
+  *out = m;
+}
+
+void tma_load(void* dst, const void* tensor_map, const int32_t* coords, uint64_t* bar) {
+  ThreadImpl& t = detail::me();
+  const TmaDescriptor& m = detail::tensor_map_of(tensor_map);
+  if (reinterpret_cast<uintptr_t>(dst) % 128 != 0)
+    detail::fail("cp.async.bulk.tensor: the shared-memory destination must be 128-byte aligned");
+  const uint64_t bytes = detail::box_bytes(m);
+  const uint32_t base = detail::smem_offset_of(t, dst, bytes, "cp.async.bulk.tensor");
+  const void* pc = __builtin_return_address(0);
+  BlockState& b = *t.block;
+  std::lock_guard<std::mutex> lk(b.m);
+  BlockState::Mbar& mb = detail::mbar_locked(t, bar, "cp.async.bulk.tensor (its mbarrier)");
+  // The chunks the tile covers: the swizzle permutes 16-byte chunks within 128-byte lines.
+  std::vector<uint32_t> chunks;
+  const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
+  for (uint64_t c = 0; c < (bytes + 15) / 16; ++c)
+    chunks.push_back(detail::swizzle_address(base + uint32_t(c * 16), span) >> 4);
+  std::sort(chunks.begin(), chunks.end());
+  if (detail::overlaps_pending_wgmma(b, chunks.front(), chunks.back() + 1)) {
+    for (uint32_t c : chunks)
+      if (detail::overlaps_pending_wgmma(b, c, c + 1))
+        detail::fail_locked(b, detail::describe_thread(t.tid) + ": cp.async.bulk.tensor writes " +
+                                   detail::describe_address(b.dynamic_smem + size_t(c) * 16) +
+                                   ", an operand of a wgmma.mma_async still in flight");
+  }
+  unsigned char* smem = b.dynamic_smem;
+  detail::for_each_box_element(m, coords, base, [&](const unsigned char* g, uint32_t a) {
+    if (g) std::memcpy(smem + a, g, m.element_bytes);
+    else std::memset(smem + a, 0, m.element_bytes);
+  });
+  if (detail::g_race_checker)
+    for (uint32_t c : chunks)
+      detail::g_race_checker->async_write(smem + size_t(c) * 16, 16, bar, mb.phases, pc);
+  detail::mbar_add_tx_locked(t, mb, -int64_t(bytes), "cp.async.bulk.tensor complete_tx");
+  detail::mbar_maybe_complete_locked(b, mb);
+}
+
+// The store reads shared memory at the wait (bulk wait_group.read) that retires its group,
+// or at the thread's exit: overwriting the source before that is seen in the result.
+void tma_store(const void* tensor_map, const int32_t* coords, const void* src) {
+  ThreadImpl& t = detail::me();
+  const TmaDescriptor& m = detail::tensor_map_of(tensor_map);
+  if (reinterpret_cast<uintptr_t>(src) % 128 != 0)
+    detail::fail("cp.async.bulk.tensor: the shared-memory source must be 128-byte aligned");
+  const uint64_t bytes = detail::box_bytes(m);
+  const uint32_t base = detail::smem_offset_of(t, src, bytes, "cp.async.bulk.tensor store");
+  const void* pc = __builtin_return_address(0);
+  if (detail::g_race_checker) {
+    const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
+    for (uint64_t c = 0; c < (bytes + 15) / 16; ++c)
+      detail::g_race_checker->async_read(
+          t.block->dynamic_smem + (detail::swizzle_address(base + uint32_t(c * 16), span) & ~15u),
+          16, pc, "a cp.async.bulk.tensor store's source");
+  }
+  detail::PendingBulkStore s{m, {0, 0, 0, 0, 0}, src, pc};
+  for (int i = 0; i < m.rank; ++i) s.coords[i] = coords[i];
+  t.bulk_uncommitted.push_back(s);
+}
+
+void bulk_commit_group() {
+  ThreadImpl& t = detail::me();
+  t.bulk_groups.push_back(std::move(t.bulk_uncommitted));
+  t.bulk_uncommitted.clear();
+}
+
+void bulk_wait_group_read(int n) {
+  ThreadImpl& t = detail::me();
+  while (t.bulk_groups.size() > size_t(std::max(n, 0))) {
+    const std::vector<detail::PendingBulkStore> group = std::move(t.bulk_groups.front());
+    t.bulk_groups.erase(t.bulk_groups.begin());
+    detail::perform_bulk_stores(t, group);
+  }
+}
+
+// ---- FP8 conversion (PTX ISA "cvt" with .rn.satfinite and the .e4m3x2/.e5m2x2 types;
+// the formats: "Alternate Floating-Point Data Formats"). The nearest representable value,
+// ties to the even code (the one whose mantissa's last bit is 0); beyond the largest finite
+// value (or infinite): the largest finite value (.satfinite); NaN: 0x7F.
+
+namespace detail {
+namespace {
+// The values of the positive finite codes 0..max_code, increasing with the code.
+std::vector<double> fp8_values(bool e4m3) {
+  std::vector<double> v;
+  const int max_code = e4m3 ? 0x7E : 0x7B;
+  for (int c = 0; c <= max_code; ++c)
+    v.push_back(double(element_value(e4m3 ? WgmmaType::kE4M3 : WgmmaType::kE5M2, uint16_t(c))));
+  return v;
+}
+
+uint8_t f32_to_fp8(bool e4m3, float x) {
+  static const std::vector<double> k4 = fp8_values(true), k5 = fp8_values(false);
+  const std::vector<double>& v = e4m3 ? k4 : k5;
+  if (std::isnan(x)) return 0x7F;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(double(x));
+  if (a >= v.back()) return uint8_t(sign | (v.size() - 1));  // saturate (also infinity)
+  const size_t hi = size_t(std::upper_bound(v.begin(), v.end(), a) - v.begin());  // v[hi] > a
+  const size_t lo = hi - 1;                                                         // v[lo] <= a
+  const double dlo = a - v[lo], dhi = v[hi] - a;
+  const size_t code = dlo < dhi ? lo : dhi < dlo ? hi : (lo % 2 == 0 ? lo : hi);
+  return uint8_t(sign | code);
+}
+}  // namespace
+}  // namespace detail
+
+uint8_t f32_to_e4m3(float x) { return detail::f32_to_fp8(true, x); }
+uint8_t f32_to_e5m2(float x) { return detail::f32_to_fp8(false, x); }
+
+// ---- fence.proxy.async, setmaxnreg, elect.sync ----
+
+void fence_proxy_async() {
+  detail::me();
+  if (detail::g_race_checker) detail::g_race_checker->proxy_fence();
+}
+
+// setmaxnreg (PTX ISA "setmaxnreg"): the warpgroup's per-thread register maximum becomes
+// `count` (a multiple of 8 in [24, 256]); .dec releases registers to the CTA's pool
+// (count <= current), .inc takes them from it (count >= current), blocking until the pool
+// has enough. The pool starts empty: the launch gave every register to the threads.
+void setmaxnreg(bool inc, int count) {
+  ThreadImpl& t = detail::me();
+  if (count < 24 || count > 256 || count % 8 != 0)
+    detail::fail("setmaxnreg: the register count must be a multiple of 8 in [24, 256], not " +
+                 std::to_string(count));
+  detail::warpgroup_meet(t, detail::kOpSetmaxnreg, __builtin_return_address(0),
+                         [&](std::unique_lock<std::mutex>& lk) {
+    BlockState& b = *t.block;
+    const int g = t.tid / 128;
+    int& cur = b.wg_regs[size_t(g)];
+    if (inc ? count < cur : count > cur) {
+      std::ostringstream os;
+      os << detail::describe_thread(t.tid) << ": setmaxnreg." << (inc ? "inc" : "dec") << " "
+         << count << " from the warpgroup's current " << cur << " registers per thread ("
+         << (inc ? ".inc may not lower it" : ".dec may not raise it") << ")";
+      detail::fail_locked(b, os.str());
+    }
+    if (!inc) {
+      b.regs_pool += int64_t(cur - count) * 128;
+      cur = count;
+      b.blocked -= b.regs_waiters;
+      b.regs_waiters = 0;
+      b.cv.notify_all();
+      return;
+    }
+    const int64_t need = int64_t(count - cur) * 128;
+    while (b.regs_pool < need) {
+      ++b.regs_waiters;
+      ++b.blocked;
+      detail::check_deadlock_locked(b);
+      const int64_t seen = b.regs_pool;
+      detail::wait_until(b.cv, lk, [&] { return b.regs_pool != seen || b.aborted; });
+      if (b.aborted) throw detail::Abort{};
+    }
+    b.regs_pool -= need;
+    cur = count;
+  });
+}
+
+int setmaxnreg_current() {
+  ThreadImpl& t = detail::me();
+  std::lock_guard<std::mutex> lk(t.block->m);
+  return t.block->wg_regs[size_t(t.tid / 128)];
+}
+
+// elect.sync (PTX ISA "elect.sync"): one leader among the (here: all 32) lanes; the ISA only
+// promises the same leader for the same membermask every time -- here the lowest lane.
+bool elect_one() {
+  bool leader = false;
+  const uint32_t mine = 1;
+  detail::warp_exchange(detail::kOpElect, &mine, sizeof mine, __builtin_return_address(0),
+                        [&](const detail::Slot*, int lane) { leader = lane == 0; });
+  return leader;
+}
+
 // ---------------------------------------------------------------------------- memory
 
 // PTX ISA 9.0 §9.7.13.5 "atom": atom.global.add.f32 returns the old value.
@@ -1139,6 +2189,17 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
     b.nwarps = int((nthreads + 31) / 32);
     b.live = b.nthreads;
     b.warps.reset(new detail::WarpState[size_t(b.nwarps)]);
+    b.threads.assign(size_t(nthreads), nullptr);
+    b.nwgroups = int((nthreads + 127) / 128);
+    b.wgroups.reset(new detail::WarpState[size_t(b.nwgroups)]);
+    for (int g = 0; g < b.nwgroups; ++g) {
+      detail::WarpState& ws = b.wgroups[size_t(g)];
+      ws.size = ws.live = int(std::min<uint64_t>(128, nthreads - uint64_t(g) * 128));
+    }
+    // setmaxnreg: the launch gives every thread the most registers the SM's 64K-register
+    // file allows for this block size (a multiple of 8, at most 248: 255 rounded down).
+    b.regs_launch = int(std::min<uint64_t>(248, (65536 / nthreads) & ~uint64_t(7)));
+    b.wg_regs.assign(size_t(b.nwgroups), b.regs_launch);
     for (int w = 0; w < b.nwarps; ++w) {
       detail::WarpState& ws = b.warps[size_t(w)];
       ws.size = ws.live = int(std::min<uint64_t>(32, nthreads - uint64_t(w) * 32));
@@ -1146,7 +2207,9 @@ void launch_impl(const char* name, const void* kernel, dim3 grid, dim3 block, si
     // Exactly `smem` bytes, so that AddressSanitizer flags any access past the end;
     // 0xFF bytes are NaN in f16, bf16 and f32: an unwritten element poisons the result.
     void* p = nullptr;
-    if (posix_memalign(&p, 128, std::max<size_t>(smem, 1)) != 0) throw std::bad_alloc();
+    // 1024-byte aligned: the swizzle patterns of wgmma and TMA read address bits 4..9, and
+    // the shared-window addresses (emu::smem_address) are offsets from this base.
+    if (posix_memalign(&p, 1024, std::max<size_t>(smem, 1)) != 0) throw std::bad_alloc();
     std::unique_ptr<unsigned char, void (*)(void*)> dyn(static_cast<unsigned char*>(p),
                                                          std::free);
     std::memset(dyn.get(), 0xFF, std::max<size_t>(smem, 1));
