@@ -69,8 +69,9 @@ Its loops are found as natural loops (dominator-based, not address ranges): nvcc
 key-block loop's conditional K prefetch above the loop head, outside the address range.
 `--loops` prints every loop holding HMMA, to check which one was taken; `--keep DIR` keeps
 the cubins and SASS (fmha's too), and `--keep DIR --reuse` analyses them again without
-compiling (the eight flash-attn compiles take ~30 min on 2 cores). On fmha's kernels the natural-loop finder gives the same
-paths as the address-range one (only `body` differs), so the two sets of counts are comparable.
+compiling (the eight flash-attn compiles take ~30 min on 2 cores). On fmha's kernels the
+natural-loop finder gives the same paths as the address-range one (only `body` differs), so the
+two sets of counts are comparable.
 
 Assumptions, checked where they can be: for fmha's files the loop is structured (its body is
 the address range from the header to the back edge, as nvcc lays out loops); inner loops on

@@ -355,3 +355,16 @@ def test_dests_and_sources():
     assert got[3] == ([], ["R149", "R20"])
     assert got[4] == (["R123"], ["P0"])
     assert got[5] == (["R4", "P2"], ["R6", "R4"])
+
+
+def test_plain_passes_on_a_natural_loop_take_the_prefetch_above_its_head():
+    """--flash-attn's loops are natural loops: the plain passes search the same body."""
+    blocks = sr.blocks_of(sr.parse(_sass(PREFETCH_ABOVE))["planted_kernel"])
+    loop = sr.main_loop(blocks, natural=True)
+    body, ends = sr.loop_region(blocks, loop, natural=True)
+    assert body == {0x20, 0x40, 0x50} and ends == {0x50}
+    passes = sr.plain_passes(blocks, loop.header, body, ends)
+    assert [p.name for p in passes] == ["slowest warp", "fastest warp"]
+    for p in passes:
+        assert [b.start for b in p.loop.path] == [0x40, 0x20, 0x50]
+        assert p.loop.path_count("LDGSTS") == 1 and p.loop.path_count() == 6
