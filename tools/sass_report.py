@@ -482,8 +482,9 @@ def dests_and_sources(ins: Instr) -> tuple[list[str], list[str]]:
     for o in ops[:n_dest]:
         rs = _regs(o)
         if rs and rs[0].lstrip("U").startswith("R") and len(rs) == 1:
-            width = 4 if "128" in mods or ins.base == "HMMA" or ".4" in ins.op[-2:] else (
-                2 if "64" in mods or "WIDE" in mods or ins.base == "CS2R" else 1)
+            width = 4 if "128" in mods or ins.base == "HMMA" or mods[-1:] == ["4"] else (
+                2 if "64" in mods or "WIDE" in mods or ins.base == "CS2R" or mods[-1:] == ["2"]
+                else 1)
             head = rs[0].rstrip("0123456789")
             rs = [f"{head}{int(rs[0][len(head):]) + j}" for j in range(width)]
         dests += rs

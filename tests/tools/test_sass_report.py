@@ -347,6 +347,8 @@ def test_dests_and_sources():
         (0x30, "STS [R149.X4+0x12c40], R20"),
         (0x40, "VOTE.ANY R123, PT, P0"),
         (0x50, "IADD3 R4, P2, R6, R4, RZ"),
+        (0x60, "LDSM.16.MT88.2 R8, [R2+0x100]"),
+        (0x70, "HMMA.16816.F32 R12, R4, R8, R12"),
     ]))["planted_kernel"]
     got = [sr.dests_and_sources(i) for i in ins]
     assert got[0] == (["R4", "R5"], ["R143", "R206"])
@@ -355,6 +357,8 @@ def test_dests_and_sources():
     assert got[3] == ([], ["R149", "R20"])
     assert got[4] == (["R123"], ["P0"])
     assert got[5] == (["R4", "P2"], ["R6", "R4"])
+    assert got[6] == (["R8", "R9"], ["R2"])
+    assert got[7][0] == ["R12", "R13", "R14", "R15"]
 
 
 def test_plain_passes_on_a_natural_loop_take_the_prefetch_above_its_head():
