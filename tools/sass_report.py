@@ -692,8 +692,16 @@ def branch_listing(blocks: list[Block], head: int, body: set, on_path: set) -> l
         last = b.instrs[-1]
         succ = ", ".join(f"{v:#x} ({len(by_start[v].instrs)} instrs)" for v in b.succ
                          if v in by_start)
+        # the instruction of the block that last wrote the branch's predicate, if any
+        preds = set(_regs(last.pred.lstrip("@"))) if last.pred else set()
+        ops = _operands(last.args)
+        if len(ops) > 1:
+            preds |= set(_regs(ops[0]))
+        setter = next((i for i in reversed(b.instrs[:-1])
+                       if preds & set(dests_and_sources(i)[0])), None)
+        why = f"  [{setter.op} {setter.args}]" if setter else ""
         lines.append(f"{last.addr:#x} {cls:5s} {'path' if x in on_path else '    '} "
-                     f"{last.pred} {last.op} {last.args} -> {succ}")
+                     f"{last.pred} {last.op} {last.args} -> {succ}{why}")
     return lines
 
 

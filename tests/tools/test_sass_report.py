@@ -287,6 +287,9 @@ def test_branches_are_classed_by_where_their_predicate_comes_from():
     lines = sr.branch_listing(blocks, loop.header, body, {b.start for b in loop.path})
     cls = {int(line.split()[0], 16): line.split()[1] for line in lines}
     assert cls == {0x20: "warp", 0x60: "call", 0x8c: "vote", 0xbc: "data", 0xe0: "call"}
+    # each line names the compare that set the predicate, where its block holds it
+    assert lines[0].endswith("[ISETP.GT.AND P0, PT, R0, 0x1f, PT]")
+    assert lines[-1].endswith("(1 instrs)")  # 0xe0: P5 set outside the block
 
 
 def test_plain_passes_take_both_sides_of_warp_and_vote_branches():
