@@ -438,7 +438,7 @@ _NO_DEST = {"ST", "STS", "STG", "STL", "RED", "REDG", "REDUX", "BAR", "BRA", "EX
 _TWO_DEST = {"ISETP", "FSETP", "HSETP2", "DSETP", "PSETP", "UISETP", "PLOP3", "UPLOP3", "VOTE",
              "SHFL", "FCHK"}
 _LOADS = {"LD", "LDS", "LDG", "LDL", "LDSM", "LDC", "ATOM", "ATOMS", "ATOMG", "LDGDEPBAR",
-          "S2R", "CS2R", "S2UR", "REDUX", "MATCH", "POPC"}
+          "S2R", "CS2R", "S2UR", "REDUX", "MATCH"}
 TID, DATA, VOTE, FLOATVOTE = 1, 2, 4, 8
 _THREAD_SREGS = ("SR_TID", "SR_LANEID", "SR_VIRTID", "SR_LTMASK", "SR_LEMASK", "SR_GTMASK",
                  "SR_GEMASK", "SR_EQMASK")
