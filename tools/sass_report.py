@@ -14,7 +14,23 @@ pass of it:
          iteration issues; comparing two versions of one kernel is what it is for.
   body   every instruction inside the loop (static size, rare paths included).
 and the path's HMMA, LDSM (ldmatrix), LDS/STS, LDGSTS (cp.async), BAR, MUFU, SHFL counts, and
-non-HMMA instructions per HMMA. Registers from the cubin's resource usage (cuobjdump -res-usage).
+non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL: spill code).
+A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
+full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
+predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
+the fastest warp's pass, e.g. the backward's warp 0, which alone loads lse and D), a warp vote
+of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
+no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
+`--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
+instructions rule skips). `--branches` lists the loop's branches with their class, to find the
+ones to decide:
+
+    python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
+        --inner-trips 4 --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
+    python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
+        --inner-trips 4 --decide 0xb3c0=fall --decide 0xb810=fall \
+        csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
+ Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
 Cfg::kThreads and Cfg::kSmemBytes its launcher passes, read by compiling and running a small
 host program against the same sources), registers, and the CTAs per SM these allow (as for
@@ -52,9 +68,10 @@ the tool then writes to a temporary include directory (one line: C10_CUDA_BUILD_
 Its loops are found as natural loops (dominator-based, not address ranges): nvcc places the
 key-block loop's conditional K prefetch above the loop head, outside the address range.
 `--loops` prints every loop holding HMMA, to check which one was taken; `--keep DIR` keeps
-the cubins and SASS, and `--keep DIR --reuse` analyses them again without compiling (the eight
-compiles take ~30 min on 2 cores). On fmha's kernels the natural-loop finder gives the same
-paths as the address-range one (only `body` differs), so the two sets of counts are comparable.
+the cubins and SASS (fmha's too), and `--keep DIR --reuse` analyses them again without
+compiling (the eight flash-attn compiles take ~30 min on 2 cores). On fmha's kernels the
+natural-loop finder gives the same paths as the address-range one (only `body` differs), so the
+two sets of counts are comparable.
 
 Assumptions, checked where they can be: for fmha's files the loop is structured (its body is
 the address range from the header to the back edge, as nvcc lays out loops); inner loops on
@@ -393,6 +410,301 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
                      path)
 
 
+# --- the plain call's passes ---------------------------------------------------------------------
+#
+# `path` above is the common case by a rule of thumb. The passes below follow instead the branch
+# decisions of a plain call (no mask, window, dropout or bias, not causal, full blocks, finite
+# inputs) where the SASS shows them, and keep apart what the call does not decide:
+#   warp   a branch on a value derived from the thread index (S2R SR_TID / SR_LANEID) and
+#          call-wide values only: which side runs depends on the warp (the backward's warp 0
+#          loads lse and D for the step). Both sides are searched: the slowest warp's pass takes
+#          the longer, the fastest warp's the shorter (each such branch on its own: the slowest
+#          pass may combine sides no single warp takes, an upper bound).
+#   vote   a branch on a warp vote of a float comparison (VOTE.ANY of an FSETP: the forward's
+#          lazy rescale, `warp_ballot(rescale) != 0u` in cuda/flash_fwd.cuh): both sides are
+#          reported, the longer as the rescale pass, the shorter as the no-rescale pass.
+#   data   a branch on loaded data (a scan for non-finite values, a block barrier's OR of one,
+#          a NaN lse): a plain call has finite inputs and takes the common side.
+#   call   a branch on call-wide values only (the parameters, the block index, the loop's step):
+#          the common side, unless --decide names the side a plain call takes.
+# The common side of a data or call branch is the side the rule of thumb takes: the one whose
+# rest of the pass has the most HMMA, then LDGSTS, then the fewest instructions.
+
+_REG = re.compile(r"!?-?\|?(U?R\d+|U?P\d+|U?PT|U?RZ|SR_\w+)(?:\.(64|128))?")
+_NO_DEST = {"ST", "STS", "STG", "STL", "RED", "REDG", "REDUX", "BAR", "BRA", "EXIT", "CALL", "RET",
+            "BSSY", "BSYNC", "WARPSYNC", "LDGSTS", "LDGDEPBAR", "DEPBAR", "NOP", "MEMBAR",
+            "ERRBAR", "CCTL", "YIELD", "BPT", "BRX", "JMP", "WARPGROUP", "ARRIVES", "SYNCS",
+            "FENCE", "UTMALDG", "UTMASTG", "UBLKCP"}
+_TWO_DEST = {"ISETP", "FSETP", "HSETP2", "DSETP", "PSETP", "UISETP", "PLOP3", "UPLOP3", "VOTE",
+             "SHFL", "FCHK"}
+_LOADS = {"LD", "LDS", "LDG", "LDL", "LDSM", "LDC", "ATOM", "ATOMS", "ATOMG", "LDGDEPBAR",
+          "S2R", "CS2R", "S2UR", "REDUX", "MATCH"}
+TID, DATA, VOTE, FLOATVOTE = 1, 2, 4, 8
+_THREAD_SREGS = ("SR_TID", "SR_LANEID", "SR_VIRTID", "SR_LTMASK", "SR_LEMASK", "SR_GTMASK",
+                 "SR_GEMASK", "SR_EQMASK")
+
+
+def _regs(tok: str) -> list[str]:
+    """The registers an operand names (R4.64: R4 and R5; [R2.64+0x10]: R2, R3; RZ/PT: none)."""
+    out = []
+    for m in _REG.finditer(tok):
+        r, width = m.group(1), m.group(2)
+        if r in ("RZ", "URZ", "PT", "UPT") or r.startswith("SR_"):
+            continue
+        n = {"64": 2, "128": 4}.get(width, 1)
+        head = r.rstrip("0123456789")
+        k = int(r[len(head):])
+        out += [f"{head}{k + j}" for j in range(n)]
+    return out
+
+
+def _operands(args: str) -> list[str]:
+    return [a.strip() for a in args.split(",")] if args.strip() else []
+
+
+def dests_and_sources(ins: Instr) -> tuple[list[str], list[str]]:
+    """The registers (R, UR, P, UP) an instruction writes and reads, roughly: the first operand
+    (two for compares, PLOP3, VOTE, SHFL, and a predicate first operand) is written, widened by
+    the opcode's .64 / .128 or a wide multiply's pair; the rest, the guard and address
+    registers are read. Good enough to follow where a branch's predicate comes from."""
+    ops = _operands(ins.args)
+    guard = _regs(ins.pred.lstrip("@")) if ins.pred else []
+    if ins.base in _NO_DEST or not ops:
+        return [], guard + [r for o in ops for r in _regs(o)]
+    n_dest = 2 if ins.base in _TWO_DEST or re.match(r"!?U?P(\d|T)", ops[0]) else 1
+    if ins.base in ("IADD3", "LEA", "IMAD") and len(ops) > 1 and re.fullmatch(r"U?P\d|U?PT",
+                                                                              ops[1]):
+        n_dest = 2  # a carry out (IADD3 R1, P0, ...; LEA R1, P0, ...)
+        if ins.base == "IADD3" and len(ops) > 2 and re.fullmatch(r"U?P\d|U?PT", ops[2]):
+            n_dest = 3
+    dests = []
+    mods = ins.op.split(".")[1:]
+    for o in ops[:n_dest]:
+        rs = _regs(o)
+        if rs and rs[0].lstrip("U").startswith("R") and len(rs) == 1:
+            width = 4 if "128" in mods or ins.base == "HMMA" or mods[-1:] == ["4"] else (
+                2 if "64" in mods or "WIDE" in mods or ins.base == "CS2R" or mods[-1:] == ["2"]
+                else 1)
+            head = rs[0].rstrip("0123456789")
+            rs = [f"{head}{int(rs[0][len(head):]) + j}" for j in range(width)]
+        dests += rs
+    srcs = guard + [r for o in ops[n_dest:] for r in _regs(o)]
+    return dests, srcs
+
+
+def _transfer(ins: Instr, state: dict) -> None:
+    """Taint flow through one instruction: TID from the thread-index special registers, DATA
+    from loads (shared, global, local, constant by register), VOTE from votes (FLOATVOTE: of a
+    float compare), block and warp reductions turning a thread's taint into data."""
+    dests, srcs = dests_and_sources(ins)
+    if not dests:
+        return
+    t = 0
+    for r in srcs:
+        t |= state.get(r, 0)
+    if ins.base == "S2R" or ins.base == "CS2R":
+        t = TID if any(s in ins.args for s in _THREAD_SREGS) else (
+            DATA if "CLOCK" in ins.args else 0)
+    elif ins.base in _LOADS and ins.base != "LDC":
+        t |= DATA
+    elif ins.base == "LDC" and _regs(ins.args.split(",", 1)[-1]):
+        t |= DATA  # a constant indexed by a register
+    elif ins.base == "VOTE":
+        src = ins.args.split(",")[-1].strip().lstrip("!")
+        t = VOTE | (state.get(src, 0) & ~TID) | (FLOATVOTE if state.get(
+            "float:" + src) else 0)
+    elif ins.base == "BAR":  # BAR.RED.OR 0x0, P0: the block's OR, the same for every thread
+        t = (t & ~TID) | DATA
+    if ins.pred and ins.pred.strip() not in ("@PT",):
+        for r in dests:  # guarded: the old value may survive
+            state[r] = state.get(r, 0) | t
+    else:
+        for r in dests:
+            state[r] = t
+    for r in dests:
+        if r.lstrip("U").startswith("P"):
+            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP")
+
+
+def taint(blocks: list[Block]) -> dict[int, dict]:
+    """Each block's register taint at entry (TID / DATA / VOTE bits), to a fixed point over the
+    control flow (the union where paths meet)."""
+    by_start = {b.start: b for b in blocks}
+    entry: dict[int, dict] = {blocks[0].start: {}}
+    work = [blocks[0].start]
+    while work:
+        x = work.pop()
+        state = dict(entry[x])
+        for ins in by_start[x].instrs:
+            if ins.base == "BAR" and "RED" in ins.op:
+                # BAR.RED.OR.DEFER_BLOCKING 0x0, P0 writes a predicate named after the barrier
+                ops = _operands(ins.args)
+                dest = _regs(ops[-1]) if ops else []
+                t = 0
+                for o in ops[1:-1]:
+                    for r in _regs(o):
+                        t |= state.get(r, 0)
+                for r in dest:
+                    state[r] = DATA | (t & ~TID)
+                continue
+            _transfer(ins, state)
+        for v in by_start[x].succ:
+            if v not in by_start:
+                continue
+            old = entry.get(v)
+            if old is None:
+                entry[v] = dict(state)
+                work.append(v)
+                continue
+            changed = False
+            for r, t in state.items():
+                if r.startswith("float:"):
+                    if t and not old.get(r):
+                        old[r], changed = True, True
+                elif old.get(r, 0) | t != old.get(r, 0):
+                    old[r] = old.get(r, 0) | t
+                    changed = True
+            if changed:
+                work.append(v)
+    return entry
+
+
+def branch_class(block: Block, entry_state: dict) -> str | None:
+    """The class (warp, vote, data, call) of the conditional branch ending block, None if it
+    ends in none."""
+    last = block.instrs[-1]
+    if not ((last.base == "BRA" and _conditional(last)) or _loop_exit_call(last)):
+        return None
+    state = dict(entry_state)
+    for ins in block.instrs[:-1]:
+        _transfer(ins, state)
+    regs = _regs(last.pred.lstrip("@")) if last.pred else []
+    ops = _operands(last.args)
+    if len(ops) > 1:
+        regs += _regs(ops[0])
+    t = 0
+    for r in regs:
+        t |= state.get(r, 0)
+    if t & FLOATVOTE:
+        return "vote"
+    if t & (DATA | VOTE):
+        return "data"
+    if t & TID:
+        return "warp"
+    return "call"
+
+
+@dataclass
+class PlainPass:
+    name: str     # "slowest warp", "fastest warp, rescale", ...
+    loop: LoopStats
+
+
+def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tuple = (),
+                 decide: dict | None = None) -> list[PlainPass]:
+    """The main loop's passes as a plain call runs them (see the section's head): the slowest
+    and the fastest warp's, and where the loop has a vote branch, each of them with and without
+    the rescale. decide: {a conditional branch's address: "taken" or "fall"}, the side a plain
+    call takes where the rule of thumb gets it wrong (a bounds test a full block passes)."""
+    by_start = {b.start: b for b in blocks}
+    topo, fwd = _forward_dag(by_start, head, body)
+    states = taint(blocks)
+    weight = {x: _weight(by_start[x], also) for x in topo}
+    # the rule of thumb's best rest of the pass from each block (to a latch)
+    rest: dict[int, tuple] = {}
+    for x in reversed(topo):
+        cands = [rest[v] for v in fwd[x] if v in rest]
+        best = max(cands) if cands else None
+        if x in ends and (best is None or best < tuple(0 for _ in weight[x])):
+            best = tuple(0 for _ in weight[x])
+        if best is not None:
+            rest[x] = tuple(p + q for p, q in zip(weight[x], best))
+    classes = {x: branch_class(by_start[x], states.get(x, {})) for x in topo}
+    decide = decide or {}
+    passes = []
+    has_vote = any(c == "vote" for c in classes.values())
+    for vote_side in ((True, False) if has_vote else (None,)):
+        for slowest in (True, False):
+            # allowed edges: both sides of warp branches, the chosen side of vote branches,
+            # the plain side of the others
+            score: dict[int, tuple] = {head: (len(by_start[head].instrs),)}
+            prev: dict[int, int] = {}
+            for x in topo:
+                if x not in score:
+                    continue
+                succ = [v for v in fwd[x] if v in rest]
+                cls = classes[x]
+                last = by_start[x].instrs[-1]
+                if last.addr in decide:
+                    t = _TARGET.search(last.args)
+                    target = int(t.group(1), 16) if t else None
+                    side = [v for v in succ if (v == target) == (decide[last.addr] == "taken")]
+                    succ = side[:1] or succ
+                elif cls == "vote" and len(succ) > 1:
+                    longest = max(succ, key=lambda v: -rest[v][-1])
+                    succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
+                elif cls != "warp" and len(succ) > 1:
+                    succ = [max(succ, key=lambda v: rest[v])]
+                for v in succ:
+                    n = score[x][0] + len(by_start[v].instrs)
+                    if v not in score or (n > score[v][0] if slowest else n < score[v][0]):
+                        score[v], prev[v] = (n,), x
+            reached = [x for x in ends if x in score]
+            if not reached:
+                continue
+            pick = max if slowest else min
+            tail = pick(reached, key=lambda x: score[x][0])
+            path = [tail]
+            while path[-1] != head:
+                path.append(prev[path[-1]])
+            stats = LoopStats(head, by_start[tail].instrs[-1].addr,
+                              sum(len(by_start[y].instrs) for y in body),
+                              [by_start[a] for a in reversed(path)])
+            label = "slowest warp" if slowest else "fastest warp"
+            if vote_side is not None:
+                label += ", rescale" if vote_side else ", no rescale"
+            passes.append(PlainPass(label, stats))
+    return passes
+
+
+def loop_region(blocks: list[Block], loop: LoopStats, natural: bool) -> tuple[set, set]:
+    """(body, latches) of a loop main_loop or natural_main_loop found: the natural loop of its
+    header, or for the address-range finder the blocks from the header to the back edge."""
+    if natural:
+        latches, body = natural_loops(blocks)[loop.header]
+        return body, latches
+    body = {b.start for b in blocks if loop.header <= b.start <= loop.back_edge}
+    tail = max(b.start for b in blocks if b.start <= loop.back_edge)
+    return body, {tail}
+
+
+def branch_listing(blocks: list[Block], head: int, body: set, on_path: set) -> list[str]:
+    """One line per conditional branch of the loop body: address, class, the two successors
+    and the instructions of each, whether the rule-of-thumb path passes it."""
+    by_start = {b.start: b for b in blocks}
+    states = taint(blocks)
+    lines = []
+    for x in sorted(body):
+        b = by_start[x]
+        cls = branch_class(b, states.get(x, {}))
+        if cls is None:
+            continue
+        last = b.instrs[-1]
+        succ = ", ".join(f"{v:#x} ({len(by_start[v].instrs)} instrs)" for v in b.succ
+                         if v in by_start)
+        # the instruction of the block that last wrote the branch's predicate, if any
+        preds = set(_regs(last.pred.lstrip("@"))) if last.pred else set()
+        ops = _operands(last.args)
+        if len(ops) > 1:
+            preds |= set(_regs(ops[0]))
+        setter = next((i for i in reversed(b.instrs[:-1])
+                       if preds & set(dests_and_sources(i)[0])), None)
+        why = f"  [{setter.op} {setter.args}]" if setter else ""
+        lines.append(f"{last.addr:#x} {cls:5s} {'path' if x in on_path else '    '} "
+                     f"{last.pred} {last.op} {last.args} -> {succ}{why}")
+    return lines
+
+
 def registers(cubin: Path, cuobjdump: str, field: str = "REG") -> dict[str, int]:
     out = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True,
                          check=True).stdout
@@ -521,6 +833,8 @@ def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> d
     counts = {"path": loop.path_count() + sum(len(b.instrs) for b in extra)}
     for c in COUNTED:
         counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
+    for c in ("LDL", "STL"):
+        counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
     instrs = [i for b in loop.path + extra for i in b.instrs]
     counts["smem_bytes"] = sum(smem_bytes(i) for i in instrs)
     counts["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV") for i in instrs)
@@ -529,18 +843,26 @@ def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> d
 
 
 def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: str,
-           kernel_re: str, also: tuple = (), inner_trips: int = 1) -> list[dict]:
+           kernel_re: str, also: tuple = (), inner_trips: int = 1, keep: Path | None = None,
+           reuse: bool = False, decide: dict | None = None, show_branches: bool = False
+           ) -> list[dict]:
     rows = []
     env = _disasm_env()
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
-            cubin = Path(tmp) / (Path(f).stem + f".sm{arch}.cubin")
-            subprocess.run([nvcc, "-std", "c++17", "-O3", "-DNDEBUG", f"-I{src_root / 'csrc'}",
-                            f"-I{src_root / 'third_party'}", "-cubin", "-o", str(cubin),
-                            str(src_root / f), "-gencode", f"arch=compute_{arch},code=sm_{arch}"],
-                           check=True, capture_output=True, text=True)
+            cubin = (keep or Path(tmp)) / (Path(f).stem + f".sm{arch}.cubin")
+            if reuse and cubin.is_file():
+                print(f"sass_report: reusing {cubin}", file=sys.stderr)
+            else:
+                subprocess.run([nvcc, "-std", "c++17", "-O3", "-DNDEBUG",
+                                f"-I{src_root / 'csrc'}", f"-I{src_root / 'third_party'}",
+                                "-cubin", "-o", str(cubin), str(src_root / f), "-gencode",
+                                f"arch=compute_{arch},code=sm_{arch}"],
+                               check=True, capture_output=True, text=True)
             sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
                                   text=True, check=True, env=env).stdout
+            if keep:
+                cubin.with_suffix(".sass").write_text(sass)
             regs = registers(cubin, cuobjdump)
             for name, instrs in parse(sass).items():
                 if not re.search(kernel_re, name):
@@ -552,6 +874,16 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 row = dict(file=f, kernel=short_name(name), mangled=name, arch=f"sm_{arch}",
                            regs=regs.get(name, -1), body=loop.body, config=config_of(name))
                 row.update(pass_counts(blocks, loop, inner_trips))
+                body, ends = loop_region(blocks, loop, natural=False)
+                row["plain"] = [dict(name=pp.name, **pass_counts(blocks, pp.loop, inner_trips))
+                                for pp in plain_passes(blocks, loop.header, body, ends, also,
+                                                       decide)]
+                if show_branches:
+                    print(f"  {row['kernel']} {row['arch']}: branches of the loop "
+                          f"{loop.header:#x}..{loop.back_edge:#x}", file=sys.stderr)
+                    for line in branch_listing(blocks, loop.header, body,
+                                               {b.start for b in loop.path}):
+                        print("    " + line, file=sys.stderr)
                 rows.append(row)
     configs = {r["config"] for r in rows if r["config"]}
     shapes = launch_shapes(configs, src_root, nvcc) if configs else {}
@@ -924,6 +1256,11 @@ def fa_report(fa_src: Path, cutlass: Path | None, torch_inc: Path, archs: list[s
                                back=loop.back_edge)
                     for c in COUNTED + ("LDL", "STL", "RED", "REDG", "LDG"):
                         row[c] = loop.path_count(c)
+                    fa_blocks = blocks_of(instrs)
+                    body, ends = loop_region(fa_blocks, loop, natural=True)
+                    row["plain"] = [dict(name=pp.name, **pass_counts(fa_blocks, pp.loop))
+                                    for pp in plain_passes(fa_blocks, loop.header, body, ends,
+                                                           also)]
                     row["RED"] += row.pop("REDG")  # sm_90 spells the global reduction REDG
                     row["smem_bytes"] = sum(smem_bytes(i) for b in loop.path for i in b.instrs)
                     row["int"] = sum(i.base in INT_OPS and not i.op.startswith("IMAD.MOV")
@@ -951,15 +1288,42 @@ def print_fa_details(rows: list[dict]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     head = ["kernel", "arch", "regs", "body", "path", *COUNTED, "of which MUFU.EX2",
-            "int/addr", "non-HMMA/HMMA", "smem bytes/HMMA"]
+            "int/addr", "LDL+STL", "non-HMMA/HMMA", "without spills", "smem bytes/HMMA"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
         ratio = (r["path"] - r["HMMA"]) / r["HMMA"] if r["HMMA"] else float("nan")
         per = r["smem_bytes"] / r["HMMA"] if r["HMMA"] else float("nan")
         cells = [r["kernel"], r["arch"], r["regs"], r["body"], r["path"], *(r[c] for c in COUNTED),
-                 r.get("ex2", "-"), r.get("int", "-"), f"{ratio:.2f}", f"{per:.0f}"]
+                 r.get("ex2", "-"), r.get("int", "-"), f"{r.get('LDL', 0)}+{r.get('STL', 0)}",
+                 f"{ratio:.2f}", f"{without_spills(r):.2f}", f"{per:.0f}"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def without_spills(counts: dict) -> float:
+    """Non-HMMA instructions per HMMA with the local-memory traffic (LDL, STL: ptxas's spill
+    code) left out: what the kernel would issue had it not spilled (the spills' address
+    arithmetic, where there is any, stays in)."""
+    if not counts["HMMA"]:
+        return float("nan")
+    return (counts["path"] - counts["HMMA"] - counts.get("LDL", 0) - counts.get("STL", 0)
+            ) / counts["HMMA"]
+
+
+def print_plain_table(rows: list[dict]) -> None:
+    """The plain call's passes (plain_passes) of each kernel, beside the rule of thumb's path."""
+    head = ["kernel", "arch", "pass", "path", "HMMA", "LDSM", "LDS", "STS", "LDL+STL",
+            "non-HMMA/HMMA", "without spills", "smem bytes/HMMA"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        for p in [dict(r, name="path (rule of thumb)")] + r.get("plain", []):
+            h = p["HMMA"]
+            cells = [r["kernel"], r["arch"], p["name"], p["path"], h, p["LDSM"], p["LDS"],
+                     p["STS"], f"{p.get('LDL', 0)}+{p.get('STL', 0)}",
+                     f"{(p['path'] - h) / h:.2f}" if h else "nan",
+                     f"{without_spills(p):.2f}", f"{p['smem_bytes'] / h:.0f}" if h else "nan"]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def print_launch_table(rows: list[dict]) -> None:
@@ -1001,18 +1365,32 @@ def main() -> int:
                     help="PyTorch's include directory for --flash-attn (default: the current "
                          "Python's torch)")
     ap.add_argument("--keep", type=Path, metavar="DIR",
-                    help="with --flash-attn: keep the cubins and their SASS in DIR")
+                    help="keep the cubins and their SASS in DIR")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: analyse the cubins an earlier run left in DIR instead of "
                          "compiling them again (compile flags are not checked)")
     ap.add_argument("--decode", action="store_true",
                     help="report the decode kernel instead (DECODE_KERNELS): one warp's pass "
                          "over 32 keys, and the read rate the issue slots allow on an H200")
+    ap.add_argument("--decide", action="append", default=[], metavar="ADDR=SIDE",
+                    help="the side (taken or fall) a plain call takes at the conditional branch "
+                         "at ADDR (hex, as --branches lists it) of the main loop, where the rule "
+                         "of thumb takes the other: e.g. a bounds test a full block passes. "
+                         "Repeatable; addresses are one build's, so give one file and --kernel")
+    ap.add_argument("--branches", action="store_true",
+                    help="list the main loop's conditional branches on stderr: address, class "
+                         "(warp, vote, data, call), the two sides, whether the path takes them")
     ap.add_argument("--loops", action="store_true",
                     help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()
     if a.inner_trips < 1:
         ap.error("--inner-trips takes a count of 1 or more")
+    decide = {}
+    for d in a.decide:
+        addr, _, side = d.partition("=")
+        if side not in ("taken", "fall"):
+            ap.error(f"--decide {d}: give ADDR=taken or ADDR=fall")
+        decide[int(addr, 16)] = side
     nvcc = find_tool("nvcc")
     cuobjdump = find_tool("cuobjdump")
     if not nvcc or not cuobjdump or not find_tool("nvdisasm"):
@@ -1025,27 +1403,33 @@ def main() -> int:
             rows += decode_report(arch, a.src_root.resolve(), nvcc, cuobjdump, tuple(a.also))
         print_decode_table(rows)
         return 0
+    if a.keep:
+        a.keep.mkdir(parents=True, exist_ok=True)
     if a.flash_attn:
         torch_inc = find_torch_include(a.torch_include)
         if torch_inc is None or not (torch_inc / "ATen").is_dir():
             print("sass_report: flash-attn needs PyTorch's headers (--torch-include DIR)",
                   file=sys.stderr)
             return 2
-        if a.keep:
-            a.keep.mkdir(parents=True, exist_ok=True)
         rows = fa_report(a.flash_attn.resolve(), a.cutlass.resolve() if a.cutlass else None,
                          torch_inc.resolve(), a.arch or ["80"], nvcc, cuobjdump, a.kernel,
                          tuple(a.also), a.keep.resolve() if a.keep else None, a.loops,
                          a.reuse and a.keep is not None)
         print_table(rows)
         print()
+        print_plain_table(rows)
+        print()
         print_fa_details(rows)
         return 0
     rows = []
     for arch in a.arch or ["80"]:
         rows += report(a.files or DEFAULT_FILES, arch, a.src_root.resolve(), nvcc, cuobjdump,
-                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also), a.inner_trips)
+                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also), a.inner_trips,
+                       a.keep.resolve() if a.keep else None, a.reuse and a.keep is not None,
+                       decide, a.branches)
     print_table(rows)
+    print()
+    print_plain_table(rows)
     print()
     print_launch_table(rows)
     return 0

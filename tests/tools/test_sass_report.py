@@ -231,3 +231,147 @@ def test_decode_pass_takes_both_products_in_the_fewest_instructions():
     assert got["loops"] == [(2, 5)]
     assert got["FFMA"] == 8 and got["LDG"] == 3 and got["MUFU"] == 1
     assert got["ldg_bytes"] == 32 * (16 + 2 * 8)
+
+
+# The plain call's passes. A loop (0x10-0xe0) with: a warp-dependent branch (warp 0 alone, tid
+# < 32, loads a row: 0x40-0x50), a vote-guarded rescale (0x90-0xa8: taken when the warp's vote
+# of a float compare fires), a data branch over a rare block (0xc0, on a value loaded from
+# shared memory), and a bounds test on a call-wide value (0x60: a block past the sequence's
+# end skips the 0x70 load, which a full block runs).
+PLAIN = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x08, "MOV R9, c[0x0][0x160]"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "ISETP.GT.AND P0, PT, R0, 0x1f, PT"),
+    (0x20, "@P0 BRA 0x58"),                      # warp 0 only: 0x40-0x50
+    (0x40, "LDG.E R12, [R2.64]"),
+    (0x48, "STS [R3], R12"),
+    (0x50, "IADD3 R13, R13, 0x1, RZ"),
+    (0x58, "ISETP.GE.AND P1, PT, R9, 0x40, PT"),
+    (0x60, "@P1 BRA 0x78"),                      # call-wide: a full block falls through
+    (0x70, "LDS R14, [R3]"),
+    (0x78, "FSETP.GT.AND P2, PT, R20, R21, PT"),
+    (0x80, "VOTE.ANY R22, PT, P2"),
+    (0x88, "ISETP.NE.AND P3, PT, R22, RZ, PT"),
+    (0x8c, "@!P3 BRA 0xb0"),                     # no max moved: no rescale
+    (0x90, "FMUL R24, R24, R23"),
+    (0x98, "FMUL R25, R25, R23"),
+    (0xa0, "FMUL R26, R26, R23"),
+    (0xa8, "FMUL R27, R27, R23"),
+    (0xb0, "LDS R30, [R3+0x4]"),
+    (0xb8, "ISETP.NE.AND P4, PT, R30, RZ, PT"),
+    (0xbc, "@!P4 BRA 0xd0"),                     # data: the rare block is skipped
+    (0xc0, "STS [R3], RZ"),
+    (0xc8, "STS [R3+0x4], RZ"),
+    (0xd0, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0xe0, "@P5 BRA 0x10"),
+    (0xf0, "EXIT"),
+]
+
+
+def _plain(decide=None):
+    blocks = sr.blocks_of(sr.parse(_sass(PLAIN))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    body, ends = sr.loop_region(blocks, loop, natural=False)
+    passes = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends,
+                                                      decide=decide)}
+    return blocks, loop, body, passes
+
+
+def _addrs(loop):
+    return {i.addr for b in loop.path for i in b.instrs}
+
+
+def test_branches_are_classed_by_where_their_predicate_comes_from():
+    blocks, loop, body, _ = _plain()
+    lines = sr.branch_listing(blocks, loop.header, body, {b.start for b in loop.path})
+    cls = {int(line.split()[0], 16): line.split()[1] for line in lines}
+    assert cls == {0x20: "warp", 0x60: "call", 0x8c: "vote", 0xbc: "data", 0xe0: "call"}
+    # each line names the compare that set the predicate, where its block holds it
+    assert lines[0].endswith("[ISETP.GT.AND P0, PT, R0, 0x1f, PT]")
+    assert lines[-1].endswith("(1 instrs)")  # 0xe0: P5 set outside the block
+
+
+def test_plain_passes_take_both_sides_of_warp_and_vote_branches():
+    blocks, loop, _, passes = _plain()
+    assert set(passes) == {"slowest warp, rescale", "fastest warp, rescale",
+                           "slowest warp, no rescale", "fastest warp, no rescale"}
+    slow, fast = passes["slowest warp, rescale"], passes["fastest warp, rescale"]
+    assert {0x40, 0x48, 0x50} <= _addrs(slow) and not {0x40, 0x48, 0x50} & _addrs(fast)
+    rescale = {0x90, 0x98, 0xa0, 0xa8}
+    assert rescale <= _addrs(slow) and not rescale & _addrs(passes["slowest warp, no rescale"])
+    for p in passes.values():  # the rare block never; both products always
+        assert not {0xc0, 0xc8} & _addrs(p) and p.path_count("HMMA") == 2
+    assert slow.path_count() - fast.path_count() == 3
+    assert slow.path_count() - passes["slowest warp, no rescale"].path_count() == 4
+    # the rule of thumb's path: the fewest instructions, so no warp 0 load and no rescale
+    assert not (rescale | {0x40}) & _addrs(loop)
+
+
+def test_decide_sets_the_side_of_a_call_branch():
+    _, loop, _, passes = _plain()
+    assert 0x70 not in _addrs(passes["slowest warp, no rescale"]) and 0x70 not in _addrs(loop)
+    _, _, _, decided = _plain({0x60: "fall"})
+    for p in decided.values():
+        assert 0x70 in _addrs(p)
+    assert (decided["fastest warp, no rescale"].path_count()
+            == passes["fastest warp, no rescale"].path_count() + 1)
+    _, _, _, taken = _plain({0x60: "taken"})
+    assert all(0x70 not in _addrs(p) for p in taken.values())
+
+
+def test_a_loop_without_vote_or_warp_branches_has_two_equal_passes():
+    blocks = sr.blocks_of(sr.parse(_sass(PLANTED))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    body, ends = sr.loop_region(blocks, loop, natural=False)
+    passes = sr.plain_passes(blocks, loop.header, body, ends)
+    assert [p.name for p in passes] == ["slowest warp", "fastest warp"]
+    # 0x20 tests P0, never written: a call-wide value; the common side skips the rare block
+    assert [[b.start for b in p.loop.path] for p in passes] == [[b.start for b in loop.path]] * 2
+
+
+def test_without_spills_leaves_out_local_memory_traffic():
+    spilled = PLANTED[:2] + [(0x14, "STL [R1+0x8], R20"), (0x18, "LDL R21, [R1+0x8]")] + \
+        PLANTED[2:]
+    blocks = sr.blocks_of(sr.parse(_sass(spilled))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    counts = sr.pass_counts(blocks, loop)
+    assert counts["LDL"] == 1 and counts["STL"] == 1 and counts["path"] == 13
+    assert counts["HMMA"] == 2
+    assert sr.without_spills(counts) == (13 - 2 - 2) / 2
+    assert sr.without_spills(dict(counts, LDL=0, STL=0)) == (13 - 2) / 2
+
+
+def test_dests_and_sources():
+    ins = sr.parse(_sass([
+        (0x00, "IMAD.WIDE.U32 R4, R143, R206, RZ"),
+        (0x10, "ISETP.GE.AND P0, PT, R4, R226, PT"),
+        (0x20, "@P1 LDS.64 R6, [R148+0x12c08]"),
+        (0x30, "STS [R149.X4+0x12c40], R20"),
+        (0x40, "VOTE.ANY R123, PT, P0"),
+        (0x50, "IADD3 R4, P2, R6, R4, RZ"),
+        (0x60, "LDSM.16.MT88.2 R8, [R2+0x100]"),
+        (0x70, "HMMA.16816.F32 R12, R4, R8, R12"),
+    ]))["planted_kernel"]
+    got = [sr.dests_and_sources(i) for i in ins]
+    assert got[0] == (["R4", "R5"], ["R143", "R206"])
+    assert got[1] == (["P0"], ["R4", "R226"])
+    assert got[2] == (["R6", "R7"], ["P1", "R148"])
+    assert got[3] == ([], ["R149", "R20"])
+    assert got[4] == (["R123"], ["P0"])
+    assert got[5] == (["R4", "P2"], ["R6", "R4"])
+    assert got[6] == (["R8", "R9"], ["R2"])
+    assert got[7][0] == ["R12", "R13", "R14", "R15"]
+
+
+def test_plain_passes_on_a_natural_loop_take_the_prefetch_above_its_head():
+    """--flash-attn's loops are natural loops: the plain passes search the same body."""
+    blocks = sr.blocks_of(sr.parse(_sass(PREFETCH_ABOVE))["planted_kernel"])
+    loop = sr.main_loop(blocks, natural=True)
+    body, ends = sr.loop_region(blocks, loop, natural=True)
+    assert body == {0x20, 0x40, 0x50} and ends == {0x50}
+    passes = sr.plain_passes(blocks, loop.header, body, ends)
+    assert [p.name for p in passes] == ["slowest warp", "fastest warp"]
+    for p in passes:
+        assert [b.start for b in p.loop.path] == [0x40, 0x20, 0x50]
+        assert p.loop.path_count("LDGSTS") == 1 and p.loop.path_count() == 6
