@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -15,6 +16,18 @@ struct Result {
 };
 inline Result pass(std::string detail = {}) { return {true, std::move(detail)}; }
 inline Result fail(std::string detail) { return {false, std::move(detail)}; }
+
+// A launch that must fail: its error message (empty when it succeeded) must name every word,
+// so that a check fails on the wrong error as well as on none. The message, cut to `keep`
+// characters, is the pass's detail.
+inline Result expect_error(const std::string& err, std::initializer_list<const char*> words,
+                           size_t keep = 240) {
+  if (err.empty()) return fail("the launch succeeded; expected an error");
+  for (const char* w : words)
+    if (err.find(w) == std::string::npos)
+      return fail("error message lacks \"" + std::string(w) + "\": " + err);
+  return pass(err.substr(0, keep));
+}
 
 struct Case {
   std::string name;

@@ -19,16 +19,9 @@ using emu_test::fail;
 using emu_test::launch_error;
 using emu_test::pass;
 using emu_test::Result;
+using emu_test::expect_error;
 
 namespace {
-
-Result expect_error(const std::string& err, std::initializer_list<const char*> words) {
-  if (err.empty()) return fail("the launch succeeded; expected an error");
-  for (const char* w : words)
-    if (err.find(w) == std::string::npos)
-      return fail("error message lacks \"" + std::string(w) + "\": " + err);
-  return pass(err.substr(0, 200));
-}
 
 // ---- indices and scheduling ----
 struct Ids {
