@@ -207,7 +207,10 @@ FMHA_DEVICE bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {
 #endif
 }
 
-// Waits until the phase of parity `parity` has completed.
+// Waits until the phase of parity `parity` has completed. A parity names a phase only while the
+// waiter is not behind: a thread that waits without arriving (the lanes of a producer warp
+// beside its elected one) must be held by something else -- a __syncwarp between the wait and
+// the elected lane's refill -- or, once the refill is consumed, it waits on the next phase.
 FMHA_DEVICE void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   while (!mbarrier_try_wait_parity(bar, parity)) {
   }

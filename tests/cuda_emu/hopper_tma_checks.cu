@@ -297,6 +297,10 @@ __global__ void tma_wgmma_kernel(const __grid_constant__ TensorMap a_map,
     for (int kt = 0; kt < p.k_tiles; ++kt) {
       const int s = kt % 2;
       mbarrier_wait(&empty[s], uint32_t((kt / 2) & 1) ^ 1u);  // first pass: free
+      // Every lane has seen the stage free before the leader refills it: the other lanes wait
+      // but never arrive, so nothing else holds them back, and a lane still to wait once the
+      // refill has been consumed would wait on a parity that names the next phase -- forever.
+      __syncwarp();
       if (leader) {
         mbarrier_arrive_expect_tx(&full[s], 2 * kTileBytes);
         for (int part = 0; part < 64 / inner; ++part) {  // A: (k columns, m rows)
