@@ -4,7 +4,8 @@
   same case draws the same inputs on every backend).
 * ``backend``: the kernel module behind fmha's Python API for a test: ``cpu`` (fmha._C),
   ``emu`` (fmha._cuda_emu: the CUDA kernels under the SIMT emulator, on host arrays) or
-  ``gpu`` (fmha._C's CUDA kernels on a real GPU, host arrays copied in and out). A module
+  ``emu90`` (the same, with FMHA_CUDA_KERNEL=sm90: the Hopper forward for the calls it claims)
+  or ``gpu`` (fmha._C's CUDA kernels on a real GPU, host arrays copied in and out). A module
   marked ``pytest.mark.backends("emu", "gpu")`` runs each of its tests once per backend;
   a backend that is not there skips with the reason.
 * ``make_inputs`` / ``make_array``: random inputs in (batch, seqlen, heads, dim) layout,
@@ -140,7 +141,7 @@ def probes():
 
 # ----------------------------------------------------------------------------- backends
 
-BACKENDS = ("cpu", "emu", "gpu")
+BACKENDS = ("cpu", "emu", "emu90", "gpu")
 
 
 def pytest_configure(config):
@@ -173,15 +174,32 @@ def backend(request):
     (default "cpu"); yields the name."""
     from fmha._core import _kernel_module
     name = getattr(request, "param", "cpu")
-    with _kernel_module(_backend_module(name)):
-        yield name
+    module = _backend_module(name)
+    if name != "emu90":
+        with _kernel_module(module):
+            yield name
+        return
+    # emu90: the emulator with the Hopper forward (csrc/cuda/flash_fwd_sm90.cuh) for every call
+    # it claims. A test marked for it must reach that kernel: its last forward is checked.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FMHA_CUDA_KERNEL", "sm90")
+    module.forward_kernel()  # clear
+    try:
+        with _kernel_module(module):
+            yield name
+        used = module.forward_kernel()
+        assert used in ("", "sm90"), (
+            f"the case's forward ran in the {used} kernel: the sm_90 kernel does not claim it "
+            "(list it for the emu backend only)")
+    finally:
+        mp.undo()
 
 
 def _backend_module(name):
     import fmha
     if name == "cpu":
         return fmha._C
-    if name == "emu":
+    if name in ("emu", "emu90"):
         try:
             from fmha import _cuda_emu
         except ImportError:

@@ -42,6 +42,8 @@ class Family:
     returns: str     # the launcher's return type
     # variant suffix ("" = none) -> template arguments after (T, head_dim)
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the head-dim tiles it is instantiated for (None: every tile of cuda/head_dims.h)
+    tiles: tuple[int, ...] | None = None
 
 
 FAMILIES = [
@@ -51,6 +53,9 @@ FAMILIES = [
     # The backward's launches (D, dK/dV/dQ or the deterministic dQ kernel, dbias): flash_bwd.cuh.
     Family("flash_bwd", "cuda/flash_bwd.cuh", "run_flash_bwd", "const BwdParams&, Stream", "void",
            variants={"": ("false",), "extras": ("true",)}),
+    # The Hopper forward (flash_fwd_sm90.cuh): TMA boxes of 64 columns, so tiles of 64, 128, 256.
+    Family("flash_fwd_sm90", "cuda/flash_fwd_sm90.cuh", "run_flash_fwd_sm90",
+           "const FwdParams&, Stream", "int", variants={"": ()}, tiles=(64, 128, 256)),
 ]
 
 
@@ -75,7 +80,7 @@ def generate() -> dict[str, str]:
     tiles = head_dim_tiles()
     for fam in FAMILIES:
         externs = []
-        for d in tiles:
+        for d in (fam.tiles or tiles):
             for dtype in DTYPES:
                 for variant, args in fam.variants.items():
                     name = f"{fam.name}_hdim{d}_{dtype}{'_' + variant if variant else ''}.cu"

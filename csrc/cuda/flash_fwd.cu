@@ -14,6 +14,7 @@
 // `python tools/ptxas_check.py` (run by tests/native/test_cuda_emu.py) fails otherwise. The
 // reasoning behind each config is in cuda/flash_fwd.cuh and docs/cuda_kernels.md.
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -85,10 +86,54 @@ int flash_fwd_num_splits(const FwdParams& p, int m_blocks, int n_blocks, int cta
   return 1;
 }
 
+namespace {
+
+thread_local const char* last_kernel = "";
+
+// FMHA_CUDA_KERNEL: unset or "auto" (the Hopper kernel where the device and the build have
+// it; never under the emulator), "sm80" (always the sm_80 kernel), "sm90" (the Hopper kernel
+// for every call it claims: how the emulator runs it). Anything else is an error.
+bool use_sm90(const FwdParams& p) {
+  const char* env = std::getenv("FMHA_CUDA_KERNEL");
+  const std::string choice = env ? env : "";
+  FMHA_CHECK_ARG(choice.empty() || choice == "auto" || choice == "sm80" || choice == "sm90",
+                 "FMHA_CUDA_KERNEL: expected auto, sm80 or sm90, got \"", choice, "\"");
+  if (choice == "sm80") return false;
+#if defined(__CUDACC__)
+  // The sm_90a code runs on compute capability 9.0 only (arch-specific features).
+  bool hopper = false;
+#if defined(FMHA_CUDA_SM90A)
+  int device = 0, major = 0, minor = 0;
+  hopper = cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+           major == 9 && minor == 0;
+#endif
+  FMHA_CHECK_ARG(hopper || choice != "sm90", "FMHA_CUDA_KERNEL=sm90: this device or build has "
+                 "no sm_90a kernel (it needs compute capability 9.0 and FMHA_CUDA_ARCHS with 90)");
+  return hopper && flash_fwd_sm90_claims(p);
+#else
+  return choice == "sm90" && flash_fwd_sm90_claims(p);
+#endif
+}
+
+}  // namespace
+
+const char* flash_fwd_take_last_kernel() {
+  const char* k = last_kernel;
+  last_kernel = "";
+  return k;
+}
+
 int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
   check_params(p, Backend::kCuda);
   const int tile = launch_tile(p, "launch_flash_fwd");
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return 0;  // nothing to write
+  if (use_sm90(p)) {
+    last_kernel = "sm90";
+    return launch_flash_fwd_sm90(p, stream_ptr);
+  }
+  last_kernel = "sm80";
   // seqlen_k == 0: the kernel visits no key block and writes out 0, lse -inf.
   const Stream stream = static_cast<Stream>(stream_ptr);
   if (p.dtype == DType::kFloat16) return run<half_t>(p, tile, stream);

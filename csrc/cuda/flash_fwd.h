@@ -17,5 +17,15 @@ namespace gpu {
 // dims beyond the built tiles.
 int launch_flash_fwd(const FwdParams& p, void* stream = nullptr);
 
+// Which forward kernel launch_flash_fwd runs (the choice: cuda/flash_fwd.cu, kernel_choice):
+// the Hopper one (cuda/flash_fwd_sm90.cuh) takes the calls flash_fwd_sm90_claims accepts on an
+// sm_90 device of a build with sm_90a code, unless FMHA_CUDA_KERNEL=sm80; under the emulator
+// only with FMHA_CUDA_KERNEL=sm90. The rest run in the sm_80 kernel (cuda/flash_fwd.cuh).
+bool flash_fwd_sm90_claims(const FwdParams& p);
+int launch_flash_fwd_sm90(const FwdParams& p, void* stream);
+// "sm90" or "sm80": the kernel of this thread's last launch_flash_fwd since the previous
+// call ("": none). For tests of the routing.
+const char* flash_fwd_take_last_kernel();
+
 }  // namespace gpu
 }  // namespace fmha

@@ -589,6 +589,17 @@ FMHA_DEVICE void bulk_wait_group_read() {
 
 // ---------------------------------------------------------------------------- the rest
 
+// Opt a kernel built for sm_90a only into `bytes` of dynamic shared memory (up to sm_90's
+// 227 KiB per CTA; set_max_dynamic_smem of primitives.cuh holds the emulator to sm_80's 163).
+template <typename Kernel>
+void set_max_dynamic_smem_sm90(Kernel kernel, size_t bytes) {
+#if defined(__CUDACC__)
+  set_max_dynamic_smem(kernel, bytes);
+#else
+  ::emu::set_max_dynamic_smem_sm90(reinterpret_cast<const void*>(kernel), bytes);
+#endif
+}
+
 // fence.proxy.async.shared::cta: this thread's generic-proxy writes of shared memory become
 // visible to later async-proxy reads (wgmma operands, TMA stores) -- PTX ISA "membar /
 // fence", and "Memory Consistency Model: proxies".

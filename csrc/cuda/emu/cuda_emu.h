@@ -131,6 +131,8 @@ void* dynamic_smem();
 size_t dynamic_smem_bytes();
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
 void set_max_dynamic_smem(const void* kernel, size_t bytes);
+// The same for a kernel built for sm_90 only (the Hopper kernels): its 227 KiB per CTA.
+void set_max_dynamic_smem_sm90(const void* kernel, size_t bytes);
 // Device scratch (cuda/primitives.cuh, Scratch) taken and given back, for the live and peak
 // byte counts of emu::stats().
 void scratch_taken(size_t bytes);

@@ -232,6 +232,7 @@ std::map<const void*, size_t> g_smem_optin;  // kernel -> max dynamic shared mem
 // target sm_80, whose limit is the smallest of the architectures they are built for).
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 constexpr size_t kMaxDynamicSmem = 163 * 1024;
+constexpr size_t kMaxDynamicSmemSm90 = 227 * 1024;  // the sm_90a-only kernels' (cuda/hopper.cuh)
 
 ThreadImpl& me() {
   ThreadImpl* t = current();
@@ -2104,6 +2105,15 @@ void set_max_dynamic_smem(const void* kernel, size_t bytes) {
     throw std::invalid_argument("cudaFuncSetAttribute: " + std::to_string(bytes) +
                                 " bytes of dynamic shared memory exceed sm_80's " +
                                 std::to_string(detail::kMaxDynamicSmem));
+  std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
+  detail::g_smem_optin[kernel] = bytes;
+}
+
+void set_max_dynamic_smem_sm90(const void* kernel, size_t bytes) {
+  if (bytes > detail::kMaxDynamicSmemSm90)
+    throw std::invalid_argument("cudaFuncSetAttribute: " + std::to_string(bytes) +
+                                " bytes of dynamic shared memory exceed sm_90's " +
+                                std::to_string(detail::kMaxDynamicSmemSm90));
   std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
   detail::g_smem_optin[kernel] = bytes;
 }

@@ -441,6 +441,10 @@ PYBIND11_MODULE(_cuda_emu, m) {
         "batch + 1), q (total_q, hq, d), k/v (total_k, hkv, d), lse (hq, total_q), max_seqlen_q/k "
         "(-1: the longest sequence). num_splits: key splits (0 = by occupancy, 1 = none). "
         "Returns the number of splits used.");
+  m.def("forward_kernel", [] { return std::string(fmha::gpu::flash_fwd_take_last_kernel()); },
+        "The forward kernel of this thread's last flash_forward since the previous ask: \"sm90\" "
+        "(cuda/flash_fwd_sm90.cuh, run under FMHA_CUDA_KERNEL=sm90 for the calls it claims), "
+        "\"sm80\", or \"\" (none).");
   m.def("flash_backward", &flash_backward, py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
         py::kw_only(), py::arg("dbias") = py::none(), py::arg("deterministic") = false,

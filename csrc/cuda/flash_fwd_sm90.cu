@@ -1,0 +1,99 @@
+// Host side of the sm_90 forward (cuda/flash_fwd_sm90.cuh): which calls it takes, and the
+// tensor maps of a launch. The launchers are compiled in the generated files
+// csrc/cuda/instantiations/flash_fwd_sm90_*.cu (tools/generate_instantiations.py); the
+// choice between this kernel and the sm_80 one is made in cuda/flash_fwd.cu.
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/flash_fwd_sm90.cuh"
+#include "cuda/launch.h"
+
+namespace fmha {
+namespace gpu {
+
+#include "cuda/instantiations/flash_fwd_sm90_instantiations.inc"
+
+// The tile: the smallest of 64, 128, 256 that holds both head dims and that this build
+// compiled (FMHA_CUDA_HEAD_DIMS); 0 when none.
+int flash_fwd_sm90_tile(const FwdParams& p) {
+  const int d = std::max(p.head_dim, p.head_dim_v);
+  for (int tile : {64, 128, 256})
+    if (d <= tile && head_dim_tile_built(tile)) return tile;
+  return 0;
+}
+
+namespace {
+
+// A stride TMA accepts: a positive multiple of 16 bytes. A dimension of extent 1 is never
+// stepped, so its stride (which may be anything, 0 included) is replaced by one that is.
+bool tma_stride_ok(int64_t elements, int extent) {
+  return extent == 1 || (elements > 0 && (elements * 2) % 16 == 0);
+}
+
+}  // namespace
+
+// The calls this kernel takes: 16-bit q/k/v, plain scores (no softcap, bias, ALiBi, masks,
+// dropout: needs_extras), a positive scale, causal / sliding windows, GQA, varlen and split-KV;
+// no KV cache or paged KV (the decode kernel's calls). TMA needs 16-byte aligned bases and
+// strides that are positive multiples of 16 bytes, and a tensor with at least one row.
+bool flash_fwd_sm90_claims(const FwdParams& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if (needs_extras(p) || !(float(p.scale) * score::kLog2e > 0.0f)) return false;
+  if (p.cache_seqlens || p.k_new || p.block_table || p.kv_code != KvCode::kNone) return false;
+  if (flash_fwd_sm90_tile(p) == 0) return false;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  if (rows_q < 1 || rows_k < 1) return false;
+  const int batch = varlen ? 1 : p.batch;
+  auto aligned = [&](const void* ptr, int64_t row, int64_t head, int64_t bat, int heads) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && row > 0 && (row * 2) % 16 == 0 &&
+           tma_stride_ok(head, heads) && tma_stride_ok(bat, batch);
+  };
+  return aligned(p.q, p.q_row_stride, p.q_head_stride, p.q_batch_stride, p.heads_q) &&
+         aligned(p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, p.heads_kv) &&
+         aligned(p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride, p.heads_kv);
+}
+
+// Maps of (columns, rows, heads, batch) in boxes of 64 columns (128 bytes: the 128-byte
+// swizzle's span, which the kernel's wgmma descriptors read) x 64 (Q) or block_n (K, V) rows.
+// Columns past the head dim and rows past the tensor read as zero.
+Sm90Maps flash_fwd_sm90_maps(const FwdParams& p, int block_n) {
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const TmaDtype dtype = p.dtype == DType::kFloat16 ? TmaDtype::kF16 : TmaDtype::kBF16;
+  const int batch = varlen ? 1 : p.batch;
+  auto map = [&](const void* ptr, int cols, int rows, int heads, int64_t row_stride,
+                 int64_t head_stride, int64_t batch_stride, int box_rows) {
+    const uint64_t row_bytes = uint64_t(row_stride) * 2;
+    const uint64_t dims[4] = {uint64_t(cols), uint64_t(rows), uint64_t(heads), uint64_t(batch)};
+    const uint64_t strides[3] = {row_bytes, heads == 1 ? row_bytes : uint64_t(head_stride) * 2,
+                                 batch == 1 ? row_bytes : uint64_t(batch_stride) * 2};
+    const uint32_t box[4] = {64, uint32_t(box_rows), 1, 1}, element_strides[4] = {1, 1, 1, 1};
+    return encode_tensor_map(dtype, 4, ptr, dims, strides, box, element_strides,
+                             SmemSwizzle::k128B);
+  };
+  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  Sm90Maps maps;
+  maps.q = map(p.q, p.head_dim, rows_q, p.heads_q, p.q_row_stride, p.q_head_stride,
+               p.q_batch_stride, 64);
+  maps.k = map(p.k, p.head_dim, rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride,
+               p.k_batch_stride, block_n);
+  maps.v = map(p.v, p.head_dim_v, rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride,
+               p.v_batch_stride, block_n);
+  return maps;
+}
+
+int launch_flash_fwd_sm90(const FwdParams& p, void* stream_ptr) {
+  const Stream stream = static_cast<Stream>(stream_ptr);
+  int splits = 0;
+  const bool half = p.dtype == DType::kFloat16;
+  with_head_dim_tile(flash_fwd_sm90_tile(p), [&](auto tile_c) {
+    constexpr int kTile = decltype(tile_c)::value;
+    if constexpr (kTile == 64 || kTile == 128 || kTile == 256)
+      splits = half ? run_flash_fwd_sm90<half_t, kTile>(p, stream)
+                    : run_flash_fwd_sm90<bf16_t, kTile>(p, stream);
+  });
+  return splits;
+}
+
+}  // namespace gpu
+}  // namespace fmha

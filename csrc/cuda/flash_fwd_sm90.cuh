@@ -1,0 +1,458 @@
+// The Hopper (sm_90a) forward kernel, in FlashAttention-3's design (Shah et al.,
+// "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision", 2024),
+// written only with cuda/hopper.cuh and cuda/primitives.cuh so that it runs on an H100/H200
+// and, in CI, under the SIMT emulator. The walk-through: docs/cuda_kernels.md, "The sm_90
+// forward".
+//
+// One CTA per (query block Qi of kBlockM = 128 rows, query head, batch [, key split]), three
+// warpgroups of 128 threads with different roles (warp specialisation):
+//   warpgroup 0, the producer: gives registers away (setmaxnreg.dec), and one elected lane
+//     of its first warp issues every TMA load: Qi once, then Kj and Vj of each key block into
+//     a ring of kStages stages. Each stage has a "full" mbarrier per tile (the TMA's bytes
+//     complete it) and an "empty" one (the consumers' 256 threads arrive when done reading);
+//   warpgroups 1 and 2, the consumers: take the registers (setmaxnreg.inc), each owns 64 rows
+//     of Qi and, per key block j (names from the paper):
+//       S  = Qi Kj^T          wgmma m64n{kBlockN}k16, A (Qi) and B (Kj) from shared memory
+//                             through descriptors over the TMA's 128-byte swizzle; f32
+//       release Kj's stage    (empty mbarrier), mask S (window edges, the sequence's tail)
+//       m' = max(m, rowmax S), P = exp2(S scale log2e - m'), l = l exp2(m - m') + rowsum P
+//       O  = O exp2(m - m')   (lazily, as the sm_80 kernel: cuda/flash_fwd.cuh kLazyRescale)
+//       O += P Vj             wgmma m64n{d}k16 with A = P from registers (the accumulator
+//                             layout of S is the A-fragment layout: converted to f16/bf16
+//                             in place) and B = Vj, N-major, from shared memory
+//       release Vj's stage
+//     and at the end O /= l, lse = (m + log2 l) ln2, stored from registers.
+// The score semantics come from fmha/score.h (through cuda/score.cuh) as in every kernel.
+//
+// The strong zero (cuda/strong_zero.cuh, the NaN rule): a pair of zero weight meets V as
+// 0 * V in the wgmma, NaN where V is NaN or Inf. The blocks that can hold such a pair (the
+// window's edge blocks, and a varlen sequence's last block, whose tail rows are the next
+// sequence's) are scanned by every consumer warp (reads only: the tile belongs to the TMA and
+// to both consumer warpgroups) and, in the rare block that holds a non-finite V, P Vj runs as
+// a plain per-thread product that skips the excluded pairs -- no shared-memory write, so no
+// consumer ever waits on another.
+//
+// Split-KV uses FwdLaunch and the combine kernel of cuda/flash_fwd.cuh, as the sm_80 kernel.
+//
+// What the emulator cannot check (timing and overlap, cuda/emu/README.md) this kernel does not
+// rely on for correctness: every hand-off is an mbarrier phase over TMA data, no generic store
+// is ordered by an mbarrier, and every wgmma/TMA operand lives in dynamic shared memory.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/flash_fwd.cuh"  // FwdLaunch, kLazyRescale, flash_fwd_combine_kernel
+#include "cuda/hopper.cuh"
+#include "cuda/primitives.cuh"
+#include "cuda/score.cuh"
+
+namespace fmha {
+namespace gpu {
+
+// The shape of one sm_90 forward kernel. Tiles per head dim as FlashAttention-3 picks them
+// for 16-bit inputs: the consumer's registers hold O (64 x d / 128 threads = d / 2 floats) and
+// S (kBlockN / 2), and shared memory (227 KiB per CTA on H100/H200) holds Qi and kStages
+// stages of Kj and Vj.
+template <int kHeadDim_, int kBlockN_, int kStages_>
+struct FlashFwdSm90ConfigBase {
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kConsumers = 2;                   // consumer warpgroups
+  static constexpr int kRowsPerWg = 64;                  // wgmma's M
+  static constexpr int kBlockM = kConsumers * kRowsPerWg;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Tiles move as boxes of 64 columns (128 bytes, the 128-byte swizzle's span) by TMA; a
+  // tile of R rows is kHeadDim / 64 such boxes of R x 128 bytes, one after the other.
+  static constexpr int kBoxCols = 64;
+  static constexpr int kBoxes = kHeadDim / kBoxCols;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBoxBytesKV = kBlockN * 128;
+  static constexpr int kBarriers = 1 + 4 * kStages;  // Qi full; Kj, Vj full and empty per stage
+  static constexpr size_t kSmemBytes = size_t(kQBytes) + 2 * kStages * size_t(kKVBytes) + 8 * kBarriers;
+  // setmaxnreg: the producer keeps 24 registers, each consumer takes 240 (128 x (24 + 2 x
+  // 240) = 64512 of the SM's 65536).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+
+  static_assert(kHeadDim % kBoxCols == 0, "whole 64-column boxes");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P Vj: whole k16 steps; S: wgmma N <= 256");
+  static_assert(kBoxBytesKV % 1024 == 0, "boxes start on a swizzle atom (8 rows x 128 bytes)");
+  static_assert(kSmemBytes <= 227 * 1024, "fits an sm_90 CTA's shared memory");
+  static_assert(kHeadDim / 2 + kBlockN / 2 + kBlockN / 4 <= 208, "O, S and P within 240 registers");
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "the register file");
+};
+
+template <int kHeadDim>
+struct FlashFwdSm90Config;
+// d = 64: 128 x 128 tiles, 2 stages: 80 KiB. (FlashAttention-3 runs 192-row blocks here with
+// three consumers; two keep one kernel shape for every head dim.)
+template <> struct FlashFwdSm90Config<64> : FlashFwdSm90ConfigBase<64, 128, 2> {};
+// d = 128: 128 x 128, 2 stages: 160 KiB; O 64 + S 64 + P 32 registers per consumer thread.
+template <> struct FlashFwdSm90Config<128> : FlashFwdSm90ConfigBase<128, 128, 2> {};
+// d = 256: 128 x 80, 2 stages: 224 KiB; O 128 + S 40 + P 20 registers (FlashAttention-3's
+// tile for this head dim).
+template <> struct FlashFwdSm90Config<256> : FlashFwdSm90ConfigBase<256, 80, 2> {};
+
+// The tensor maps of one launch (kernel parameters: TMA reads them from the constant bank).
+// Dimensions (columns, rows, heads, batch): dense tensors per (b, h), varlen ones over the
+// packed rows with batch 1.
+struct Sm90Maps {
+  TensorMap q, k, v;
+};
+
+namespace sm90_detail {
+
+// Byte offset of element (row r, column c) in a tile of `rows` rows stored as TMA writes it
+// with the 128-byte swizzle: 64-column boxes of rows x 128 bytes, the 16-byte chunk index
+// XORed with r mod 8 (PTX ISA "Tensor-map", swizzle modes).
+FMHA_DEVICE int swizzled_offset(int rows, int r, int c) {
+  return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+}
+
+template <typename T>
+FMHA_DEVICE bool nonfinite_bits(uint16_t bits) {
+  // f16: 5 exponent bits at 10..14; bf16: 8 at 7..14. All ones: Inf or NaN.
+  constexpr uint16_t kExp = std::is_same<T, half_t>::value ? 0x7C00 : 0x7F80;
+  return (bits & kExp) == kExp;
+}
+
+}  // namespace sm90_detail
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ Sm90Maps maps, FwdParams p, FwdLaunch launch) {
+  FMHA_DYNAMIC_SHARED(uint8_t, smem);
+  uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
+  uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
+  uint8_t* sV = sK + Cfg::kStages * Cfg::kKVBytes;           // the same
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(sV + Cfg::kStages * Cfg::kKVBytes);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + Cfg::kStages;
+  uint64_t* k_empty = v_full + Cfg::kStages;
+  uint64_t* v_empty = k_empty + Cfg::kStages;
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int m_block = blockIdx.x % launch.m_blocks, split = blockIdx.x / launch.m_blocks;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int h_kv = h / (p.heads_q / p.heads_kv);  // GQA: the K/V head's tiles, never copied
+  const score::Seq seq = score::seq_of(p, b);
+  const int m0 = m_block * Cfg::kBlockM;
+  // Varlen: the grid is sized by the longest sequence; this block lies past its own.
+  // (Uniform over the CTA, before any barrier.)
+  if (m0 >= seq.sq) return;
+  const int left = p.window_left, right = p.window_right;
+  int n_begin, n_end;
+  score::key_blocks<Cfg::kBlockN>(seq, left, right, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
+  if (launch.num_splits > 1) {
+    const int per = (max(n_end - n_begin, 0) + launch.num_splits - 1) / launch.num_splits;
+    n_begin += split * per;
+    n_end = min(n_end, n_begin + per);
+  }
+
+  if (tid == 0) {
+    // Arrival counts: one (the producer's arrive.expect_tx) for the full barriers, every
+    // consumer thread for the empty ones.
+    mbarrier_init(q_full, 1);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&k_empty[s], 128 * Cfg::kConsumers);
+      mbarrier_init(&v_empty[s], 128 * Cfg::kConsumers);
+    }
+  }
+  // The barriers exist before anyone arrives on or waits for them (the only CTA-wide barrier).
+  __syncthreads();
+
+  // Packed (varlen) tensors: rows from the sequence's first; dense ones: per (b, h).
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int q_row0 = varlen ? seq.q_first : 0, k_row0 = varlen ? seq.k_first : 0;
+  const int q_bz = varlen ? 0 : b, k_bz = varlen ? 0 : b;
+
+  if (wg == 0) {
+    // ---- producer
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid >= 32 || n_begin >= n_end) return;  // one warp issues; the rest have no work
+    const bool leader = elect_one();
+    if (leader) {
+      mbarrier_arrive_expect_tx(q_full, Cfg::kQBytes);
+      for (int c = 0; c < Cfg::kConsumers; ++c)
+        for (int x = 0; x < Cfg::kBoxes; ++x) {
+          const int32_t at[4] = {x * Cfg::kBoxCols, q_row0 + m0 + c * Cfg::kRowsPerWg, h, q_bz};
+          tma_load<4>(sQ + (c * Cfg::kBoxes + x) * Cfg::kRowsPerWg * 128, &maps.q, at, q_full);
+        }
+    }
+    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+      const int s = i % Cfg::kStages;
+      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1) ^ 1u;  // the first round: free
+      mbarrier_wait(&k_empty[s], parity);
+      // Every lane has seen the stage free before the leader refills it (the others wait
+      // without arriving: nothing else holds them back; hopper.cuh, mbarrier_wait).
+      __syncwarp();
+      if (leader) {
+        mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKVBytes);
+        for (int x = 0; x < Cfg::kBoxes; ++x) {
+          const int32_t at[4] = {x * Cfg::kBoxCols, k_row0 + n * Cfg::kBlockN, h_kv, k_bz};
+          tma_load<4>(sK + s * Cfg::kKVBytes + x * Cfg::kBoxBytesKV, &maps.k, at, &k_full[s]);
+        }
+      }
+      mbarrier_wait(&v_empty[s], parity);
+      __syncwarp();
+      if (leader) {
+        mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKVBytes);
+        for (int x = 0; x < Cfg::kBoxes; ++x) {
+          const int32_t at[4] = {x * Cfg::kBoxCols, k_row0 + n * Cfg::kBlockN, h_kv, k_bz};
+          tma_load<4>(sV + s * Cfg::kKVBytes + x * Cfg::kBoxBytesKV, &maps.v, at, &v_full[s]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int c = wg - 1;                      // this consumer's 64 rows of Qi
+  const int ctid = tid - 128 * wg;           // thread within the warpgroup
+  const int warp = ctid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;      // accumulator fragment coordinates
+  // The rows of this thread: g and g + 8 of its warp's 16 (the wgmma accumulator layout is
+  // mma.sync's, warp w holding rows 16w..16w+15).
+  const int row_lo = m0 + c * Cfg::kRowsPerWg + 16 * warp + g;
+  constexpr int kS = Cfg::kBlockN / 2, kO = Cfg::kHeadDim / 2;  // accumulator floats per thread
+
+  float m[2] = {-FLT_MAX, -FLT_MAX}, l[2] = {0.0f, 0.0f};  // as flash_fwd.cuh: log2 domain
+  float acc_o[kO];
+#pragma unroll
+  for (int e = 0; e < kO; ++e) acc_o[e] = 0.0f;
+
+  if (n_begin < n_end) {
+    // As the sm_80 plain kernel: raw S, the scale folded into exp2 (needs scale * log2e > 0:
+    // the launcher claims no other call).
+    const float fold = float(p.scale) * score::kLog2e;
+    // Blocks [inner_lo, inner_hi) need no mask; from n_edge on a block may hold a pair of
+    // zero weight (the strong zero). Varlen: the last block's tail rows are the next
+    // sequence's (the TMA box reads on), so it is an edge block too.
+    const int inner_lo = (score::key_lo(seq, left, min(m0 + Cfg::kBlockM, seq.sq) - 1) +
+                          Cfg::kBlockN - 1) / Cfg::kBlockN;
+    const int inner_hi = (score::key_hi(seq, right, m0) + 1) / Cfg::kBlockN;
+    const int n_edge = min(score::first_edge_block<Cfg::kBlockN>(seq, left, right, m0, n_end, false),
+                           varlen ? seq.sk / Cfg::kBlockN : n_end);
+    const uint8_t* sQc = sQ + c * Cfg::kBoxes * Cfg::kRowsPerWg * 128;
+    mbarrier_wait(q_full, 0);
+
+    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+      const int s = i % Cfg::kStages;
+      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1);
+      const uint8_t* tK = sK + s * Cfg::kKVBytes;
+      const uint8_t* tV = sV + s * Cfg::kKVBytes;
+      const int n0 = n * Cfg::kBlockN;
+
+      // ---- S = Qi Kj^T: K-major A and B, one k16 step per 16 head dims (32 bytes into a
+      // box's 128-byte rows; boxes kRows x 128 bytes apart), 8-row atoms 1024 bytes apart.
+      float acc_s[kS];
+      mbarrier_wait(&k_full[s], parity);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+        const int box = kk * 16 / Cfg::kBoxCols, in_box = (kk * 16 % Cfg::kBoxCols) * 2;
+        const uint64_t a = make_smem_desc(sQc + box * Cfg::kRowsPerWg * 128 + in_box, 16, 1024,
+                                          SmemSwizzle::k128B);
+        const uint64_t bd = make_smem_desc(tK + box * Cfg::kBoxBytesKV + in_box, 16, 1024,
+                                           SmemSwizzle::k128B);
+        wgmma_ss<Cfg::kBlockN, T>(acc_s, a, bd, kk > 0);
+      }
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      mbarrier_arrive(&k_empty[s]);  // this thread is done with Kj's stage
+
+      // ---- mask: keys past the sequence and outside the row's window get -inf (edge blocks
+      // only; rows past seqlen_q are never stored).
+      if (n < inner_lo || n >= inner_hi) {
+#pragma unroll
+        for (int e = 0; e < kS; ++e) {
+          const int i_row = row_lo + 8 * ((e % 4) / 2), key = n0 + 8 * (e / 4) + 2 * t + e % 2;
+          if (!score::key_visible(seq, left, right, i_row, key)) acc_s[e] = -INFINITY;
+        }
+      }
+
+      // ---- online softmax (the sm_80 kernel's, lazy rescale included): a row's scores
+      // are spread over the 4 lanes of a quad.
+      float alpha[2];
+      bool rescale = false;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float block_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kS / 4; ++j)
+          block_max = fmaxf(block_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+        block_max = fmaxf(block_max, shfl_xor(block_max, 1));
+        block_max = fmaxf(block_max, shfl_xor(block_max, 2));
+        const float block_logit = block_max * fold;
+        const float row_max = block_logit > m[r] + kLazyRescale ? block_logit : m[r];
+        // +inf max: NaN row, as in flash_fwd.cuh (0 * inf = NaN in the FFMA).
+        const float m_use = fmaf(0.0f, row_max, row_max);
+        alpha[r] = exp2_approx(m[r] - m_use);
+        rescale |= alpha[r] != 1.0f;
+        m[r] = row_max;
+        float row_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kS / 4; ++j)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            acc_s[4 * j + e] = exp2_approx(fmaf(acc_s[4 * j + e], fold, -m_use));
+            row_sum += acc_s[4 * j + e];
+          }
+        l[r] = l[r] * alpha[r] + row_sum;
+      }
+      if (warp_ballot(rescale) != 0u) {
+#pragma unroll
+        for (int e = 0; e < kO; ++e) acc_o[e] *= alpha[(e % 4) / 2];
+      }
+
+      // ---- P as wgmma A fragments: n-tiles 2kk, 2kk+1 of S are k-step kk's A (mma.sync's
+      // layout, which wgmma's register A keeps per warp).
+      uint32_t p_frag[Cfg::kBlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) p_frag[kk][x] = pack2<T>(acc_s[8 * kk + 2 * x], acc_s[8 * kk + 2 * x + 1]);
+
+      mbarrier_wait(&v_full[s], parity);
+      // The strong zero: an edge block whose Vj holds NaN or Inf (each warp scans the whole
+      // tile, so the four warps of the warpgroup agree without talking).
+      bool v_nonfinite = false;
+      if (n >= n_edge) {
+        bool any = false;
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(tV);
+        for (int x = lane; x < Cfg::kKVBytes / 4; x += 32)
+          any |= sm90_detail::nonfinite_bits<T>(uint16_t(words[x])) ||
+                 sm90_detail::nonfinite_bits<T>(uint16_t(words[x] >> 16));
+        v_nonfinite = warp_ballot(any) != 0u;
+      }
+      if (!v_nonfinite) {
+        // ---- O += P Vj: Vj N-major (head dims contiguous), k16 steps 16 rows (2 KiB) apart,
+        // 64-column boxes kBlockN x 128 bytes apart (LBO), 8-row atoms 1024 bytes (SBO).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+          const uint64_t bd = make_smem_desc(tV + kk * 16 * 128, Cfg::kBoxBytesKV, 1024,
+                                             SmemSwizzle::k128B);
+          wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
+        }
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+      } else {
+        // The rare block: a plain product over the block's keys, P (as packed for the wgmma)
+        // from the quad's lanes by shuffles, skipping excluded pairs; an included pair that
+        // meets NaN or Inf makes O NaN (NaN stands for +-Inf, as in strong_zero.cuh). The
+        // k-step kk is taken from the front of p_frag, which then moves down by one (constant
+        // indices only: a register array indexed by the loop counter would live in local
+        // memory).
+        for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+          const uint32_t pk[4] = {p_frag[0][0], p_frag[0][1], p_frag[0][2], p_frag[0][3]};
+#pragma unroll
+          for (int x = 0; x + 1 < Cfg::kBlockN / 16; ++x)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) p_frag[x][y] = p_frag[x + 1][y];
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int src = 0; src < 4; ++src) {
+              // A layout: registers 0/1 rows g/g+8 at keys 2t, 2t+1; 2/3 the same 8 keys on.
+              const uint32_t w_lo = shfl_idx(pk[2 * half], (lane & ~3) | src);
+              const uint32_t w_hi = shfl_idx(pk[2 * half + 1], (lane & ~3) | src);
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float p_lo = to_float(from_bits<T>(uint16_t(w_lo >> (16 * e))));
+                const float p_hi = to_float(from_bits<T>(uint16_t(w_hi >> (16 * e))));
+                const int kr = 16 * kk + 8 * half + 2 * src + e, key = n0 + kr;
+                const bool in_lo = score::included<false>(p, seq, b, h, row_lo, key);
+                const bool in_hi = score::included<false>(p, seq, b, h, row_lo + 8, key);
+#pragma unroll
+                for (int x = 0; x < kO; ++x) {
+                  const int col = 8 * (x / 4) + 2 * t + x % 2;
+                  const uint16_t bits = *reinterpret_cast<const uint16_t*>(
+                      tV + sm90_detail::swizzled_offset(Cfg::kBlockN, kr, col));
+                  const bool bad = sm90_detail::nonfinite_bits<T>(bits);
+                  const bool lo = (x % 4) < 2;
+                  if (lo ? in_lo : in_hi)
+                    acc_o[x] = bad ? NAN : fmaf(lo ? p_lo : p_hi, to_float(from_bits<T>(bits)), acc_o[x]);
+                }
+              }
+            }
+        }
+      }
+      mbarrier_arrive(&v_empty[s]);  // this thread is done with Vj's stage
+    }
+  }
+
+  // ---- epilogue: l over the quad, O /= l, lse; as flash_fwd.cuh (l = 0: out 0 or NaN,
+  // lse -inf; a NaN l: NaN).
+  const bool partial = launch.num_splits > 1;
+  const int dv = p.head_dim_v;
+  T* O = static_cast<T*>(p.o) + h * p.o_head_stride +
+         score::q_base(p, seq, b, p.o_batch_stride, p.o_row_stride);
+  float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
+               score::q_base(p, seq, b, p.lse_batch_stride, p.lse_row_stride);
+  const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += shfl_xor(l[r], 1);
+    l[r] += shfl_xor(l[r], 2);
+    const float inv_l = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;
+    const float row_lse = l[r] != 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
+    const int i_row = row_lo + 8 * r;
+    if (i_row >= seq.sq) continue;
+#pragma unroll
+    for (int j = 0; j < kO / 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * t + e;
+        if (col >= dv) continue;
+        const float o = acc_o[4 * j + 2 * r + e] * inv_l;
+        if (partial)
+          launch.o_partial[(partial_row0 + i_row) * dv + col] = o;
+        else
+          O[i_row * p.o_row_stride + col] = from_float<T>(o);
+      }
+    if (t == 0) {
+      if (partial) launch.lse_partial[partial_row0 + i_row] = row_lse;
+      else lse[i_row * p.lse_row_stride] = row_lse;
+    }
+  }
+}
+
+// Host side (cuda/flash_fwd_sm90.cu): whether the sm_90 kernel takes a call (the sm_80 one
+// takes the rest), and the tensor maps of a launch.
+bool flash_fwd_sm90_claims(const FwdParams& p);
+int flash_fwd_sm90_tile(const FwdParams& p);
+Sm90Maps flash_fwd_sm90_maps(const FwdParams& p, int block_n);
+
+// The launcher every generated instantiation (csrc/cuda/instantiations/flash_fwd_sm90_*)
+// instantiates once. Returns the number of key splits it used.
+template <typename T, int kHeadDim>
+int run_flash_fwd_sm90(const FwdParams& p, Stream stream) {
+  using Cfg = FlashFwdSm90Config<kHeadDim>;
+  FwdLaunch launch;
+  launch.vec = true;
+  launch.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  launch.num_splits = flash_fwd_num_splits(
+      p, launch.m_blocks, (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, 1);
+  Scratch scratch(launch.partial_bytes(p), stream);
+  launch.place_partials(p, scratch.as<float>());
+  const Sm90Maps maps = flash_fwd_sm90_maps(p, Cfg::kBlockN);
+  auto kernel = &flash_fwd_sm90_kernel<T, Cfg>;
+  set_max_dynamic_smem_sm90(kernel, Cfg::kSmemBytes);
+  const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
+  FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, maps, p, launch);
+  if (launch.num_splits > 1) {
+    auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
+    const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
+    FMHA_LAUNCH(combine, cgrid, dim3(32 * kCombineWarps), 0, stream, p, launch);
+  }
+  return launch.num_splits;
+}
+
+}  // namespace gpu
+}  // namespace fmha
