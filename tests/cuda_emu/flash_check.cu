@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <random>
 #include <stdexcept>
@@ -34,6 +35,9 @@ struct Case {
   // Varlen: per-sequence lengths (batch of them); sq / sk are then their maxima and the
   // buffers are packed (total, heads, dim), exactly sized.
   std::vector<int> seqlens_q = {}, seqlens_k = {};
+  // Run in the Hopper kernel (cuda/flash_fwd_sm90.cuh: FMHA_CUDA_KERNEL=sm90), which must
+  // claim the call.
+  bool sm90 = false;
 };
 
 template <typename T>
@@ -79,7 +83,11 @@ Result flash_case(const Case& c) {
   p.window_left = c.left, p.window_right = c.right, p.bottom_right = c.bottom_right;
   p.num_splits = c.num_splits;
   emu::reset_stats();
+  if (c.sm90) setenv("FMHA_CUDA_KERNEL", "sm90", 1);
   const int splits = launch_flash_fwd(p, nullptr);
+  if (c.sm90) unsetenv("FMHA_CUDA_KERNEL");
+  const std::string kernel = flash_fwd_take_last_kernel();
+  if (kernel != (c.sm90 ? "sm90" : "sm80")) return fail("ran in the " + kernel + " kernel");
   const emu::Stats s = emu::stats();
   if (splits != c.num_splits)
     return fail("used " + std::to_string(splits) + " splits, asked for " + std::to_string(c.num_splits));
@@ -135,6 +143,7 @@ Result flash_case(const Case& c) {
         }
       }
     }
+  if (c.sm90) return pass(std::to_string(s.blocks) + " blocks (TMA, wgmma)");
   // Aligned rows (d % 8 == 0) move by cp.async, two groups deep when there are two or
   // more key blocks; odd head dims fall back to element loads.
   const bool aligned = c.d % 8 == 0;
@@ -167,6 +176,24 @@ EMU_TEST("flash.bf16.d96.split3.window", FLASH_CITE) {
 }
 EMU_TEST("flash.f16.d256.varlen.split2", FLASH_CITE) {
   return flash_case<half_t>({2, 9, 40, 1, 1, 256, -1, -1, true, 2, {9, 3}, {40, 0}});
+}
+
+// The Hopper kernel (TMA ring, producer warp, wgmma consumers): the same code paths --
+// causal tails, GQA, varlen (a box reading the next sequence's rows), split-KV, d = 256 --
+// under AddressSanitizer and the race checker's async proxy (TMA data read only after its
+// mbarrier phase, the stages refilled only after the consumers' "empty" arrivals).
+#define FLASH90_CITE "flash_fwd_sm90 (FlashAttention-3 forward: TMA + mbarrier ring + wgmma) vs float64"
+EMU_TEST("flash90.f16.d64.causal.tail", FLASH90_CITE) {
+  return flash_case<half_t>({1, 140, 300, 1, 1, 64, -1, 0, true, 1, {}, {}, true});
+}
+EMU_TEST("flash90.bf16.d128.gqa.window", FLASH90_CITE) {
+  return flash_case<bf16_t>({2, 30, 200, 2, 1, 128, 40, 0, false, 1, {}, {}, true});
+}
+EMU_TEST("flash90.f16.d128.varlen.causal", FLASH90_CITE) {
+  return flash_case<half_t>({3, 70, 150, 2, 1, 128, -1, 0, true, 1, {17, 0, 70}, {150, 5, 33}, true});
+}
+EMU_TEST("flash90.bf16.d256.split2", FLASH90_CITE) {
+  return flash_case<bf16_t>({1, 9, 170, 1, 1, 256, -1, -1, true, 2, {}, {}, true});
 }
 
 // The launchers check their params against the validation contract (fmha/validate.h) before

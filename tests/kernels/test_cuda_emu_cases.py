@@ -49,6 +49,7 @@ from fmha._core import _kernel_module
 
 torch = pytest.importorskip("torch")  # the naive low-precision baseline (and bfloat16)
 
+# The tests marked for emu90 too also run the Hopper forward (csrc/cuda/flash_fwd_sm90.cuh).
 pytestmark = [pytest.mark.backends("emu", "gpu"), pytest.mark.usefixtures("backend")]
 
 LOW = LOW_LIB_DTYPES
@@ -56,6 +57,7 @@ LOW = LOW_LIB_DTYPES
 
 # ============================================================================ dtypes, scale
 
+@pytest.mark.backends("emu", "emu90", "gpu")  # emu90: the Hopper forward claims these
 @pytest.mark.parametrize("lib,dtype", LOW, ids=lib_dtype_ids(LOW))
 def test_dtypes(rng, lib, dtype):
     q, k, v, do = inputs(rng, lib, dtype, 1, 37, 45, 2, 1, 64)
@@ -100,6 +102,7 @@ def test_fully_masked_tiles(rng, lib, dtype, case):
 CAUSAL = rotate(list(itertools.product(CAUSAL_LENGTHS, ["bottom_right", "top_left"])))
 
 
+@pytest.mark.backends("emu", "emu90", "gpu")  # emu90: the Hopper forward claims these
 @pytest.mark.parametrize("case,lib,dtype", CAUSAL, ids=row_ids(CAUSAL))
 def test_causal(rng, lib, dtype, case):
     (sq, sk), alignment = case
@@ -109,6 +112,7 @@ def test_causal(rng, lib, dtype, case):
 GQA = rotate([(4, 4), (4, 2), (4, 1), (3, 1)])
 
 
+@pytest.mark.backends("emu", "emu90", "gpu")  # emu90: the Hopper forward claims these
 @pytest.mark.parametrize("heads,lib,dtype", GQA, ids=row_ids(GQA))
 def test_gqa_mqa(rng, lib, dtype, heads):
     hq, hkv = heads
@@ -125,6 +129,7 @@ def test_cross_lengths(rng, lib, dtype, lengths):
     check_cross_lengths(rng, lib, dtype, *lengths)
 
 
+@pytest.mark.backends("emu", "emu90", "gpu")  # emu90: the Hopper forward claims these
 @pytest.mark.parametrize("lib,dtype", LOW[:2], ids=lib_dtype_ids(LOW[:2]))
 def test_causal_bottom_right_sq_gt_sk_empty_rows(rng, lib, dtype):
     """Rows that see no key: out 0, lse -inf, gradients 0, no NaN."""
@@ -232,6 +237,7 @@ def test_window(rng, lib, dtype, case):
     check_window(rng, lib, dtype, sq, sk, window, alignment)
 
 
+@pytest.mark.backends("emu", "emu90", "gpu")  # emu90: the Hopper forward claims these
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 def test_window_with_causal(rng, alignment):
     check_window_with_causal(rng, "torch", "float16", alignment)

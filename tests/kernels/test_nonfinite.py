@@ -269,6 +269,29 @@ def test_nonfinite_cuda(backend, rng, scenario, lib, dtype):
     run_scenario(rng, scenario, lib, dtype)
 
 
+# The Hopper forward (csrc/cuda/flash_fwd_sm90.cuh, backend emu90: FMHA_CUDA_KERNEL=sm90) on the
+# scenarios it claims (no mask, bias, softcap, dropout or KV cache): its strong zero is the
+# plain product of a rare block, in place of the wgmma (the backward stays the sm_80 one).
+SM90_SCENARIOS = ["nan_q_row", "inf_q_causal", "nan_k_causal", "nan_token_causal", "inf_v_window",
+                  "nan_v_causal_d128", "nan_v_causal_d64", "nan_causal_d32", "inf_q_nan_v",
+                  "inf_q_row_inner", "nan_dout_empty_row"]
+
+
+@pytest.mark.backends("emu90")
+@pytest.mark.parametrize("scenario,lib,dtype", [
+    c for c in _cases([("torch", "bfloat16"), ("numpy", "float16")])
+    if c.values[0] in SM90_SCENARIOS])
+def test_nonfinite_cuda_sm90(backend, rng, scenario, lib, dtype):
+    run_scenario(rng, scenario, lib, dtype)
+
+
+@pytest.mark.backends("emu90")
+@pytest.mark.parametrize("scenario,lib,dtype", [
+    c for c in _cases([("torch", "bfloat16")]) if c.values[0] in ("inf_v_window", "nan_v_causal_d64")])
+def test_nonfinite_cuda_sm90_split_kv(backend, rng, scenario, lib, dtype):
+    run_scenario(rng, scenario, lib, dtype, num_splits=3)
+
+
 # Split-KV (flash_fwd_combine_kernel merges the splits by lse): forced 3 splits, on the
 # scenarios where a NaN or Inf in v meets rows that see it with and without weight.
 SPLIT_KV_SCENARIOS = ["inf_q_nan_v", "nan_v_masked_key", "inf_v_window", "nan_v_causal_d64"]
