@@ -9,9 +9,11 @@
 # interpreter (default: python3).
 #
 # Phases, each with its own time limit, all within GPU_CHECK_BUDGET_S (default 530 s, so the
-# whole script stays under 9 minutes): environment, build, tests, serving (Hugging Face
+# whole script stays under 9 minutes): environment, build, tests, tests-sm80 (the GPU cases with
+# FMHA_CUDA_KERNEL=sm80: the sm_80 forward where the Hopper one would run), serving (Hugging Face
 # generate() / generate_batch() on the CUDA kernels, ~30 s), benchmark (fmha vs torch
-# SDPA's flash backend), decode (KV caches vs the measured HBM read bandwidth), predictions (the
+# SDPA's flash backend; with --peers sm80,cudnn also fmha's sm_80 forward forced and SDPA's
+# cuDNN backend), decode (KV caches vs the measured HBM read bandwidth), predictions (the
 # benchmark's and decode's rows against benchmarks/gpu/predictions.json, the speeds predicted
 # before any GPU ran the kernels: tools/gpu_predictions.py), fmha-bench --cuda. A failing
 # phase is recorded and the next one runs; the exit status is non-zero when any phase failed.
@@ -169,6 +171,11 @@ if (( ${#tests[@]} )); then
 else
   skip_phase tests "no test file found"
 fi
+# The same GPU cases with the sm_80 forward forced: on an H100/H200 the tests above run the
+# Hopper forward (csrc/cuda/flash_fwd_sm90.cuh) for every call it claims, so this is where the
+# sm_80 kernel's forward is checked on the GPU. Elsewhere both runs take the sm_80 kernel.
+run_phase tests-sm80 60 "$OUT/tests-sm80.log" env FMHA_CUDA_KERNEL=sm80 "$PY" -m pytest -q -rs \
+  --junitxml="$OUT/tests-sm80.xml" tests/kernels/test_cuda_gpu.py
 
 # ---- serving: the cuda cases of tests/integrations/test_serving.py (transformers'
 # generate_batch() and generate() on a PagedCache, bfloat16 and 8-bit pools, the kernel
@@ -186,9 +193,12 @@ else
   skip_phase serving "transformers is not installed (tests/integrations/test_serving.py needs it)"
 fi
 
-# ---- benchmarks: fmha vs torch SDPA (flash backend), then the C++ fmha-bench --cuda ----
+# ---- benchmarks: fmha (its own choice of kernel: the Hopper forward on sm_90), fmha's sm_80
+# kernel forced, torch SDPA's flash and cuDNN backends side by side (each row's max |diff|
+# against SDPA flash first), then the C++ fmha-bench --cuda ----
 rm -f "$OUT/bench.json" "$OUT/decode.json"  # the predictions read this run's rows only
-run_phase bench 150 "$OUT/bench.log" "$PY" -m fmha.bench --cuda --out "$OUT/bench.json" --save
+run_phase bench 180 "$OUT/bench.log" "$PY" -m fmha.bench --cuda --peers sm80,cudnn \
+  --out "$OUT/bench.json" --save
 # decode leaves 30 s of the budget to the predictions after it
 decode_limit=$(( BUDGET - ($(date +%s) - T0) - 30 ))
 (( decode_limit > 90 )) && decode_limit=90

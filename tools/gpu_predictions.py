@@ -10,8 +10,10 @@ its "decode" section unless --decode names a file).
     python tools/gpu_predictions.py benchmarks/results/h200.json
 
 Each prediction names the rows it covers and a range for one field of them. Attention rows
-(bench.json): pass, dtypes, a regex on the case name, and a field of fmha's rows
-(ratio_vs_sdpa: SDPA flash's time over fmha's). Decode rows (`"bench": "decode"`, from
+(bench.json): pass, dtypes, a regex on the case name, the implementation (impl: fmha, the
+kernel fmha chooses -- on an H100/H200 the sm_90 forward; fmha_sm80, the sm_80 kernel forced,
+from --peers sm80), and a field of its rows (ratio_vs_sdpa: SDPA flash's time over fmha's;
+ratio_vs_cudnn: SDPA cuDNN's, from --peers cudnn). Decode rows (`"bench": "decode"`, from
 `python -m fmha.bench --cuda --decode`'s JSON): entry (kvcache, kvcache-paged16,
 kvcache-int8, ...), seqlen_q, dtypes, a regex on the case name, and a field
 (fraction_of_bandwidth, speedup_vs_16bit_cache). The table gives the measured minimum and
@@ -42,13 +44,29 @@ def _covers(pr: dict, r: dict) -> bool:
         return False
     if pr.get("bench", "attention") == "decode":
         return r.get("entry") == pr["entry"] and r.get("seqlen_q") == pr.get("seqlen_q", 1)
-    return r.get("impl") == "fmha" and r.get("pass_") == pr["pass"]
+    return r.get("impl") == pr.get("impl", "fmha") and r.get("pass_") == pr["pass"]
+
+
+def with_peer_ratios(rows: list[dict]) -> list[dict]:
+    """Attention rows, each fmha row (any kernel) also given ratio_vs_cudnn: the time of SDPA's
+    cuDNN backend (python -m fmha.bench --cuda --peers cudnn) over its own, on the same case,
+    dtype and pass."""
+    cudnn = {(r.get("case"), r.get("dtype"), r.get("pass_")): r.get("median_s")
+             for r in rows if r.get("impl") == "torch_sdpa_cudnn"}
+    out = []
+    for r in rows:
+        t = cudnn.get((r.get("case"), r.get("dtype"), r.get("pass_")))
+        if str(r.get("impl", "")).startswith("fmha") and t and r.get("median_s"):
+            r = dict(r, ratio_vs_cudnn=t / r["median_s"])
+        out.append(r)
+    return out
 
 
 def verdicts(predictions: list[dict], rows: list[dict], decode_rows: list[dict] = ()
              ) -> list[dict]:
     """One result per prediction: its rows' measured range and where it falls."""
     out = []
+    rows = with_peer_ratios(list(rows))
     for pr in predictions:
         field = pr.get("metric", "ratio_vs_sdpa")
         source = decode_rows if pr.get("bench", "attention") == "decode" else rows

@@ -104,6 +104,9 @@ DEFAULT_FILES = [
     "csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu",
 ]
 COUNTED = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR", "MUFU", "SHFL")
+# The Hopper kernels' (sm_90a) additions: wgmma (HGMMA), mbarrier operations (SYNCS), TMA loads
+# (UTMALDG). "MMA" below counts both tensor-core kinds: the main loop is the one with the most.
+COUNTED_SM90 = ("HGMMA", "SYNCS", "UTMALDG")
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _FUNC = re.compile(r"Function : (\S+)")
@@ -129,6 +132,8 @@ class Block:
     succ: list = field(default_factory=list)
 
     def count(self, base: str) -> int:
+        if base == "MMA":
+            return sum(i.base in ("HMMA", "HGMMA") for i in self.instrs)
         return sum(i.base == base for i in self.instrs)
 
 
@@ -233,7 +238,7 @@ def main_loop(blocks: list[Block], also: tuple = (), natural: bool = False) -> L
             if s > b.start:
                 continue
             body = [x for x in blocks if s <= x.start <= b.start]
-            hmma = sum(x.count("HMMA") for x in body)
+            hmma = sum(x.count("MMA") for x in body)
             if hmma and (best is None or hmma > best[0]):
                 best = (hmma, s, b, body)
     if best is None:
@@ -269,7 +274,7 @@ def main_loop(blocks: list[Block], also: tuple = (), natural: bool = False) -> L
 
 
 def _weight(x: Block, also: tuple) -> tuple:
-    return (x.count("HMMA"), x.count("LDGSTS"),
+    return (x.count("MMA"), x.count("LDGSTS"), x.count("UTMALDG"),
             *(sum(i.op == op for i in x.instrs) for op in also), -len(x.instrs))
 
 
@@ -391,7 +396,7 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
     the fewest instructions, as main_loop."""
     by_start = {b.start: b for b in blocks}
     loops = natural_loops(blocks)
-    ranked = sorted(((sum(by_start[y].count("HMMA") for y in body),
+    ranked = sorted(((sum(by_start[y].count("MMA") for y in body),
                       -sum(len(by_start[y].instrs) for y in body), h)
                      for h, (_, body) in loops.items()), reverse=True)
     if verbose is not None:
@@ -789,7 +794,7 @@ def inner_trip(blocks: list[Block], loop: LoopStats) -> list:
     inner: set = set()
     for head, (_, body) in natural_loops(blocks).items():
         if head in on_path and head != loop.path[0].start and any(
-                by_start[x].count("HMMA") for x in body):
+                by_start[x].count("MMA") for x in body):
             inner |= body & on_path
     return [b for b in loop.path if b.start in inner]
 
@@ -831,7 +836,7 @@ def pass_counts(blocks: list[Block], loop: LoopStats, inner_trips: int = 1) -> d
     (INT_OPS, register moves aside); "ex2": its MUFU.EX2, the exponentials."""
     extra = inner_trip(blocks, loop) * (inner_trips - 1)
     counts = {"path": loop.path_count() + sum(len(b.instrs) for b in extra)}
-    for c in COUNTED:
+    for c in COUNTED + COUNTED_SM90:
         counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
     for c in ("LDL", "STL"):
         counts[c] = loop.path_count(c) + sum(b.count(c) for b in extra)
@@ -1326,6 +1331,25 @@ def print_plain_table(rows: list[dict]) -> None:
             print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
+def print_hopper_table(rows: list[dict]) -> None:
+    """The wgmma kernels (sm_90a): one pass of the key-block loop of one warpgroup -- for the
+    forward, a consumer's (the producer's loop holds no wgmma). HGMMA per pass is the wgmma
+    count of the pass (S = Q K^T: d / 16; P V: kBlockN / 16), HMMA must be 0; SYNCS are the
+    mbarrier waits and arrivals; instructions per HGMMA are what the warp issues besides its
+    wgmma. `regs` is the launch count (setmaxnreg moves registers between the roles)."""
+    head = ["kernel", "arch", "regs", "body", "path", "HGMMA", "HMMA", "SYNCS", "UTMALDG", "BAR",
+            "MUFU", "of which MUFU.EX2", "SHFL", "LDS", "STS", "LDL+STL", "non-HGMMA/HGMMA"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        g = r["HGMMA"]
+        cells = [r["kernel"], r["arch"], r["regs"], r["body"], r["path"], g, r["HMMA"],
+                 r["SYNCS"], r["UTMALDG"], r["BAR"], r["MUFU"], r.get("ex2", "-"), r["SHFL"],
+                 r["LDS"], r["STS"], f"{r.get('LDL', 0)}+{r.get('STL', 0)}",
+                 f"{(r['path'] - g) / g:.2f}"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def print_launch_table(rows: list[dict]) -> None:
     head = ["kernel", "arch", "config", "threads", "smem/CTA", "regs", "CTAs/SM"]
     print("| " + " | ".join(head) + " |")
@@ -1424,14 +1448,21 @@ def main() -> int:
     rows = []
     for arch in a.arch or ["80"]:
         rows += report(a.files or DEFAULT_FILES, arch, a.src_root.resolve(), nvcc, cuobjdump,
-                       a.kernel or r"flash_(fwd|bwd|bwd_dq)_kernel", tuple(a.also), a.inner_trips,
+                       a.kernel or r"flash_(fwd|bwd|bwd_dq|fwd_sm90)_kernel", tuple(a.also),
+                       a.inner_trips,
                        a.keep.resolve() if a.keep else None, a.reuse and a.keep is not None,
                        decide, a.branches)
-    print_table(rows)
-    print()
-    print_plain_table(rows)
-    print()
-    print_launch_table(rows)
+    hopper = [r for r in rows if r["HGMMA"]]
+    rows = [r for r in rows if not r["HGMMA"]]
+    if rows:
+        print_table(rows)
+        print()
+        print_plain_table(rows)
+        print()
+        print_launch_table(rows)
+    if hopper:
+        print()
+        print_hopper_table(hopper)
     return 0
 
 

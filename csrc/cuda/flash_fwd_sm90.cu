@@ -33,14 +33,19 @@ bool tma_stride_ok(int64_t elements, int extent) {
 }  // namespace
 
 // The calls this kernel takes: 16-bit q/k/v, plain scores (no softcap, bias, ALiBi, masks,
-// dropout: needs_extras), a positive scale, causal / sliding windows, GQA, varlen and split-KV;
+// dropout: needs_extras), a positive scale, causal / sliding windows and varlen (up to d = 128),
+// GQA and split-KV;
 // no KV cache or paged KV (the decode kernel's calls). TMA needs 16-byte aligned bases and
 // strides that are positive multiples of 16 bytes, and a tensor with at least one row.
 bool flash_fwd_sm90_claims(const FwdParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
   if (needs_extras(p) || !(float(p.scale) * score::kLog2e > 0.0f)) return false;
   if (p.cache_seqlens || p.k_new || p.block_table || p.kv_code != KvCode::kNone) return false;
-  if (flash_fwd_sm90_tile(p) == 0) return false;
+  const int tile = flash_fwd_sm90_tile(p);
+  if (tile == 0) return false;
+  // The kernel that watches for the strong zero is built up to d = 128 (FlashFwdSm90ConfigBase::
+  // kEdges): windows and varlen at d = 256 run in the sm_80 kernel.
+  if (flash_fwd_sm90_edges(p) && tile > 128) return false;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   if (rows_q < 1 || rows_k < 1) return false;

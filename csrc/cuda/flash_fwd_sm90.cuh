@@ -75,6 +75,12 @@ struct FlashFwdSm90ConfigBase {
   // setmaxnreg: the producer keeps 24 registers, each consumer takes 240 (128 x (24 + 2 x
   // 240) = 64512 of the SM's 65536).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // Whether the kernel with the strong zero's watch (kEdges) is built: at d = 256 its rare
+  // product does not fit the consumer's registers, and such calls run in the sm_80 kernel.
+  static constexpr bool kEdges = kHeadDim <= 128;
+  // Whether the plain kernel overlaps the softmax with the next QK^T: at d = 256 the next
+  // block's S (40 registers) beside O (128) and P (20) in flight spills 88 bytes.
+  static constexpr bool kOverlap = kHeadDim <= 128;
 
   static_assert(kHeadDim % kBoxCols == 0, "whole 64-column boxes");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P Vj: whole k16 steps; S: wgmma N <= 256");
@@ -104,11 +110,18 @@ struct Sm90Maps {
 
 namespace sm90_detail {
 
-// Byte offset of element (row r, column c) in a tile of `rows` rows stored as TMA writes it
-// with the 128-byte swizzle: 64-column boxes of rows x 128 bytes, the 16-byte chunk index
-// XORed with r mod 8 (PTX ISA "Tensor-map", swizzle modes).
-FMHA_DEVICE int swizzled_offset(int rows, int r, int c) {
-  return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+// A 32-bit shared-memory load at base + offset: through the 32-bit shared window on the GPU
+// (a generic pointer per column costs two registers each, hoisted), plainly in the emulator.
+FMHA_DEVICE uint32_t lds_u32(const uint8_t* base, uint32_t base_shared, int offset) {
+#if defined(FMHA_GPU_DEVICE_PATH)
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(base_shared + uint32_t(offset)));
+  (void)base;
+  return v;
+#else
+  (void)base_shared;
+  return *reinterpret_cast<const uint32_t*>(base + offset);
+#endif
 }
 
 template <typename T>
@@ -120,9 +133,15 @@ FMHA_DEVICE bool nonfinite_bits(uint16_t bits) {
 
 }  // namespace sm90_detail
 
-template <typename T, typename Cfg>
+// kEdges: the call may give a pair zero weight (a window, causal included, or varlen: a box
+// reads the next sequence's rows): the blocks that can hold one are watched for the strong
+// zero. Without (the keys past a dense sequence's end are the TMA's zero fill, masked), the
+// loop has no scan and no rare product, and overlaps each block's softmax with the next QK^T (kOverlap: with the strong
+// zero's rare product beside it the consumer's registers spill).
+template <typename T, typename Cfg, bool kEdges>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90Maps maps, FwdParams p, FwdLaunch launch) {
+  constexpr bool kOverlap = !kEdges && Cfg::kOverlap;
   FMHA_DYNAMIC_SHARED(uint8_t, smem);
   uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
   uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
@@ -241,17 +260,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint8_t* sQc = sQ + c * Cfg::kBoxes * Cfg::kRowsPerWg * 128;
     mbarrier_wait(q_full, 0);
 
-    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+    // FlashAttention-3's intra-warpgroup overlap: block j's P Vj is issued behind the next
+    // block's S = Qi Kj+1^T, and the softmax of S(j+1) runs while the tensor cores do P Vj;
+    // O's rescale for block j+1 and P's packing wait for P Vj (its A registers and O are in
+    // flight until then).
+    float acc_s[kS];
+    uint32_t p_frag[Cfg::kBlockN / 16][4];
+    // ---- S = Qi Kj^T: K-major A and B, one k16 step per 16 head dims (32 bytes into a box's
+    // 128-byte rows; boxes kRows x 128 bytes apart), 8-row atoms 1024 bytes apart. Issued and
+    // committed as one group, not waited for.
+    auto issue_s = [&](int i) {
       const int s = i % Cfg::kStages;
-      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1);
       const uint8_t* tK = sK + s * Cfg::kKVBytes;
-      const uint8_t* tV = sV + s * Cfg::kKVBytes;
-      const int n0 = n * Cfg::kBlockN;
-
-      // ---- S = Qi Kj^T: K-major A and B, one k16 step per 16 head dims (32 bytes into a
-      // box's 128-byte rows; boxes kRows x 128 bytes apart), 8-row atoms 1024 bytes apart.
-      float acc_s[kS];
-      mbarrier_wait(&k_full[s], parity);
+      mbarrier_wait(&k_full[s], uint32_t((i / Cfg::kStages) & 1));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
@@ -263,9 +284,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         wgmma_ss<Cfg::kBlockN, T>(acc_s, a, bd, kk > 0);
       }
       wgmma_commit_group();
-      wgmma_wait_group<0>();
-      mbarrier_arrive(&k_empty[s]);  // this thread is done with Kj's stage
-
+    };
+    // ---- mask and online softmax of block n's S (in acc_s: P, unpacked), alpha for O.
+    float alpha[2];
+    bool rescale = false;
+    auto softmax = [&](int n) {
+      const int n0 = n * Cfg::kBlockN;
+      rescale = false;
       // ---- mask: keys past the sequence and outside the row's window get -inf (edge blocks
       // only; rows past seqlen_q are never stored).
       if (n < inner_lo || n >= inner_hi) {
@@ -278,8 +303,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
       // ---- online softmax (the sm_80 kernel's, lazy rescale included): a row's scores
       // are spread over the 4 lanes of a quad.
-      float alpha[2];
-      bool rescale = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float block_max = -INFINITY;
@@ -305,24 +328,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         l[r] = l[r] * alpha[r] + row_sum;
       }
+    };
+    // ---- O = O alpha (a warp's rows moved: a vote), P packed as wgmma A fragments: n-tiles
+    // 2kk, 2kk+1 of S are k-step kk's A (mma.sync's layout, which wgmma's register A keeps per
+    // warp).
+    auto rescale_and_pack = [&] {
       if (warp_ballot(rescale) != 0u) {
 #pragma unroll
         for (int e = 0; e < kO; ++e) acc_o[e] *= alpha[(e % 4) / 2];
       }
-
-      // ---- P as wgmma A fragments: n-tiles 2kk, 2kk+1 of S are k-step kk's A (mma.sync's
-      // layout, which wgmma's register A keeps per warp).
-      uint32_t p_frag[Cfg::kBlockN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) p_frag[kk][x] = pack2<T>(acc_s[8 * kk + 2 * x], acc_s[8 * kk + 2 * x + 1]);
+        for (int x = 0; x < 4; ++x)
+          p_frag[kk][x] = pack2<T>(acc_s[8 * kk + 2 * x], acc_s[8 * kk + 2 * x + 1]);
+    };
+
+    issue_s(0);
+    wgmma_wait_group<0>();
+    mbarrier_arrive(&k_empty[0]);  // this thread is done with K's stage
+    softmax(n_begin);
+    rescale_and_pack();
+    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+      const int s = i % Cfg::kStages;
+      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1);
+      const uint8_t* tV = sV + s * Cfg::kKVBytes;
+      const int n0 = n * Cfg::kBlockN;
+      const bool more = n + 1 < n_end;
 
       mbarrier_wait(&v_full[s], parity);
       // The strong zero: an edge block whose Vj holds NaN or Inf (each warp scans the whole
       // tile, so the four warps of the warpgroup agree without talking).
       bool v_nonfinite = false;
-      if (n >= n_edge) {
+      if (kEdges && n >= n_edge) {
         bool any = false;
         const uint32_t* words = reinterpret_cast<const uint32_t*>(tV);
         for (int x = lane; x < Cfg::kKVBytes / 4; x += 32)
@@ -330,6 +368,55 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                  sm90_detail::nonfinite_bits<T>(uint16_t(words[x] >> 16));
         v_nonfinite = warp_ballot(any) != 0u;
       }
+      if (v_nonfinite) {
+        // The rare block: a plain product over the block's keys, P (as packed for the wgmma)
+        // from the quad's lanes by shuffles, skipping excluded pairs; an included pair that
+        // meets NaN or Inf makes O NaN (NaN stands for +-Inf, as in strong_zero.cuh). Unrolled
+        // over the k-steps (p_frag by constant indices: indexed by a loop counter it would
+        // live in local memory), rolled over the 16 keys of each.
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+#pragma unroll 1
+          for (int q = 0; q < 16; ++q) {
+            // A layout: registers 0/1 hold rows g/g+8 at keys 2t, 2t+1; 2/3 the 8 keys after.
+            const int half = q / 8, src = (q % 8) / 2, e = q % 2;
+            const uint32_t mine_lo = half ? p_frag[kk][2] : p_frag[kk][0];
+            const uint32_t mine_hi = half ? p_frag[kk][3] : p_frag[kk][1];
+            const uint32_t w_lo = shfl_idx(mine_lo, (lane & ~3) | src);
+            const uint32_t w_hi = shfl_idx(mine_hi, (lane & ~3) | src);
+            const float p_lo = to_float(from_bits<T>(uint16_t(w_lo >> (16 * e))));
+            const float p_hi = to_float(from_bits<T>(uint16_t(w_hi >> (16 * e))));
+            const int kr = 16 * kk + q, key = n0 + kr;
+            const bool in_lo = score::included<false>(p, seq, b, h, row_lo, key);
+            const bool in_hi = score::included<false>(p, seq, b, h, row_lo + 8, key);
+            // Vj's row kr as TMA swizzled it (64-column boxes of kBlockN x 128 bytes, the 16-byte
+            // chunk XORed with the row mod 8 -- PTX ISA "Tensor-map" swizzle modes), each
+            // column one XOR with the row's phase: the 64 full offsets hoisted out
+            // of the loop would take 64 registers).
+            const uint8_t* v_row = tV + kr * 128 + 4 * t;
+            const uint32_t v_row_s = smem_u32(v_row);
+            const int phase = (kr % 8) * 16;
+            // One 32-bit word per n-tile: columns 2t, 2t+1 of its 8, for both rows.
+#pragma unroll
+            for (int jn = 0; jn < kO / 4; ++jn) {
+              const uint32_t w = sm90_detail::lds_u32(
+                  v_row, v_row_s, (jn / 8) * Cfg::kBoxBytesKV + (((jn % 8) * 16) ^ phase));
+#pragma unroll
+              for (int e2 = 0; e2 < 2; ++e2) {
+                const uint16_t bits = uint16_t(w >> (16 * e2));
+                const float v = to_float(from_bits<T>(bits));
+                const bool bad = sm90_detail::nonfinite_bits<T>(bits);
+                if (in_lo) acc_o[4 * jn + e2] = bad ? NAN : fmaf(p_lo, v, acc_o[4 * jn + e2]);
+                if (in_hi) acc_o[4 * jn + 2 + e2] = bad ? NAN : fmaf(p_hi, v, acc_o[4 * jn + 2 + e2]);
+              }
+            }
+          }
+        }
+      }
+      // The overlap: the next block's S is issued now, ahead of P Vj, so that its softmax
+      // runs under P Vj. (Issued only after the rare block above: its accumulators held
+      // beside O and P through the plain product would spill.)
+      if (kOverlap && more) issue_s(i + 1);
       if (!v_nonfinite) {
         // ---- O += P Vj: Vj N-major (head dims contiguous), k16 steps 16 rows (2 KiB) apart,
         // 64-column boxes kBlockN x 128 bytes apart (LBO), 8-row atoms 1024 bytes (SBO).
@@ -341,49 +428,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
         }
         wgmma_commit_group();
-        wgmma_wait_group<0>();
+      }
+      if constexpr (kOverlap) {
+        if (more) {
+          // S(j+1) retired (the rare block issued no P Vj: nothing else is pending)
+          if (v_nonfinite) wgmma_wait_group<0>();
+          else wgmma_wait_group<1>();
+          mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
+          softmax(n + 1);
+        }
+        wgmma_wait_group<0>();          // P Vj retired
+        mbarrier_arrive(&v_empty[s]);  // this thread is done with Vj's stage
       } else {
-        // The rare block: a plain product over the block's keys, P (as packed for the wgmma)
-        // from the quad's lanes by shuffles, skipping excluded pairs; an included pair that
-        // meets NaN or Inf makes O NaN (NaN stands for +-Inf, as in strong_zero.cuh). The
-        // k-step kk is taken from the front of p_frag, which then moves down by one (constant
-        // indices only: a register array indexed by the loop counter would live in local
-        // memory).
-        for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-          const uint32_t pk[4] = {p_frag[0][0], p_frag[0][1], p_frag[0][2], p_frag[0][3]};
-#pragma unroll
-          for (int x = 0; x + 1 < Cfg::kBlockN / 16; ++x)
-#pragma unroll
-            for (int y = 0; y < 4; ++y) p_frag[x][y] = p_frag[x + 1][y];
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int src = 0; src < 4; ++src) {
-              // A layout: registers 0/1 rows g/g+8 at keys 2t, 2t+1; 2/3 the same 8 keys on.
-              const uint32_t w_lo = shfl_idx(pk[2 * half], (lane & ~3) | src);
-              const uint32_t w_hi = shfl_idx(pk[2 * half + 1], (lane & ~3) | src);
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float p_lo = to_float(from_bits<T>(uint16_t(w_lo >> (16 * e))));
-                const float p_hi = to_float(from_bits<T>(uint16_t(w_hi >> (16 * e))));
-                const int kr = 16 * kk + 8 * half + 2 * src + e, key = n0 + kr;
-                const bool in_lo = score::included<false>(p, seq, b, h, row_lo, key);
-                const bool in_hi = score::included<false>(p, seq, b, h, row_lo + 8, key);
-#pragma unroll
-                for (int x = 0; x < kO; ++x) {
-                  const int col = 8 * (x / 4) + 2 * t + x % 2;
-                  const uint16_t bits = *reinterpret_cast<const uint16_t*>(
-                      tV + sm90_detail::swizzled_offset(Cfg::kBlockN, kr, col));
-                  const bool bad = sm90_detail::nonfinite_bits<T>(bits);
-                  const bool lo = (x % 4) < 2;
-                  if (lo ? in_lo : in_hi)
-                    acc_o[x] = bad ? NAN : fmaf(lo ? p_lo : p_hi, to_float(from_bits<T>(bits)), acc_o[x]);
-                }
-              }
-            }
+        // In turn: P Vj, then S(j+1) and its softmax.
+        wgmma_wait_group<0>();
+        mbarrier_arrive(&v_empty[s]);
+        if (more) {
+          issue_s(i + 1);
+          wgmma_wait_group<0>();
+          mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
+          softmax(n + 1);
         }
       }
-      mbarrier_arrive(&v_empty[s]);  // this thread is done with Vj's stage
+      if (more) rescale_and_pack();
     }
   }
 
@@ -426,6 +493,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // Host side (cuda/flash_fwd_sm90.cu): whether the sm_90 kernel takes a call (the sm_80 one
 // takes the rest), and the tensor maps of a launch.
 bool flash_fwd_sm90_claims(const FwdParams& p);
+// The call may give a pair zero weight: a window (causal included) or varlen.
+inline bool flash_fwd_sm90_edges(const FwdParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.cu_seqlens_q != nullptr;
+}
 int flash_fwd_sm90_tile(const FwdParams& p);
 Sm90Maps flash_fwd_sm90_maps(const FwdParams& p, int block_n);
 
@@ -442,10 +513,20 @@ int run_flash_fwd_sm90(const FwdParams& p, Stream stream) {
   Scratch scratch(launch.partial_bytes(p), stream);
   launch.place_partials(p, scratch.as<float>());
   const Sm90Maps maps = flash_fwd_sm90_maps(p, Cfg::kBlockN);
-  auto kernel = &flash_fwd_sm90_kernel<T, Cfg>;
-  set_max_dynamic_smem_sm90(kernel, Cfg::kSmemBytes);
   const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
-  FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, maps, p, launch);
+  auto go = [&](auto kernel) {
+    set_max_dynamic_smem_sm90(kernel, Cfg::kSmemBytes);
+    FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, maps, p, launch);
+  };
+  if constexpr (Cfg::kEdges) {
+    if (flash_fwd_sm90_edges(p)) {
+      go(&flash_fwd_sm90_kernel<T, Cfg, true>);
+    } else {
+      go(&flash_fwd_sm90_kernel<T, Cfg, false>);
+    }
+  } else {
+    go(&flash_fwd_sm90_kernel<T, Cfg, false>);
+  }
   if (launch.num_splits > 1) {
     auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
     const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);

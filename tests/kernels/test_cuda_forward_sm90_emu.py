@@ -53,7 +53,7 @@ def test_plain(rng, kernel, dtype, d, sq, sk):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_head_dim_256(rng, kernel, dtype):
     # 80-key blocks: 170 keys are two whole blocks and a tail.
-    run_case(rng, sq=70, sk=170, d=256, dtype=dtype, causal=True)
+    run_case(rng, sq=70, sk=170, d=256, dtype=dtype)
     kernel.ran("sm90")
 
 
@@ -131,6 +131,12 @@ def test_routes_extras_to_sm80(rng, kernel, extra):
     if extra.get("alibi_slopes") is True:
         extra["alibi_slopes"] = np.array([0.25])
     run_case(rng, sq=17, sk=33, **extra)
+    kernel.ran("sm80")
+
+
+def test_routes_windows_at_head_dim_256_to_sm80(rng, kernel):
+    # The strong zero's watch is built up to d = 128 (FlashFwdSm90ConfigBase::kEdges).
+    run_case(rng, sq=70, sk=170, d=256, causal=True)
     kernel.ran("sm80")
 
 

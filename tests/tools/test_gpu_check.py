@@ -3,6 +3,8 @@ selects cases that exist (one per path and pool kind), under a time limit, with 
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +50,21 @@ def test_serving_phase_selects_every_serving_path():
                         ("test_beam_search_on_paged_cache_on_cuda", 1),
                         ("test_float32_off_the_cpu_is_refused_naming_the_dtype", 1)):
         assert sum(f"::{test}[" in i or i.endswith(f"::{test}") for i in ids) == count, test
+
+
+def test_runs_both_forward_kernels_and_both_sdpa_backends():
+    # correctness first: the GPU cases in the kernel fmha picks (the Hopper forward on sm_90)
+    # and again with the sm_80 forward forced, before any benchmark
+    phase = SCRIPT[SCRIPT.index("run_phase tests-sm80"):]
+    phase = phase[:phase.index("\n\n")]
+    assert "FMHA_CUDA_KERNEL=sm80" in phase and "tests/kernels/test_cuda_gpu.py" in phase
+    assert SCRIPT.index("run_phase tests ") < SCRIPT.index("run_phase tests-sm80") < \
+        SCRIPT.index("run_phase bench")
+    bench = SCRIPT[SCRIPT.index("run_phase bench"):]
+    bench = bench[:bench.index("\n")] + bench[bench.index("\n"):].split("\n")[1]
+    assert "--peers sm80,cudnn" in bench
+    # the whole script within its budget (the device session is 15 minutes): the phases' own
+    # limits are capped by what is left of it
+    assert 'BUDGET="${GPU_CHECK_BUDGET_S:-530}"' in SCRIPT
+    assert int(re.search(r"run_phase tests-sm80 (\d+) ", SCRIPT).group(1)) <= 60
+    assert int(re.search(r"run_phase bench (\d+) ", SCRIPT).group(1)) <= 180

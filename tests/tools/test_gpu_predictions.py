@@ -46,7 +46,8 @@ def test_committed_predictions_name_real_rows():
             assert any(re.search(pr["cases"], c) for c in decode_cases), f"{pr['id']}: no case"
             continue
         assert pr["pass"] in ("fwd", "fwd+bwd"), pr
-        assert pr.get("metric", "ratio_vs_sdpa") == "ratio_vs_sdpa", pr
+        assert pr.get("metric", "ratio_vs_sdpa") in ("ratio_vs_sdpa", "ratio_vs_cudnn"), pr
+        assert pr.get("impl", "fmha") in ("fmha", *("fmha_" + p for p in bench_cuda.PEERS)), pr
         assert any(re.search(pr["cases"], c) for c in cases), f"{pr['id']}: no bench case"
 
 
@@ -64,6 +65,21 @@ def test_verdicts():
     assert gp.verdicts(preds, both)[0]["verdict"] == "spans the range"
     failed = [_row("b4h16s4096d128", "fwd", None)]
     assert gp.verdicts(preds, failed)[0]["verdict"] == "not measured"
+
+
+def test_impl_and_cudnn_ratio():
+    # a prediction covers its implementation's rows only; ratio_vs_cudnn comes from the cuDNN
+    # row of the same case, dtype and pass (SDPA cuDNN's time over fmha's)
+    preds = [dict(id="a", impl="fmha", **{"pass": "fwd"}, cases="d128", metric="ratio_vs_cudnn",
+                  low=0.7, high=0.9, why="x"),
+             dict(id="b", impl="fmha_sm80", **{"pass": "fwd"}, cases="d128", low=0.7, high=0.9,
+                  why="x")]
+    rows = [dict(_row("b4h16s4096d128", "fwd", 1.5), median_s=1.0),
+            dict(_row("b4h16s4096d128", "fwd", 0.8, impl="fmha_sm80"), median_s=2.0),
+            dict(_row("b4h16s4096d128", "fwd", None, impl="torch_sdpa_cudnn"), median_s=0.8)]
+    a, b = gp.verdicts(preds, rows)
+    assert (a["n"], a["measured_min"], a["verdict"]) == (1, 0.8, "inside")
+    assert (b["n"], b["measured_min"], b["verdict"]) == (1, 0.8, "inside")
 
 
 def test_decode_verdicts():
@@ -88,7 +104,8 @@ def test_main_writes_the_table(tmp_path, capsys):
              if x["id"] == "fwd d128"]
     mid = round((pr["low"] + pr["high"]) / 2, 2)
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps(dict(meta={}, rows=[_row("b4h16s4096d128", "fwd", mid)])))
+    bench.write_text(json.dumps(dict(meta={}, rows=[_row("b4h16s4096d128", "fwd", mid,
+                                                         impl=pr.get("impl", "fmha"))])))
     out = tmp_path / "predictions.md"
     assert gp.main([str(bench), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -118,7 +135,7 @@ def test_main_reads_a_results_file(tmp_path, capsys):
     dmid = round((dp["low"] + dp["high"]) / 2, 2)
     results = tmp_path / "h200.json"
     results.write_text(json.dumps(dict(host_class="h200", host={}, suites=dict(
-        cuda=dict(meta={}, rows=[_row("b4h16s4096d128", "fwd", mid)]),
+        cuda=dict(meta={}, rows=[_row("b4h16s4096d128", "fwd", mid, impl=pr.get("impl", "fmha"))]),
         decode=dict(meta={}, rows=[_decode_row("b8-hq32-hkv8-sk4096", dp["entry"], dmid)])))))
     assert gp.main([str(results)]) == 0
     printed = capsys.readouterr().out

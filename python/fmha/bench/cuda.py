@@ -5,7 +5,9 @@
     python -m fmha.bench --cuda --save            # into benchmarks/results/<gpu>.json (h200, ...)
     python -m fmha.bench --cuda --decode --save   # KV-cache decode vs the GPU's read bandwidth
 
-Grid: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128, causal and not. For
+Grid: batch 4, 16 heads, seqlen 4096 and 8192, head_dim 64 and 128, causal and not; and head_dim
+256 at seqlen 4096. --peers adds fmha's sm_80 kernel forced (sm80: on an H100/H200 fmha runs its
+Hopper forward) and SDPA's cuDNN backend (cudnn). For
 every case it times the forward and the forward+backward of both implementations on the
 same CUDA tensors ((batch, seqlen, heads, head_dim) for fmha, transposed views of them for
 SDPA) with CUDA events: warm-up calls, then the median of --reps calls, each between its own
@@ -43,7 +45,13 @@ from ._host import write_result
 # so SDPA's top-left causal mask and fmha's bottom-right one are the same mask.
 GRID = [(f"b4h16s{s}d{d}{'-causal' if c else ''}", 4, 16, s, d, c)
         for s in (4096, 8192) for d in (64, 128) for c in (False, True)]
+# Head dim 256 (the Hopper forward's third tile), at one length.
+GRID += [(f"b4h16s4096d256{'-causal' if c else ''}", 4, 16, 4096, 256, c) for c in (False, True)]
 QUICK = [("b2h8s1024d64", 2, 8, 1024, 64, False), ("b2h8s1024d128-causal", 2, 8, 1024, 128, True)]
+# --peers: implementations timed beside fmha (default kernel choice) and SDPA's flash backend.
+# sm80: fmha with FMHA_CUDA_KERNEL=sm80 (the sm_80 kernel where the Hopper one would run);
+# cudnn: torch SDPA forced to its cuDNN backend.
+PEERS = {"sm80": "fmha_sm80", "cudnn": "torch_sdpa_cudnn"}
 
 
 @dataclass
@@ -72,7 +80,7 @@ def _short(e: BaseException) -> str:
 
 
 def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
-        device: str = "cuda", save: Optional[Save] = None) -> List[Row]:
+        device: str = "cuda", save: Optional[Save] = None, peers=()) -> List[Row]:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -96,8 +104,29 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=causal).transpose(1, 2)
 
+    def fmha_sm80(q, k, v, causal):
+        old = os.environ.get("FMHA_CUDA_KERNEL")
+        os.environ["FMHA_CUDA_KERNEL"] = "sm80"  # read by the dispatcher per call
+        try:
+            return fmha.attention(q, k, v, causal=causal)
+        finally:
+            if old is None:
+                del os.environ["FMHA_CUDA_KERNEL"]
+            else:
+                os.environ["FMHA_CUDA_KERNEL"] = old
+
+    def sdpa_cudnn(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=causal).transpose(1, 2)
+
     impls = {"fmha": lambda q, k, v, causal: fmha.attention(q, k, v, causal=causal),
              "torch_sdpa_flash": sdpa}
+    if "sm80" in peers:
+        impls["fmha_sm80"] = fmha_sm80
+    if "cudnn" in peers:
+        impls["torch_sdpa_cudnn"] = sdpa_cudnn
     rows: List[Row] = []
     total, done = len(cases) * len(dtypes) * len(passes), 0
     for (name, b, h, s, d, causal) in cases:
@@ -147,7 +176,7 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                 results.clear()
                 for impl in impls:
                     t = secs.get(impl)
-                    ratio = (secs["torch_sdpa_flash"] / t if impl == "fmha" and t and
+                    ratio = (secs["torch_sdpa_flash"] / t if impl.startswith("fmha") and t and
                              "torch_sdpa_flash" in secs else None)
                     rows.append(Row(name, dtype_name, pass_, impl, t,
                                     f / t / 1e9 if t else None, ratio,
@@ -155,7 +184,7 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                 print("  " + "  ".join(
                     f"{i} {f / secs[i] / 1e12:6.1f} TFLOP/s" if i in secs else f"{i} FAILED"
                     for i in impls) + (f"  | fmha/sdpa {secs['torch_sdpa_flash'] / secs['fmha']:.2f}x"
-                                       if len(secs) == 2 else "") +
+                                       if "fmha" in secs and "torch_sdpa_flash" in secs else "") +
                       (f"  | max |diff| {diff:.2e}" if diff is not None else ""), flush=True)
                 for impl, err in errors.items():
                     print(f"    {impl}: {err}", flush=True)
@@ -227,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
+    ap.add_argument("--peers", default="",
+                    help="also time: sm80 (fmha's sm_80 kernel, FMHA_CUDA_KERNEL=sm80), cudnn "
+                         "(SDPA's cuDNN backend); comma-separated")
     add_output_arguments(ap)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of this script (its tests), not a benchmark")
@@ -249,6 +281,10 @@ def main(argv=None) -> int:
         unknown = sorted(set(wanted) - {c[0] for c in cases})
         if unknown:
             ap.error(f"--cases: unknown {unknown}; known: {[c[0] for c in GRID + QUICK]}")
+    peers = [p for p in a.peers.split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            ap.error(f"--peers: {p!r}; expected any of {sorted(PEERS)}")
 
     import torch
 
@@ -274,8 +310,9 @@ def main(argv=None) -> int:
                          bench_decode.QUICK_CASES if a.quick else None, device="cuda",
                          kv_dtypes=[x for x in a.kv_dtypes.split(",") if x], save=save)
         return 0
-    rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out, save=save)
-    failed = [r for r in rows if r.impl == "fmha" and r.error]
+    rows = run(cases, a.dtypes.split(","), a.passes.split(","), a.reps, a.out, save=save,
+               peers=peers)
+    failed = [r for r in rows if r.impl.startswith("fmha") and r.error]
     return 1 if failed else 0
 
 
