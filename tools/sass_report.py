@@ -757,8 +757,10 @@ def launch_shapes(configs: set[str], src_root: Path, nvcc: str) -> dict[str, tup
     them: a host program printing Cfg::kThreads and Cfg::kSmemBytes, compiled against src_root
     and run here (host code only: no GPU needed)."""
     order = sorted(configs)
-    lines = ["#include <cstdio>", '#include "cuda/flash_fwd.cuh"', '#include "cuda/flash_bwd.cuh"',
-             "int main() {"]
+    lines = ["#include <cstdio>", '#include "cuda/flash_fwd.cuh"', '#include "cuda/flash_bwd.cuh"']
+    if any("Sm90" in c for c in order):
+        lines.append('#include "cuda/flash_fwd_sm90.cuh"')
+    lines.append("int main() {")
     for c in order:
         lines.append(f'  std::printf("%d %zu\\n", int(fmha::gpu::{c}::kThreads), '
                      f"size_t(fmha::gpu::{c}::kSmemBytes));")
@@ -873,16 +875,19 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 if not re.search(kernel_re, name):
                     continue
                 blocks = blocks_of(instrs)
-                loop = main_loop(blocks, also)
+                # The Hopper kernels' roles (producer, consumer; the rare product beside the
+                # consumer's loop) need the natural-loop search.
+                hopper = "sm90" in name
+                loop = main_loop(blocks, also, natural=hopper)
                 if loop is None:
                     continue
                 row = dict(file=f, kernel=short_name(name), mangled=name, arch=f"sm_{arch}",
                            regs=regs.get(name, -1), body=loop.body, config=config_of(name))
                 row.update(pass_counts(blocks, loop, inner_trips))
-                body, ends = loop_region(blocks, loop, natural=False)
-                row["plain"] = [dict(name=pp.name, **pass_counts(blocks, pp.loop, inner_trips))
-                                for pp in plain_passes(blocks, loop.header, body, ends, also,
-                                                       decide)]
+                body, ends = loop_region(blocks, loop, natural=hopper)
+                row["plain"] = [] if hopper else [
+                    dict(name=pp.name, **pass_counts(blocks, pp.loop, inner_trips))
+                    for pp in plain_passes(blocks, loop.header, body, ends, also, decide)]
                 if show_branches:
                     print(f"  {row['kernel']} {row['arch']}: branches of the loop "
                           f"{loop.header:#x}..{loop.back_edge:#x}", file=sys.stderr)

@@ -21,7 +21,9 @@
 //                             layout of S is the A-fragment layout: converted to f16/bf16
 //                             in place) and B = Vj, N-major, from shared memory
 //       release Vj's stage
-//     and at the end O /= l, lse = (m + log2 l) ln2, stored from registers.
+//     and at the end O /= l, lse = (m + log2 l) ln2, stored from registers. Without a window
+//     or varlen (d <= 128), S(j+1) is issued ahead of P Vj and its softmax runs while the
+//     tensor cores do P Vj (FlashAttention-3's intra-warpgroup overlap).
 // The score semantics come from fmha/score.h (through cuda/score.cuh) as in every kernel.
 //
 // The strong zero (cuda/strong_zero.cuh, the NaN rule): a pair of zero weight meets V as

@@ -375,3 +375,30 @@ def test_plain_passes_on_a_natural_loop_take_the_prefetch_above_its_head():
     for p in passes:
         assert [b.start for b in p.loop.path] == [0x40, 0x20, 0x50]
         assert p.loop.path_count("LDGSTS") == 1 and p.loop.path_count() == 6
+
+
+# A Hopper consumer loop: wgmma (HGMMA) is a tensor-core instruction like HMMA; the mbarrier
+# waits (SYNCS) are counted; a loop of HMMA elsewhere with fewer tensor-core instructions loses.
+HOPPER = [
+    (0x00, "MOV R1, c[0x0][0x28]"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "@P0 BRA 0x10"),                                  # a small HMMA loop
+    (0x20, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R3"),
+    (0x28, "WARPGROUP.ARRIVE"),
+    (0x30, "HGMMA.64x128x16.F32 R24, gdesc[UR8], R24"),
+    (0x38, "HGMMA.64x128x16.F32 R24, gdesc[UR12], R24, gsb0"),
+    (0x40, "MUFU.EX2 R5, R5"),
+    (0x48, "HGMMA.64x128x16.F32 R88, R40, gdesc[UR16], R88, gsb0"),
+    (0x50, "SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR6], RZ"),
+    (0x58, "@P2 BRA 0x20"),                                  # the consumer's back edge
+    (0x60, "EXIT"),
+]
+
+
+def test_hopper_loop_counts_hgmma_and_syncs():
+    funcs = sr.parse(_sass(HOPPER))
+    for natural in (False, True):
+        loop = sr.main_loop(sr.blocks_of(funcs["planted_kernel"]), natural=natural)
+        assert loop is not None and loop.header == 0x20, natural
+        counts = sr.pass_counts(sr.blocks_of(funcs["planted_kernel"]), loop)
+        assert (counts["HGMMA"], counts["HMMA"], counts["SYNCS"], counts["path"]) == (3, 0, 2, 8)
