@@ -83,6 +83,9 @@ class Limits:
     group: int                  # heads_q / heads_kv
     head_dims: Tuple[int, ...]
     max_cells: int = 10**9      # batch * heads_q * tiles_q * tiles_k bound (emulator time)
+    # only what the Hopper forward claims (csrc/cuda/flash_fwd_sm90.cu): no softcap, dropout,
+    # bias, mask or ALiBi, a positive scale, contiguous 16-byte aligned rows
+    sm90: bool = False
 
 
 CPU = Limits(dtypes=("float64", "float32", "bfloat16", "float16"), batch=3, seqlen=140,
@@ -94,6 +97,9 @@ CUDA = Limits(dtypes=("float16", "bfloat16"), batch=2, seqlen=72, heads_kv=2, gr
 #: NaN/Inf: float32/float64 (the naive 16-bit baseline is not defined with NaN).
 CPU_WIDE = dataclasses.replace(CPU, dtypes=("float64", "float32"))
 CUDA_NONFINITE = CUDA
+#: The Hopper forward (backend emu90): head dims that are multiples of 8 (16-byte rows), up to
+#: 128 (its windowed and varlen calls at d = 256 run in the sm_80 kernel).
+CUDA_SM90 = dataclasses.replace(CUDA, head_dims=(8, 16, 24, 40, 64, 96, 128), sm90=True)
 
 WINDOW_SIDE = st.one_of(st.just(-1), st.integers(0, 6), st.integers(0, 150))
 SPECIALS = (math.nan, math.inf, -math.inf)
@@ -160,6 +166,10 @@ def features(draw, case_args, limits):
         # in units of the default 1/sqrt(head_dim); see ENVELOPE
         kw["scale"] = (draw(st.floats(0.05, 2.0)) * draw(st.sampled_from([1.0, -1.0]))
                        / math.sqrt(d))
+        if limits.sm90:
+            kw["scale"] = abs(kw["scale"])
+    if limits.sm90:
+        return kw, {}
     if draw(st.integers(0, 3)) == 0:
         kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 5.0, 30.0]))
     if draw(st.integers(0, 3)) == 0:
@@ -205,7 +215,7 @@ def dense_cases(draw, limits: Limits):
     kinds = ["contiguous", "transposed", "sliced", "lastdim", "dim_transposed"]
     if lib == "numpy":
         kinds.append("reversed")
-    layout = draw(st.sampled_from(kinds))
+    layout = "contiguous" if limits.sm90 else draw(st.sampled_from(kinds))
     return Case(**args, kw=kw, **extra, layout=layout, seed=draw(st.integers(0, 2**32 - 1)))
 
 
@@ -587,6 +597,29 @@ def test_fuzz_cuda_varlen(backend, case):
 @fuzz_settings(examples=8, shrink=False)
 @given(case=nonfinite_cases(CUDA_NONFINITE))
 def test_fuzz_cuda_nonfinite(backend, case):
+    run_dense_nonfinite_16bit(case)
+
+
+# The Hopper forward (emu90: FMHA_CUDA_KERNEL=sm90), on what it claims; conftest checks that
+# each case's forward ran in it.
+@pytest.mark.backends("emu90")
+@fuzz_settings(examples=8, shrink=False)
+@given(case=dense_cases(CUDA_SM90))
+def test_fuzz_cuda_sm90(backend, case):
+    run_dense(case)
+
+
+@pytest.mark.backends("emu90")
+@fuzz_settings(examples=6, shrink=False)
+@given(case=varlen_cases(CUDA_SM90))
+def test_fuzz_cuda_sm90_varlen(backend, case):
+    run_varlen(case)
+
+
+@pytest.mark.backends("emu90")
+@fuzz_settings(examples=8, shrink=False)
+@given(case=nonfinite_cases(CUDA_SM90))
+def test_fuzz_cuda_sm90_nonfinite(backend, case):
     run_dense_nonfinite_16bit(case)
 
 
