@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ptxas_check: {len(bad)} kernel(s) spill or use a stack frame, "
               f"{len(errors)} file(s) failed to compile", file=sys.stderr)
         return 1
-    print(f"ptxas_check: {len(kernels)} kernel builds clean for sm_{', sm_'.join(archs)}")
+    built = sorted({k.arch for k in kernels}, key=lambda a: (len(a), a))
+    print(f"ptxas_check: {len(kernels)} kernel builds clean for {', '.join(built)}")
     return 0
 
 

@@ -209,6 +209,25 @@ def test_bench_cuda_smoke_on_cpu(tmp_path):
     del torch
 
 
+def test_bench_cuda_peers_on_cpu(tmp_path):
+    """--peers sm80: fmha with FMHA_CUDA_KERNEL=sm80 beside the default choice, its ratio to
+    SDPA flash on its own row (the cuDNN peer needs a GPU: elsewhere its row records the error);
+    an unknown peer is refused by name."""
+    pytest.importorskip("torch")
+    from fmha.bench import cuda as bench_cuda
+
+    case = ("tiny", 1, 2, 64, 32, False)
+    rows = bench_cuda.run([case], ["bfloat16"], ["fwd"], 2, None, device="cpu",
+                          peers=["sm80", "cudnn"])
+    by = {r.impl: r for r in rows}
+    assert set(by) == {"fmha", "torch_sdpa_flash", "fmha_sm80", "torch_sdpa_cudnn"}
+    assert by["fmha_sm80"].error is None and by["fmha_sm80"].ratio_vs_sdpa > 0
+    assert by["torch_sdpa_cudnn"].ratio_vs_sdpa is None
+    assert "FMHA_CUDA_KERNEL" not in __import__("os").environ
+    with pytest.raises(SystemExit):
+        bench_cuda.main(["--peers", "sm100"])
+
+
 def test_bench_cuda_without_gpu_says_so(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
