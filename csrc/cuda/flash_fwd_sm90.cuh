@@ -23,7 +23,8 @@
 //       release Vj's stage
 //     and at the end O /= l, lse = (m + log2 l) ln2, stored from registers. Without a window
 //     or varlen (d <= 128), S(j+1) is issued ahead of P Vj and its softmax runs while the
-//     tensor cores do P Vj (FlashAttention-3's intra-warpgroup overlap).
+//     tensor cores do P Vj (FlashAttention-3's intra-warpgroup overlap), and the two
+//     consumers take turns to issue their wgmma (ping-pong, through two mbarriers).
 // The score semantics come from fmha/score.h (through cuda/score.cuh) as in every kernel.
 //
 // The strong zero (cuda/strong_zero.cuh, the NaN rule): a pair of zero weight meets V as
@@ -72,7 +73,8 @@ struct FlashFwdSm90ConfigBase {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kBoxBytesKV = kBlockN * 128;
-  static constexpr int kBarriers = 1 + 4 * kStages;  // Qi full; Kj, Vj full and empty per stage
+  // Qi full; Kj, Vj full and empty per stage; the consumers' two turns (ping-pong)
+  static constexpr int kBarriers = 1 + 4 * kStages + 2;
   static constexpr size_t kSmemBytes = size_t(kQBytes) + 2 * kStages * size_t(kKVBytes) + 8 * kBarriers;
   // setmaxnreg: the producer keeps 24 registers, each consumer takes 240 (128 x (24 + 2 x
   // 240) = 64512 of the SM's 65536).
@@ -153,6 +155,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* v_full = k_full + Cfg::kStages;
   uint64_t* k_empty = v_full + Cfg::kStages;
   uint64_t* v_empty = k_empty + Cfg::kStages;
+  uint64_t* turn = v_empty + Cfg::kStages;  // [consumer]: its turn to issue wgmma
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int m_block = blockIdx.x % launch.m_blocks, split = blockIdx.x / launch.m_blocks;
@@ -182,6 +185,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbarrier_init(&k_empty[s], 128 * Cfg::kConsumers);
       mbarrier_init(&v_empty[s], 128 * Cfg::kConsumers);
     }
+    for (int c = 0; c < Cfg::kConsumers; ++c) mbarrier_init(&turn[c], 128);
   }
   // The barriers exist before anyone arrives on or waits for them (the only CTA-wide barrier).
   __syncthreads();
@@ -346,7 +350,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           p_frag[kk][x] = pack2<T>(acc_s[8 * kk + 2 * x], acc_s[8 * kk + 2 * x + 1]);
     };
 
+    // Ping-pong (FlashAttention-3): the consumers take turns to issue their wgmma, so that one
+    // warpgroup's GEMMs run while the other does its softmax. A turn is a phase of the
+    // consumer's `turn` barrier, completed by the other consumer's 128 arrivals once it has
+    // issued; consumer 1 hands consumer 0 its first. (Scheduling only: no data passes.)
+    uint32_t turns = 0;
+    auto take_turn = [&] {
+      if constexpr (kOverlap) mbarrier_wait(&turn[c], turns++ & 1u);
+    };
+    auto give_turn = [&] {
+      if constexpr (kOverlap) mbarrier_arrive(&turn[1 - c]);
+    };
+    if (kOverlap && c == 1) mbarrier_arrive(&turn[0]);
+    take_turn();
     issue_s(0);
+    give_turn();
     wgmma_wait_group<0>();
     mbarrier_arrive(&k_empty[0]);  // this thread is done with K's stage
     softmax(n_begin);
@@ -418,6 +436,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // The overlap: the next block's S is issued now, ahead of P Vj, so that its softmax
       // runs under P Vj. (Issued only after the rare block above: its accumulators held
       // beside O and P through the plain product would spill.)
+      take_turn();
       if (kOverlap && more) issue_s(i + 1);
       if (!v_nonfinite) {
         // ---- O += P Vj: Vj N-major (head dims contiguous), k16 steps 16 rows (2 KiB) apart,
@@ -431,6 +450,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         wgmma_commit_group();
       }
+      give_turn();
       if constexpr (kOverlap) {
         if (more) {
           // S(j+1) retired (the rare block issued no P Vj: nothing else is pending)

@@ -192,6 +192,10 @@ EMU_TEST("flash90.bf16.d128.gqa.window", FLASH90_CITE) {
 EMU_TEST("flash90.f16.d128.varlen.causal", FLASH90_CITE) {
   return flash_case<half_t>({3, 70, 150, 2, 1, 128, -1, 0, true, 1, {17, 0, 70}, {150, 5, 33}, true});
 }
+// No window: the softmax overlapped with the next QK^T, the consumers in ping-pong.
+EMU_TEST("flash90.f16.d128.overlap.pingpong", FLASH90_CITE) {
+  return flash_case<half_t>({2, 130, 300, 2, 2, 128, -1, -1, true, 1, {}, {}, true});
+}
 EMU_TEST("flash90.bf16.d256.split2", FLASH90_CITE) {
   return flash_case<bf16_t>({1, 9, 170, 1, 1, 256, -1, -1, true, 2, {}, {}, true});
 }
