@@ -85,6 +85,9 @@ struct FlashFwdSm90ConfigBase {
   // Whether the plain kernel overlaps the softmax with the next QK^T: at d = 256 the next
   // block's S (40 registers) beside O (128) and P (20) in flight spills 88 bytes.
   static constexpr bool kOverlap = kHeadDim <= 128;
+  // ... and the kernel with the strong zero's watch: at d = 128 its rare product beside the
+  // overlap's state spills 144 bytes; at d = 64 both fit.
+  static constexpr bool kOverlapEdges = kHeadDim <= 64;
 
   static_assert(kHeadDim % kBoxCols == 0, "whole 64-column boxes");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "P Vj: whole k16 steps; S: wgmma N <= 256");
@@ -140,12 +143,12 @@ FMHA_DEVICE bool nonfinite_bits(uint16_t bits) {
 // kEdges: the call may give a pair zero weight (a window, causal included, or varlen: a box
 // reads the next sequence's rows): the blocks that can hold one are watched for the strong
 // zero. Without (the keys past a dense sequence's end are the TMA's zero fill, masked), the
-// loop has no scan and no rare product, and overlaps each block's softmax with the next QK^T (kOverlap: with the strong
-// zero's rare product beside it the consumer's registers spill).
+// loop has no scan and no rare product. Where registers allow (Cfg::kOverlap, kOverlapEdges)
+// it overlaps each block's softmax with the next QK^T, the consumers in ping-pong.
 template <typename T, typename Cfg, bool kEdges>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90Maps maps, FwdParams p, FwdLaunch launch) {
-  constexpr bool kOverlap = !kEdges && Cfg::kOverlap;
+  constexpr bool kOverlap = kEdges ? Cfg::kOverlapEdges : Cfg::kOverlap;
   FMHA_DYNAMIC_SHARED(uint8_t, smem);
   uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
   uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
