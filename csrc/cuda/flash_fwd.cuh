@@ -850,6 +850,18 @@ bool flash_fwd_rows_aligned(const FwdParams& p);
 // n_blocks key blocks: p.num_splits when set, else the occupancy heuristic.
 int flash_fwd_num_splits(const FwdParams& p, int m_blocks, int n_blocks, int ctas_per_sm);
 
+// After a launch with key splits, the merge of its partials; returns the number of splits.
+// (Shared with the sm_90 forward, cuda/flash_fwd_sm90.cuh.)
+template <typename T, int kHeadDim>
+int run_flash_fwd_combine(const FwdParams& p, const FwdLaunch& launch, Stream stream) {
+  if (launch.num_splits > 1) {
+    auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
+    const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
+    FMHA_LAUNCH(combine, cgrid, dim3(32 * kCombineWarps), 0, stream, p, launch);
+  }
+  return launch.num_splits;
+}
+
 // The launcher every generated instantiation file (csrc/cuda/instantiations/) instantiates
 // once: run_flash_fwd<T, head-dim tile, extras>. Returns the number of key splits it used.
 template <typename T, int kHeadDim, bool kExtras>
@@ -867,12 +879,7 @@ int run_flash_fwd(const FwdParams& p, Stream stream) {
   if (Cfg::kSmemBytes > 48 * 1024) set_max_dynamic_smem(kernel, Cfg::kSmemBytes);
   const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
   FMHA_LAUNCH(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, p, launch);
-  if (launch.num_splits > 1) {
-    auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
-    const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
-    FMHA_LAUNCH(combine, cgrid, dim3(32 * kCombineWarps), 0, stream, p, launch);
-  }
-  return launch.num_splits;
+  return run_flash_fwd_combine<T, kHeadDim>(p, launch, stream);
 }
 
 }  // namespace gpu

@@ -131,6 +131,23 @@ FMHA_DEVICE uint32_t lds_u32(const uint8_t* base, uint32_t base_shared, int offs
 #endif
 }
 
+// One row's reference-max step of the online softmax with the sm_80 kernel's lazy rescale
+// (cuda/flash_fwd.cuh, kLazyRescale), raw_max being this thread's max of the block's raw
+// scores: the quad's max, scaled by `fold` into the log2 domain, moves m only when it passes
+// it by more than kLazyRescale. Returns the max the exponents subtract -- NaN where the max is
+// +inf (0 * inf in the FFMA), which makes the row NaN as in the sm_80 kernel -- and sets
+// alpha = exp2(old m - it), O's and l's factor.
+FMHA_DEVICE float lazy_max_step(float& m, float raw_max, float fold, float& alpha) {
+  raw_max = fmaxf(raw_max, shfl_xor(raw_max, 1));
+  raw_max = fmaxf(raw_max, shfl_xor(raw_max, 2));
+  const float block_logit = raw_max * fold;
+  const float row_max = block_logit > m + kLazyRescale ? block_logit : m;
+  const float m_use = fmaf(0.0f, row_max, row_max);
+  alpha = exp2_approx(m - m_use);
+  m = row_max;
+  return m_use;
+}
+
 template <typename T>
 FMHA_DEVICE bool nonfinite_bits(uint16_t bits) {
   // f16: 5 exponent bits at 10..14; bf16: 8 at 7..14. All ones: Inf or NaN.
@@ -211,29 +228,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           tma_load<4>(sQ + (c * Cfg::kBoxes + x) * Cfg::kRowsPerWg * 128, &maps.q, at, q_full);
         }
     }
-    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
-      const int s = i % Cfg::kStages;
-      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1) ^ 1u;  // the first round: free
-      mbarrier_wait(&k_empty[s], parity);
+    // One tile (Kj or Vj) into stage s once its last readers released it.
+    auto refill = [&](uint8_t* tiles, const TensorMap* map, uint64_t* full, uint64_t* empty,
+                      int n, int s, uint32_t parity) {
+      mbarrier_wait(&empty[s], parity);
       // Every lane has seen the stage free before the leader refills it (the others wait
       // without arriving: nothing else holds them back; hopper.cuh, mbarrier_wait).
       __syncwarp();
       if (leader) {
-        mbarrier_arrive_expect_tx(&k_full[s], Cfg::kKVBytes);
+        mbarrier_arrive_expect_tx(&full[s], Cfg::kKVBytes);
         for (int x = 0; x < Cfg::kBoxes; ++x) {
           const int32_t at[4] = {x * Cfg::kBoxCols, k_row0 + n * Cfg::kBlockN, h_kv, k_bz};
-          tma_load<4>(sK + s * Cfg::kKVBytes + x * Cfg::kBoxBytesKV, &maps.k, at, &k_full[s]);
+          tma_load<4>(tiles + s * Cfg::kKVBytes + x * Cfg::kBoxBytesKV, map, at, &full[s]);
         }
       }
-      mbarrier_wait(&v_empty[s], parity);
-      __syncwarp();
-      if (leader) {
-        mbarrier_arrive_expect_tx(&v_full[s], Cfg::kKVBytes);
-        for (int x = 0; x < Cfg::kBoxes; ++x) {
-          const int32_t at[4] = {x * Cfg::kBoxCols, k_row0 + n * Cfg::kBlockN, h_kv, k_bz};
-          tma_load<4>(sV + s * Cfg::kKVBytes + x * Cfg::kBoxBytesKV, &maps.v, at, &v_full[s]);
-        }
-      }
+    };
+    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+      const int s = i % Cfg::kStages;
+      const uint32_t parity = uint32_t((i / Cfg::kStages) & 1) ^ 1u;  // the first round: free
+      refill(sK, &maps.k, k_full, k_empty, n, s, parity);
+      refill(sV, &maps.v, v_full, v_empty, n, s, parity);
     }
     return;
   }
@@ -314,19 +328,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // are spread over the 4 lanes of a quad.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float block_max = -INFINITY;
+        float raw_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < kS / 4; ++j)
-          block_max = fmaxf(block_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
-        block_max = fmaxf(block_max, shfl_xor(block_max, 1));
-        block_max = fmaxf(block_max, shfl_xor(block_max, 2));
-        const float block_logit = block_max * fold;
-        const float row_max = block_logit > m[r] + kLazyRescale ? block_logit : m[r];
-        // +inf max: NaN row, as in flash_fwd.cuh (0 * inf = NaN in the FFMA).
-        const float m_use = fmaf(0.0f, row_max, row_max);
-        alpha[r] = exp2_approx(m[r] - m_use);
+          raw_max = fmaxf(raw_max, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+        const float m_use = sm90_detail::lazy_max_step(m[r], raw_max, fold, alpha[r]);
         rescale |= alpha[r] != 1.0f;
-        m[r] = row_max;
         float row_sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < kS / 4; ++j)
@@ -552,12 +559,7 @@ int run_flash_fwd_sm90(const FwdParams& p, Stream stream) {
   } else {
     go(&flash_fwd_sm90_kernel<T, Cfg, false>);
   }
-  if (launch.num_splits > 1) {
-    auto combine = &flash_fwd_combine_kernel<T, kHeadDim>;
-    const dim3 cgrid((p.seqlen_q + kCombineWarps - 1) / kCombineWarps, p.heads_q, p.batch);
-    FMHA_LAUNCH(combine, cgrid, dim3(32 * kCombineWarps), 0, stream, p, launch);
-  }
-  return launch.num_splits;
+  return run_flash_fwd_combine<T, kHeadDim>(p, launch, stream);
 }
 
 }  // namespace gpu

@@ -2100,22 +2100,23 @@ float atomic_add(float* address, float value) {
 void* dynamic_smem() { return detail::me().block->dynamic_smem; }
 size_t dynamic_smem_bytes() { return detail::me().block->dynamic_smem_bytes; }
 
-void set_max_dynamic_smem(const void* kernel, size_t bytes) {
-  if (bytes > detail::kMaxDynamicSmem)
+namespace detail {
+void opt_in_smem(const void* kernel, size_t bytes, size_t limit, const char* arch) {
+  if (bytes > limit)
     throw std::invalid_argument("cudaFuncSetAttribute: " + std::to_string(bytes) +
-                                " bytes of dynamic shared memory exceed sm_80's " +
-                                std::to_string(detail::kMaxDynamicSmem));
-  std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
-  detail::g_smem_optin[kernel] = bytes;
+                                " bytes of dynamic shared memory exceed " + arch + "'s " +
+                                std::to_string(limit));
+  std::lock_guard<std::mutex> lk(g_optin_mutex);
+  g_smem_optin[kernel] = bytes;
+}
+}  // namespace detail
+
+void set_max_dynamic_smem(const void* kernel, size_t bytes) {
+  detail::opt_in_smem(kernel, bytes, detail::kMaxDynamicSmem, "sm_80");
 }
 
 void set_max_dynamic_smem_sm90(const void* kernel, size_t bytes) {
-  if (bytes > detail::kMaxDynamicSmemSm90)
-    throw std::invalid_argument("cudaFuncSetAttribute: " + std::to_string(bytes) +
-                                " bytes of dynamic shared memory exceed sm_90's " +
-                                std::to_string(detail::kMaxDynamicSmemSm90));
-  std::lock_guard<std::mutex> lk(detail::g_optin_mutex);
-  detail::g_smem_optin[kernel] = bytes;
+  detail::opt_in_smem(kernel, bytes, detail::kMaxDynamicSmemSm90, "sm_90");
 }
 
 void scratch_taken(size_t bytes) {
