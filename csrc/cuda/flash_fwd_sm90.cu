@@ -84,6 +84,13 @@ Sm90Maps flash_fwd_sm90_maps(const FwdParams& p, int block_n) {
                p.k_batch_stride, block_n);
   maps.v = map(p.v, p.head_dim_v, rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride,
                p.v_batch_stride, block_n);
+  // O: dense calls whose rows TMA can address (the kernel stores the others itself).
+  maps.o_tma = !varlen && reinterpret_cast<uintptr_t>(p.o) % 16 == 0 && p.o_row_stride > 0 &&
+               p.o_row_stride % 8 == 0 && tma_stride_ok(p.o_head_stride, p.heads_q) &&
+               tma_stride_ok(p.o_batch_stride, batch);
+  if (maps.o_tma)
+    maps.o = map(p.o, p.head_dim_v, p.seqlen_q, p.heads_q, p.o_row_stride, p.o_head_stride,
+                 p.o_batch_stride, 16);
   return maps;
 }
 

@@ -75,7 +75,13 @@ struct FlashFwdSm90ConfigBase {
   static constexpr int kBoxBytesKV = kBlockN * 128;
   // Qi full; Kj, Vj full and empty per stage; the consumers' two turns (ping-pong)
   static constexpr int kBarriers = 1 + 4 * kStages + 2;
-  static constexpr size_t kSmemBytes = size_t(kQBytes) + 2 * kStages * size_t(kKVBytes) + 8 * kBarriers;
+  // O's staging for the TMA stores (as Qi's tile: each consumer warp's 16 rows), up to d = 128:
+  // its own bytes, because no barrier the emulator models orders a warp's writes after another
+  // warp's wgmma reads of Qi (the warpgroup meets only at wgmma.wait_group). d = 256 has no room
+  // (224 KiB) and stores O from registers.
+  static constexpr int kOStageBytes = kHeadDim <= 128 ? kQBytes : 0;
+  static constexpr size_t kSmemBytes =
+      size_t(kQBytes) + 2 * kStages * size_t(kKVBytes) + kOStageBytes + 8 * kBarriers;
   // setmaxnreg: the producer keeps 24 registers, each consumer takes 240 (128 x (24 + 2 x
   // 240) = 64512 of the SM's 65536).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -113,6 +119,11 @@ template <> struct FlashFwdSm90Config<256> : FlashFwdSm90ConfigBase<256, 80, 2> 
 // packed rows with batch 1.
 struct Sm90Maps {
   TensorMap q, k, v;
+  // O in boxes of 64 columns x 16 rows (one consumer warp's), written by TMA stores from
+  // shared memory; o_tma = 0 where O's rows cannot be (unaligned) or must not be (varlen: a
+  // box clipped at the tensor's end would write the next sequence's rows) stored that way.
+  TensorMap o;
+  int o_tma = 0;
 };
 
 namespace sm90_detail {
@@ -170,7 +181,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
   uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
   uint8_t* sV = sK + Cfg::kStages * Cfg::kKVBytes;           // the same
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(sV + Cfg::kStages * Cfg::kKVBytes);
+  uint8_t* sO = sV + Cfg::kStages * Cfg::kKVBytes;           // O staging: as sQ (or none)
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(sO + Cfg::kOStageBytes);
   uint64_t* k_full = q_full + 1;
   uint64_t* v_full = k_full + Cfg::kStages;
   uint64_t* k_empty = v_full + Cfg::kStages;
@@ -495,6 +507,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* lse = static_cast<float*>(p.lse) + h * p.lse_head_stride +
                score::q_base(p, seq, b, p.lse_batch_stride, p.lse_row_stride);
   const int64_t partial_row0 = ((int64_t(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q;
+  // O through shared memory and TMA stores: each warp stages its 16 rows in its own part of
+  // sO, laid out as the O map's 128-byte swizzle reads it; rows past seqlen_q and columns past
+  // head_dim_v are clipped by the map. Whole-line writes in place of 4-byte stores spread over
+  // 8 rows.
+  const bool o_by_tma = Cfg::kOStageBytes > 0 && maps.o_tma && !partial;
+  uint8_t* const o_stage = sO + (c * Cfg::kBoxes * Cfg::kRowsPerWg + 16 * warp) * 128;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += shfl_xor(l[r], 1);
@@ -502,22 +520,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float inv_l = l[r] != 0.0f ? 1.0f / l[r] : 0.0f;
     const float row_lse = l[r] != 0.0f ? (m[r] + log2f(l[r])) * score::kLn2 : -INFINITY;
     const int i_row = row_lo + 8 * r;
+    if (o_by_tma) {
+      const int row = g + 8 * r;  // within the warp's 16
+#pragma unroll
+      for (int j = 0; j < kO / 4; ++j)
+        *reinterpret_cast<uint32_t*>(o_stage + (j / 8) * Cfg::kRowsPerWg * 128 + row * 128 +
+                                     (((j % 8) ^ (row % 8)) * 16) + 4 * t) =
+            pack2<T>(acc_o[4 * j + 2 * r] * inv_l, acc_o[4 * j + 2 * r + 1] * inv_l);
+    }
     if (i_row >= seq.sq) continue;
+    if (!o_by_tma) {
 #pragma unroll
-    for (int j = 0; j < kO / 4; ++j)
+      for (int j = 0; j < kO / 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * t + e;
-        if (col >= dv) continue;
-        const float o = acc_o[4 * j + 2 * r + e] * inv_l;
-        if (partial)
-          launch.o_partial[(partial_row0 + i_row) * dv + col] = o;
-        else
-          O[i_row * p.o_row_stride + col] = from_float<T>(o);
-      }
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + 2 * t + e;
+          if (col >= dv) continue;
+          const float o = acc_o[4 * j + 2 * r + e] * inv_l;
+          if (partial)
+            launch.o_partial[(partial_row0 + i_row) * dv + col] = o;
+          else
+            O[i_row * p.o_row_stride + col] = from_float<T>(o);
+        }
+    }
     if (t == 0) {
       if (partial) launch.lse_partial[partial_row0 + i_row] = row_lse;
       else lse[i_row * p.lse_row_stride] = row_lse;
+    }
+  }
+  if (o_by_tma) {
+    // The staged bytes, written through the generic proxy, become visible to the TMA's reads
+    // (each writer's fence, then the warp's barrier); the store has read them before exit.
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+      for (int x = 0; x < Cfg::kBoxes; ++x) {
+        const int32_t at[4] = {x * Cfg::kBoxCols, m0 + c * Cfg::kRowsPerWg + 16 * warp, h, b};
+        tma_store<4>(&maps.o, at, o_stage + x * Cfg::kRowsPerWg * 128);
+      }
+      bulk_commit_group();
+      bulk_wait_group_read<0>();
     }
   }
 }

@@ -7,7 +7,8 @@ the same, with -inf (and out 0) exactly on the rows that see no key.
 
 Also: every head-dim tile (32, 64, 96, 128, 256, odd dims in the next tile), varlen
 batches (cu_seqlens, against fmha.reference.attention_varlen_forward), split-KV (forced
-splits, empty splits, fully masked rows) and the generated instantiation files.
+splits, empty splits, fully masked rows) and the generated instantiation files; and, at the
+end (test_sm90_*), the Hopper forward (csrc/cuda/flash_fwd_sm90.cuh) and its routing.
 
 The emulator runs every CUDA thread of a block in turn, so shapes stay tiny: seqlens 1, 17, 64
 (one whole tile), 70 (a whole tile plus a tail), 80, 130; batch and heads 1-2.
@@ -528,3 +529,156 @@ def test_generated_instantiations_up_to_date():
         pytest.skip("no source tree (installed package)")
     r = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+# ============================================================================ the Hopper forward
+# csrc/cuda/flash_fwd_sm90.cuh (TMA, wgmma, a producer warp and two consumer warpgroups) and the
+# routing between it and the sm_80 kernel (csrc/cuda/flash_fwd.cu). FMHA_CUDA_KERNEL=sm90 makes
+# the emulated forward run it for every call it claims; each case asserts which kernel ran
+# (emu.forward_kernel): what it claims -- fp16 and bf16, head-dim tiles 64/128/256 (smaller dims
+# in the next tile), causal and sliding windows and varlen up to d = 128, GQA, split-KV -- and
+# one case per route to the sm_80 kernel: softcap, bias, mask, ALiBi, dropout, a non-positive
+# scale, rows TMA cannot address, windows at d = 256, and FMHA_CUDA_KERNEL=sm80.
+
+def run_case_16(rng, **kw):
+    """run_case; bfloat16 through torch (NumPy has none)."""
+    if kw.get("dtype") == "bfloat16":
+        kw["lib"] = "torch"
+    return run_case(rng, **kw)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Sets FMHA_CUDA_KERNEL; yields a checker of the kernel the last forward ran."""
+    def use(name):
+        monkeypatch.setenv("FMHA_CUDA_KERNEL", name)
+        emu.forward_kernel()  # clear
+
+    def ran(expected):
+        assert emu.forward_kernel() == expected
+
+    use("sm90")
+    return type("K", (), {"use": staticmethod(use), "ran": staticmethod(ran)})
+
+
+# ---------------------------------------------------------------- what the kernel claims
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 80), (130, 70), (64, 200)])
+def test_sm90_plain(rng, sm90, dtype, d, sq, sk):
+    run_case_16(rng, sq=sq, sk=sk, d=d, dtype=dtype)
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_head_dim_256(rng, sm90, dtype):
+    # 80-key blocks: 170 keys are two whole blocks and a tail.
+    run_case_16(rng, sq=70, sk=170, d=256, dtype=dtype)
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("d", [8, 40, 96, 200])
+def test_sm90_head_dims_in_larger_tiles(rng, sm90, d):
+    # Columns past the head dim are the TMA's zero fill; rows 16-byte aligned (d % 8 == 0).
+    run_case_16(rng, sq=17, sk=33, d=d)
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("sq,sk", [(130, 130), (17, 200), (200, 17)])
+def test_sm90_causal(rng, sm90, sq, sk, alignment):
+    run_case_16(rng, sq=sq, sk=sk, causal=True, alignment=alignment, dtype="bfloat16")
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("window,sq,sk", [((8, 0), 140, 140), ((5, 3), 17, 300), ((130, 0), 200, 260)])
+def test_sm90_window(rng, sm90, window, sq, sk):
+    run_case_16(rng, sq=sq, sk=sk, window=window, d=128)
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2)])
+def test_sm90_gqa_batch(rng, sm90, hq, hkv):
+    run_case_16(rng, batch=2, sq=20, sk=150, hq=hq, hkv=hkv, causal=True)
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_sm90_split_kv(rng, sm90, splits):
+    run_case_16(rng, sq=17, sk=300, d=128, num_splits=splits, expect_splits=splits, causal=True)
+    sm90.ran("sm90")
+
+
+def test_sm90_lazy_rescale_with_rising_scores(rng, sm90):
+    # Scores that grow along the keys: the row max moves in every block.
+    d, sk = 64, 400
+    q = np.ones((1, 9, 1, d))
+    k = np.linspace(0.0, 12.0, sk)[None, :, None, None] * np.ones((1, sk, 1, d)) / np.sqrt(d)
+    run_case_16(rng, sq=9, sk=sk, d=d, qk64=(q, k))
+    sm90.ran("sm90")
+
+
+def test_sm90_varlen(rng, sm90):
+    # An empty sequence on each side, sq != sk both ways, a tail past a 128-key block whose
+    # TMA box reads the next sequence's rows.
+    run_varlen(rng, [17, 0, 70, 1, 5], [40, 9, 140, 0, 130])
+    sm90.ran("sm90")
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_sm90_varlen_causal_bf16(rng, sm90, alignment):
+    run_varlen(rng, [30, 140, 3], [10, 150, 0], causal=True, alignment=alignment,
+               dtype="bfloat16", d=128)
+    sm90.ran("sm90")
+
+
+# ------------------------------------------------------------ routes to the sm_80 kernel
+
+@pytest.mark.parametrize("extra", [
+    dict(softcap=2.0),
+    dict(bias="full"),
+    dict(mask="full"),
+    dict(alibi_slopes=True),
+    dict(dropout_p=0.25, seed=3),
+    dict(scale=-0.5),
+])
+def test_sm90_routes_extras_to_sm80(rng, sm90, extra):
+    extra = dict(extra)
+    if extra.get("bias") == "full":
+        extra["bias"] = rng.standard_normal((1, 1, 17, 33)).astype(np.float32)
+    if extra.get("mask") == "full":
+        extra["mask"] = rng.random((1, 1, 17, 33)) > 0.3
+    if extra.get("alibi_slopes") is True:
+        extra["alibi_slopes"] = np.array([0.25])
+    run_case_16(rng, sq=17, sk=33, **extra)
+    sm90.ran("sm80")
+
+
+def test_sm90_routes_windows_at_head_dim_256_to_sm80(rng, sm90):
+    # The strong zero's watch is built up to d = 128 (FlashFwdSm90ConfigBase::kEdges).
+    run_case_16(rng, sq=70, sk=170, d=256, causal=True)
+    sm90.ran("sm80")
+
+
+def test_sm90_routes_unaligned_rows_to_sm80(rng, sm90):
+    # d = 59: 118-byte rows, which a tensor map cannot stride.
+    run_case_16(rng, sq=17, sk=33, d=59)
+    sm90.ran("sm80")
+
+
+def test_sm90_forced_sm80(rng, sm90):
+    sm90.use("sm80")
+    run_case_16(rng, sq=17, sk=33)
+    sm90.ran("sm80")
+
+
+def test_sm90_default_is_sm80_under_the_emulator(rng, sm90, monkeypatch):
+    monkeypatch.delenv("FMHA_CUDA_KERNEL")
+    run_case_16(rng, sq=17, sk=33)
+    sm90.ran("sm80")
+
+
+def test_sm90_rejects_unknown_kernel_name(rng, sm90):
+    sm90.use("sm100")
+    with pytest.raises(ValueError, match="FMHA_CUDA_KERNEL"):
+        run_case_16(rng, sq=1, sk=1)
