@@ -21,10 +21,11 @@
 //                             layout of S is the A-fragment layout: converted to f16/bf16
 //                             in place) and B = Vj, N-major, from shared memory
 //       release Vj's stage
-//     and at the end O /= l, lse = (m + log2 l) ln2, stored from registers. Without a window
-//     or varlen (d <= 128), S(j+1) is issued ahead of P Vj and its softmax runs while the
-//     tensor cores do P Vj (FlashAttention-3's intra-warpgroup overlap), and the two
-//     consumers take turns to issue their wgmma (ping-pong, through two mbarriers).
+//     and at the end O /= l, lse = (m + log2 l) ln2; O by TMA stores from a staging tile (d
+//     <= 128, dense, no splits) or from registers. Where registers allow (d <= 128 without a
+//     window or varlen, d = 64 with), S(j+1) is issued ahead of P Vj and its softmax runs
+//     while the tensor cores do P Vj (FlashAttention-3's intra-warpgroup overlap), and the
+//     two consumers take turns to issue their wgmma (ping-pong, through two mbarriers).
 // The score semantics come from fmha/score.h (through cuda/score.cuh) as in every kernel.
 //
 // The strong zero (cuda/strong_zero.cuh, the NaN rule): a pair of zero weight meets V as
@@ -39,7 +40,9 @@
 //
 // What the emulator cannot check (timing and overlap, cuda/emu/README.md) this kernel does not
 // rely on for correctness: every hand-off is an mbarrier phase over TMA data, no generic store
-// is ordered by an mbarrier, and every wgmma/TMA operand lives in dynamic shared memory.
+// is ordered by an mbarrier (the ping-pong's mbarriers order issue only; O's staging is each
+// warp's own, ordered by __syncwarp), and every wgmma/TMA operand lives in dynamic shared
+// memory.
 #pragma once
 
 #include <cfloat>
