@@ -60,7 +60,7 @@ void cpu_forward_fp8(const FwdParams& p, void (*forward_f32)(const FwdParams&),
 
   // Each sequence's rows are the kernels' own (score::seq_of clamps varlen offsets to the
   // packed rows), so every row the forward reads is widened with its sequence's factors.
-  const int64_t per_dim = int64_t(q.rows) * (p.head_dim + p.head_dim_v);
+  const int64_t per_task = int64_t(q.rows) * (p.head_dim + p.head_dim_v);  // ~1 ns an element
   parallel_for(int64_t(p.batch) * p.heads_q, p.num_threads,
                [&](int64_t task) {
                  const int b = int(task / p.heads_q), h = int(task % p.heads_q);
@@ -70,7 +70,7 @@ void cpu_forward_fp8(const FwdParams& p, void (*forward_f32)(const FwdParams&),
                  widen(k, varlen, b, h / group, s.k_first, s.sk, decode);
                  widen(v, varlen, b, h / group, s.k_first, s.sk, decode);
                },
-               int64_t(p.batch) * p.heads_q * per_dim);
+               int64_t(p.batch) * p.heads_q * per_task);
 
   FwdParams f = p;
   f.dtype = DType::kFloat32;

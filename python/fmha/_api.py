@@ -162,12 +162,7 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     lse float32. CPU: dequantised into float32 (docs/semantics.md, "FP8 inputs").
     """
     if _fp8.wanted(q, descale_q, descale_k, descale_v, out_dtype):
-        return _fp8.attention(q, k, v, causal=causal, window=window, alignment=alignment,
-                              scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
-                              softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
-                              num_splits=num_splits, sinks=sinks, block_mask=block_mask,
-                              descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-                              out_dtype=out_dtype, block_arrays=_block_arrays)
+        return _float8(q, k, v, locals())
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
@@ -192,6 +187,13 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
                               _array_seed(seed) if spec.dropout_p > 0 else 0, block=block,
                               keep_lse=return_lse or sinks is not None)
     return _result(out, lse, sinks, return_lse)
+
+
+def _float8(q, k, v, args: dict):
+    """attention / attention_varlen on float8 inputs; args: the call's arguments (its
+    locals())."""
+    return _fp8.attention(q, k, v, block_arrays=_block_arrays,
+                          **{n: args[n] for n in _fp8.KEYWORDS if n in args})
 
 
 def _result(out, lse, sinks, return_lse):
@@ -226,14 +228,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     len(cu_seqlens_q) - 1.
     """
     if _fp8.wanted(q, descale_q, descale_k, descale_v, out_dtype):
-        return _fp8.attention(q, k, v, causal=causal, window=window, alignment=alignment,
-                              scale=scale, bias=bias, mask=mask, dropout_p=dropout_p,
-                              softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
-                              num_splits=num_splits, sinks=sinks, block_mask=None,
-                              descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-                              out_dtype=out_dtype, block_arrays=_block_arrays,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return _float8(q, k, v, locals())
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,

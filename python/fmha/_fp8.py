@@ -100,9 +100,16 @@ def _descale(name: str, x, q, batch: int, heads_kv: int):
     return x.detach().reshape((1,) * (2 - x.ndim) + tuple(x.shape)).expand(*full)
 
 
+#: The arguments of fmha.attention / attention_varlen that attention() below takes.
+KEYWORDS = ("causal", "window", "alignment", "scale", "bias", "mask", "dropout_p", "softcap",
+            "alibi_slopes", "return_lse", "num_splits", "sinks", "block_mask", "descale_q",
+            "descale_k", "descale_v", "out_dtype", "cu_seqlens_q", "cu_seqlens_k",
+            "max_seqlen_q", "max_seqlen_k")
+
+
 def attention(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p, softcap,
-              alibi_slopes, return_lse, num_splits, sinks, block_mask, descale_q, descale_k,
-              descale_v, out_dtype, block_arrays, cu_seqlens_q=None, cu_seqlens_k=None,
+              alibi_slopes, return_lse, num_splits, sinks, descale_q, descale_k, descale_v,
+              out_dtype, block_arrays, block_mask=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None):
     """fmha.attention / attention_varlen for float8 inputs (their arguments, checked here);
     block_arrays: _api._block_arrays, which turns a block_mask into the kernels' arrays."""
