@@ -135,7 +135,7 @@ inline constexpr FeatureRow kFeatures[] = {
      Support::kYes, "", Support::kYes, ""},
     {Feature::kFp8Forward, "fp8_forward",
      "float8_e4m3fn q/k/v with descale_q/k/v (forward only)",
-     Support::kYes, "dequantised to float32; no KV caches or dropout",
+     Support::kYes, "dequantised to float32; no KV caches, dropout or sinks",
      Support::kNo, "needs the sm_90 fp8 kernel"},
     {Feature::kSinks, "sinks", "attention sinks (and their gradient)",
      Support::kYes, "", Support::kYes, ""},
