@@ -366,3 +366,14 @@ def test_cuda_kernels_refuse_float8(backend):
         q = q.cuda()
     with pytest.raises(NotImplementedError, match="q: .*float8_e4m3fn"):
         fmha.attention(q, q, q, descale_q=torch.ones((1, 2), device=q.device))
+
+
+def test_guide_example_runs(capsys):
+    """docs/guides/fp8.md's example runs as written and prints a bfloat16 result within
+    the inputs' e4m3 rounding of the float attention."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs/guides/fp8.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/guides/fp8.md", "exec"), {})
+    dtype, err = capsys.readouterr().out.split(" ", 1)
+    assert dtype == "torch.bfloat16" and 0 < float(err.strip()[len("tensor("):-1]) < 0.5
