@@ -521,9 +521,13 @@ def _transfer(ins: Instr, state: dict) -> None:
     else:
         for r in dests:
             state[r] = t
+    # A predicate of a float compare, also when an integer compare or predicate logic folds it
+    # with others (the forward's `rescale && k != k_begin` is one ISETP over the FSETPs' OR).
+    float_src = any(state.get("float:" + r) for r in srcs if r.lstrip("!U").startswith("P"))
     for r in dests:
         if r.lstrip("U").startswith("P"):
-            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP")
+            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP") or (
+                ins.base in ("ISETP", "PLOP3") and float_src)
 
 
 def taint(blocks: list[Block]) -> dict[int, dict]:
