@@ -633,6 +633,9 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
             # the plain side of the others
             score: dict[int, tuple] = {head: (len(by_start[head].instrs),)}
             prev: dict[int, int] = {}
+            # blocks entered on a vote's rescale side: a data or call test there (the forward's
+            # "not the first key block") guards the rescale, and the rescale pass passes it
+            on_vote_side: set[int] = set()
             for x in topo:
                 if x not in score:
                     continue
@@ -647,6 +650,10 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                 elif cls == "vote" and len(succ) > 1:
                     longest = max(succ, key=lambda v: -rest[v][-1])
                     succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
+                    if vote_side:
+                        on_vote_side.add(longest)
+                elif x in on_vote_side and cls in ("data", "call") and len(succ) > 1:
+                    succ = [max(succ, key=lambda v: -rest[v][-1])]
                 elif cls != "warp" and len(succ) > 1:
                     succ = [max(succ, key=lambda v: rest[v])]
                 for v in succ:
