@@ -269,8 +269,8 @@ PLAIN = [
 ]
 
 
-def _plain(decide=None):
-    blocks = sr.blocks_of(sr.parse(_sass(PLAIN))["planted_kernel"])
+def _plain(decide=None, lines=PLAIN):
+    blocks = sr.blocks_of(sr.parse(_sass(lines))["planted_kernel"])
     loop = sr.main_loop(blocks)
     body, ends = sr.loop_region(blocks, loop, natural=False)
     passes = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends,
@@ -405,17 +405,13 @@ GUARDED = [
 
 
 def test_a_test_on_the_vote_side_is_passed_on_the_rescale_pass():
-    blocks = sr.blocks_of(sr.parse(_sass(GUARDED))["planted_kernel"])
-    loop = sr.main_loop(blocks)
-    body, ends = sr.loop_region(blocks, loop, natural=False)
+    blocks, loop, body, passes = _plain(lines=GUARDED)
     lines = sr.branch_listing(blocks, loop.header, body, set())
     cls = {int(line.split()[0], 16): line.split()[1] for line in lines}
     assert cls == {0x28: "vote", 0x40: "data", 0x80: "vote", 0x98: "call"}
-    passes = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends)}
     rescale = {0x48, 0x50, 0x58, 0x88}
     assert rescale <= _addrs(passes["slowest warp, rescale"])
     assert not rescale & _addrs(passes["slowest warp, no rescale"])
     # with the first-block test decided as the first block takes it: no multiply of O there
-    first = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends,
-                                                     decide={0x40: "taken"})}
+    first = _plain({0x40: "taken"}, GUARDED)[3]
     assert not {0x48, 0x50, 0x58} & _addrs(first["slowest warp, rescale"])
