@@ -521,9 +521,13 @@ def _transfer(ins: Instr, state: dict) -> None:
     else:
         for r in dests:
             state[r] = t
+    # A predicate of a float compare, also when an integer compare or predicate logic folds it
+    # with others (the forward's `rescale && k != k_begin` is one ISETP over the FSETPs' OR).
+    float_src = any(state.get("float:" + r) for r in srcs if r.lstrip("!U").startswith("P"))
     for r in dests:
         if r.lstrip("U").startswith("P"):
-            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP")
+            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP") or (
+                ins.base in ("ISETP", "PLOP3") and float_src)
 
 
 def taint(blocks: list[Block]) -> dict[int, dict]:
@@ -629,6 +633,9 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
             # the plain side of the others
             score: dict[int, tuple] = {head: (len(by_start[head].instrs),)}
             prev: dict[int, int] = {}
+            # blocks entered on a vote's rescale side: a data or call test there (the forward's
+            # "not the first key block") guards the rescale, and the rescale pass passes it
+            on_vote_side: set[int] = set()
             for x in topo:
                 if x not in score:
                     continue
@@ -643,6 +650,10 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                 elif cls == "vote" and len(succ) > 1:
                     longest = max(succ, key=lambda v: -rest[v][-1])
                     succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
+                    if vote_side:
+                        on_vote_side.add(longest)
+                elif x in on_vote_side and cls in ("data", "call") and len(succ) > 1:
+                    succ = [max(succ, key=lambda v: -rest[v][-1])]
                 elif cls != "warp" and len(succ) > 1:
                     succ = [max(succ, key=lambda v: rest[v])]
                 for v in succ:
