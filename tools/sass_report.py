@@ -26,9 +26,9 @@ instructions rule skips). `--branches` lists the loop's branches with their clas
 ones to decide:
 
     python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
+        --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
     python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --decide 0xb3c0=fall --decide 0xb810=fall \
+        --decide 0xa1f0=fall --decide 0xa340=fall --decide 0xa680=fall \
         csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
  Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
@@ -1354,8 +1354,8 @@ def main() -> int:
     ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
                     help="count an inner loop with HMMA on the path N times per pass (default 1): "
                          "the main backward's dQ work units where a warp runs several "
-                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128 plain, 2 at d = 128 "
-                         "with extras and at d = 256). N applies to every kernel counted: give "
+                         "(FlashBwdConfig::kDqUnits / kWarps: 2 at d = 128 with extras and at "
+                         "d = 256; one at d = 128 plain). N applies to every kernel counted: give "
                          "one file (and --kernel) per trip count")
     ap.add_argument("--flash-attn", type=Path, metavar="SRC",
                     help="report flash-attn 2's kernels instead: its source tree or sdist tarball")
