@@ -18,7 +18,7 @@ non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL:
 A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
 full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
 predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
-the fastest warp's pass, e.g. the backward's warp 0, which alone loads lse and D), a warp vote
+the fastest warp's pass, e.g. the backward's warps that load lse or D), a warp vote
 of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
 no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
 `--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
