@@ -18,7 +18,7 @@ non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL:
 A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
 full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
 predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
-the fastest warp's pass, e.g. the backward's warp 0, which alone loads lse and D), a warp vote
+the fastest warp's pass, e.g. the backward's warps that load lse or D), a warp vote
 of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
 no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
 `--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
@@ -26,9 +26,9 @@ instructions rule skips). `--branches` lists the loop's branches with their clas
 ones to decide:
 
     python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
+        --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
     python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --decide 0xb3c0=fall --decide 0xb810=fall \
+        --decide 0xa1f0=fall --decide 0xa340=fall --decide 0xa680=fall \
         csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
  Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
@@ -1365,8 +1365,8 @@ def main() -> int:
     ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
                     help="count an inner loop with HMMA on the path N times per pass (default 1): "
                          "the main backward's dQ work units where a warp runs several "
-                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128 plain, 2 at d = 128 "
-                         "with extras and at d = 256). N applies to every kernel counted: give "
+                         "(FlashBwdConfig::kDqUnits / kWarps: 2 at d = 128 with extras and at "
+                         "d = 256; one at d = 128 plain). N applies to every kernel counted: give "
                          "one file (and --kernel) per trip count")
     ap.add_argument("--flash-attn", type=Path, metavar="SRC",
                     help="report flash-attn 2's kernels instead: its source tree or sdist tarball")
