@@ -20,6 +20,7 @@ target_include_directories(fmha_validate PUBLIC ${FMHA_CORE_ROOT}/csrc)
 
 add_library(fmha_core STATIC ${FMHA_CORE_ROOT}/csrc/fmha/dispatch.cpp
             ${FMHA_CORE_ROOT}/csrc/fmha/kvcache.cpp ${FMHA_CORE_ROOT}/csrc/fmha/threads.cpp
+            ${FMHA_CORE_ROOT}/csrc/fmha/fp8.cpp
             ${FMHA_CORE_ROOT}/csrc/cpu/amx_model.cpp)
 # The AMX model pins the rounding mode around its arithmetic (csrc/cpu/amx_model.cpp): tell
 # the compiler that the mode can change there.

@@ -30,7 +30,9 @@ KERNEL_SUITES = ["kernels/test_cpu_attention.py", "kernels/test_core.py", "api/t
                  # the decode kernel (KV caches): each level has its own products; ~4 s
                  "kvcache/test_kvcache.py",
                  # 8-bit caches: each level has its own conversion of the codes; ~2 s
-                 "kvcache/test_kvquant.py"]
+                 "kvcache/test_kvquant.py",
+                 # float8 inputs: widened by the same conversion, then the float32 kernels
+                 "kernels/test_fp8.py"]
 
 
 def main() -> int:

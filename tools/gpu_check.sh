@@ -15,14 +15,16 @@
 # SDPA's flash backend; with --peers sm80,cudnn also fmha's sm_80 forward forced and SDPA's
 # cuDNN backend), decode (KV caches vs the measured HBM read bandwidth), predictions (the
 # benchmark's and decode's rows against benchmarks/gpu/predictions.json, the speeds predicted
-# before any GPU ran the kernels: tools/gpu_predictions.py), fmha-bench --cuda. A failing
+# before any GPU ran the kernels: tools/gpu_predictions.py), bwd-ab (the previous backward
+# design, built from git, against this one: tools/bwd_ab.sh), fmha-bench --cuda. A failing
 # phase is recorded and the next one runs; the exit status is non-zero when any phase failed.
 # Without a GPU the script still builds (for FMHA_CUDA_ARCHS, default 80) and stops with a
 # message at the first phase that needs the GPU.
 #
 # OUT_DIR gets: environment.txt, build.log, tests.log (+ tests.xml), serving.log (+
 # serving.xml), bench.log, bench.json,
-# bench.csv, bench.md, predictions.md (+ .log), decode.log, decode.json, fmha-bench-cuda.txt
+# bench.csv, bench.md, predictions.md (+ .log), decode.log, decode.json, bwd-ab.log (+ bwd-ab/),
+# fmha-bench-cuda.txt
 # and summary.txt (phase, status, seconds). The benchmark and decode phases also --save their
 # rows into the GPU's results file, benchmarks/results/<gpu class>.json (sections "cuda" and
 # "decode"), the file to commit; OUT_DIR is a scratch folder (build/ is not tracked).
@@ -156,6 +158,7 @@ if (( ! built )); then
   skip_phase tests "the build or import failed"
   skip_phase serving "the build or import failed"
   skip_phase bench "the build or import failed"
+  skip_phase bwd-ab "the build or import failed"
   skip_phase fmha-bench "the build or import failed"
   finish
 fi
@@ -216,6 +219,9 @@ if [[ -f "$OUT/bench.json" ]]; then
 else
   skip_phase predictions "no bench.json"
 fi
+# ---- the backward, old against new: tools/bwd_ab.sh builds the previous backward design from
+# git beside this tree's (the d = 64 and 128 tiles, this GPU's arch) and times both ----
+run_phase bwd-ab 150 "$OUT/bwd-ab.log" tools/bwd_ab.sh "$arch" "$OUT/bwd-ab"
 scripts="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')"
 if [[ -x "$scripts/fmha-bench" ]]; then
   run_phase fmha-bench 60 "$OUT/fmha-bench-cuda.txt" "$scripts/fmha-bench" --cuda --reps 10

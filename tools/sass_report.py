@@ -18,7 +18,7 @@ non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL:
 A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
 full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
 predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
-the fastest warp's pass, e.g. the backward's warp 0, which alone loads lse and D), a warp vote
+the fastest warp's pass, e.g. the backward's warps that load lse or D), a warp vote
 of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
 no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
 `--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
@@ -26,9 +26,9 @@ instructions rule skips). `--branches` lists the loop's branches with their clas
 ones to decide:
 
     python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
+        --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
     python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --inner-trips 4 --decide 0xb3c0=fall --decide 0xb810=fall \
+        --decide 0xa1f0=fall --decide 0xa340=fall --decide 0xa680=fall \
         csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
  Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
@@ -526,9 +526,13 @@ def _transfer(ins: Instr, state: dict) -> None:
     else:
         for r in dests:
             state[r] = t
+    # A predicate of a float compare, also when an integer compare or predicate logic folds it
+    # with others (the forward's `rescale && k != k_begin` is one ISETP over the FSETPs' OR).
+    float_src = any(state.get("float:" + r) for r in srcs if r.lstrip("!U").startswith("P"))
     for r in dests:
         if r.lstrip("U").startswith("P"):
-            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP")
+            state["float:" + r] = ins.base in ("FSETP", "HSETP2", "DSETP") or (
+                ins.base in ("ISETP", "PLOP3") and float_src)
 
 
 def taint(blocks: list[Block]) -> dict[int, dict]:
@@ -634,6 +638,9 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
             # the plain side of the others
             score: dict[int, tuple] = {head: (len(by_start[head].instrs),)}
             prev: dict[int, int] = {}
+            # blocks entered on a vote's rescale side: a data or call test there (the forward's
+            # "not the first key block") guards the rescale, and the rescale pass passes it
+            on_vote_side: set[int] = set()
             for x in topo:
                 if x not in score:
                     continue
@@ -648,6 +655,10 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                 elif cls == "vote" and len(succ) > 1:
                     longest = max(succ, key=lambda v: -rest[v][-1])
                     succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
+                    if vote_side:
+                        on_vote_side.add(longest)
+                elif x in on_vote_side and cls in ("data", "call") and len(succ) > 1:
+                    succ = [max(succ, key=lambda v: -rest[v][-1])]
                 elif cls != "warp" and len(succ) > 1:
                     succ = [max(succ, key=lambda v: rest[v])]
                 for v in succ:
@@ -1383,8 +1394,8 @@ def main() -> int:
     ap.add_argument("--inner-trips", type=int, default=1, metavar="N",
                     help="count an inner loop with HMMA on the path N times per pass (default 1): "
                          "the main backward's dQ work units where a warp runs several "
-                         "(FlashBwdConfig::kDqUnits / kWarps: 4 at d = 128 plain, 2 at d = 128 "
-                         "with extras and at d = 256). N applies to every kernel counted: give "
+                         "(FlashBwdConfig::kDqUnits / kWarps: 2 at d = 128 with extras and at "
+                         "d = 256; one at d = 128 plain). N applies to every kernel counted: give "
                          "one file (and --kernel) per trip count")
     ap.add_argument("--flash-attn", type=Path, metavar="SRC",
                     help="report flash-attn 2's kernels instead: its source tree or sdist tarball")

@@ -81,12 +81,14 @@ inline void register_capabilities(py::module_& m) {
       m, "check_forward", kForwardArrays, 4,
       [](py::object q, py::object k, py::object v, py::object out, py::object lse,
          py::object bias, py::object mask, py::object alibi, py::object cu_q, py::object cu_k,
-         py::object block_index, py::object block_masks, py::kwargs kw) {
+         py::object block_index, py::object block_masks, py::object q_descale,
+         py::object k_descale, py::object v_descale, py::kwargs kw) {
         py::kwargs settings = py::reinterpret_steal<py::kwargs>(PyDict_Copy(kw.ptr()));
         const Backend b = pop_backend(settings);
         auto c = forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, settings,
                               /*host_only=*/b == Backend::kCuda);
         fill_block_mask(c, block_index, block_masks);
+        fill_descales(c, q_descale, k_descale, v_descale);
         check_params(c.p, b);
       },
       "fmha._C.forward's arguments plus backend='cpu' | 'cuda' (host arrays): fills the "

@@ -36,7 +36,7 @@ namespace {
 // The CUDA kernels' dtypes (capability table): say so here, in the user's words, rather than
 // as a launcher's complaint.
 void expect_cuda_dtype(const FwdParams& p, const bind::Device& dev) {
-  if (takes_dtype(Backend::kCuda, p.dtype)) return;
+  if (takes_input_dtype(Backend::kCuda, p.dtype)) return;
   throw Unsupported(concat("q: dtype ", dtype_name(p.dtype), " on ", bind::device_name(dev),
                            ": CUDA kernels take ", dtype_list(caps(Backend::kCuda)),
                            "; cast, or use the CPU"));
@@ -58,10 +58,12 @@ void run(const Call& c, Cpu&& cpu, Cuda&& cuda) {
 
 void forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
              py::object bias, py::object mask, py::object alibi, py::object cu_q,
-             py::object cu_k, py::object block_index, py::object block_masks, py::kwargs kw) {
+             py::object cu_k, py::object block_index, py::object block_masks,
+             py::object q_descale, py::object k_descale, py::object v_descale, py::kwargs kw) {
   auto c = bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
                               /*host_only=*/false);
   bind::fill_block_mask(c, block_index, block_masks);
+  bind::fill_descales(c, q_descale, k_descale, v_descale);
   run(c, cpu_forward, cuda_forward);
 }
 
@@ -208,7 +210,9 @@ PYBIND11_MODULE(_C, m) {
   bind::def_forward_backward(
       m, &forward, &backward,
       "Writes out and lse, on the arrays' device (host: CPU kernels; CUDA: CUDA kernels); a "
-      "host call may pass lse=None (not kept). "
+      "host call may pass lse=None (not kept). float8_e4m3fn q, k, v (forward only): out "
+      "bfloat16 or float16, q_descale, k_descale, v_descale float32 (batch, heads_kv) "
+      "factors or None (1). "
       "Keyword settings: scale, softcap, window_left, window_right, bottom_right, dropout_p "
       "(required); seed, offset, num_threads, num_splits, stream (a cudaStream_t as an int, "
       "0 = the legacy default stream), max_seqlen_q, max_seqlen_k (varlen; required with "

@@ -179,6 +179,7 @@ struct Call {
   View q, k, v, o, lse;
   std::optional<View> bias, mask, alibi, cu_q, cu_k;
   std::optional<View> block_index, block_masks;  // a block-sparse mask
+  std::optional<View> q_descale, k_descale, v_descale;  // float8 inputs' factors
   std::optional<View> dout, dq, dk, dv, dbias, dlse;  // backward only
 };
 
@@ -199,8 +200,20 @@ inline DType float_dtype(const View& v) {
                                int(v.dtype.code), ", ", int(v.dtype.bits), " bits)"));
 }
 
+// The dtype of q, k, v: a float dtype, or float8_e4m3fn (forward only; FwdParams, "FP8
+// inputs"). Other float8 encodings are refused by name.
+inline DType input_dtype(const View& v) {
+  if (v.dtype.lanes == 1 && v.dtype.bits == 8) {
+    if (v.dtype.code == kDLFloat8_e4m3fn) return DType::kFloat8E4M3;
+    FMHA_CHECK_ARG(v.dtype.code < kDLFloat8_e3m4 || v.dtype.code > kDLFloat8_e8m0fnu, v.name,
+                   ": of the float8 dtypes only float8_e4m3fn is supported (DLPack code ",
+                   int(v.dtype.code), ")");
+  }
+  return float_dtype(v);
+}
+
 inline void expect_dtype(const View& v, DType want) {
-  FMHA_CHECK_ARG(float_dtype(v) == want, v.name, ": dtype ", dtype_name(float_dtype(v)),
+  FMHA_CHECK_ARG(input_dtype(v) == want, v.name, ": dtype ", dtype_name(input_dtype(v)),
                  " differs from q's ", dtype_name(want));
 }
 
@@ -333,7 +346,7 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
   }
 
   const bool varlen = !cu_q.is_none() || !cu_k.is_none();
-  p.dtype = float_dtype(c.q);
+  p.dtype = input_dtype(c.q);
   const int nd = varlen ? 3 : 4;
   FMHA_CHECK_ARG(c.q.ndim == nd, "q: expected ", nd, " dimensions, got ", c.q.ndim);
   if (lse.is_none()) scratch_lse(c, varlen);
@@ -412,7 +425,11 @@ void fill_forward(Call<Params>& c, const Settings& s, const py::object& q, const
     p.lse_head_stride = c.lse.stride(1);
     p.lse_row_stride = c.lse.stride(2);
   }
-  for (View* t : {&c.k, &c.v, &c.o}) expect_dtype(*t, p.dtype);
+  for (View* t : {&c.k, &c.v}) expect_dtype(*t, p.dtype);
+  if (p.dtype == DType::kFloat8E4M3)
+    p.o_dtype = float_dtype(c.o);  // check_params takes bfloat16 or float16
+  else
+    expect_dtype(c.o, p.dtype);
   const bool f64 = p.dtype == DType::kFloat64;
   FMHA_CHECK_ARG(c.lse.dtype.code == kDLFloat && c.lse.dtype.bits == (f64 ? 64 : 32) &&
                      c.lse.dtype.lanes == 1,
@@ -525,6 +542,42 @@ void fill_block_mask(Call<Params>& c, const py::object& index, const py::object&
                          "block_index: entry ", v, " is neither -1 (empty), -2 (full) nor a "
                          "partial block below ", b.num_partial);
         }
+  }
+}
+
+// The descale factors of float8 inputs (FwdParams, "FP8 inputs"): float32 (batch, heads_kv)
+// views, any strides (0 broadcasts), on q's device; None = 1. check_params refuses them
+// with other dtypes.
+template <typename Params>
+void fill_descales(Call<Params>& c, const py::object& q_descale, const py::object& k_descale,
+                   const py::object& v_descale) {
+  Params& p = c.p;
+  const struct {
+    std::optional<View>& slot;
+    const char* name;
+    const py::object& obj;
+    const float*& ptr;
+    int64_t &batch_stride, &head_stride;
+  } descales[] = {
+      {c.q_descale, "q_descale", q_descale, p.q_descale, p.q_descale_batch_stride,
+       p.q_descale_head_stride},
+      {c.k_descale, "k_descale", k_descale, p.k_descale, p.k_descale_batch_stride,
+       p.k_descale_head_stride},
+      {c.v_descale, "v_descale", v_descale, p.v_descale, p.v_descale_batch_stride,
+       p.v_descale_head_stride},
+  };
+  for (const auto& d : descales) {
+    d.slot = import_opt(d.name, d.obj, false, c.import_stream);
+    if (!d.slot) continue;
+    const View& t = *d.slot;
+    expect_device(t, c.dev);
+    FMHA_CHECK_ARG(t.ndim == 2 && t.size(0) == p.batch && t.size(1) == p.heads_kv &&
+                       t.dtype.code == kDLFloat && t.dtype.bits == 32 && t.dtype.lanes == 1,
+                   d.name, ": expected a float32 (batch, heads_kv) = (", p.batch, ", ",
+                   p.heads_kv, ") view");
+    d.ptr = static_cast<const float*>(t.data);
+    d.batch_stride = t.stride(0);
+    d.head_stride = t.stride(1);
   }
 }
 
@@ -924,9 +977,9 @@ void def_with_arrays(py::module_& m, const char* name, const std::array<const ch
       docs.front().c_str());
 }
 
-inline constexpr std::array<const char*, 12> kForwardArrays = {
+inline constexpr std::array<const char*, 15> kForwardArrays = {
     "q", "k", "v", "out", "lse", "bias", "mask", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-    "block_index", "block_masks"};
+    "block_index", "block_masks", "q_descale", "k_descale", "v_descale"};
 inline constexpr std::array<const char*, 18> kBackwardArrays = {
     "dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "dbias", "bias", "mask",
     "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "dlse", "block_index", "block_masks"};

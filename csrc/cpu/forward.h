@@ -1085,6 +1085,7 @@ void forward(const FwdParams& p) {
     case DType::kFloat32: return forward_typed<float>(p);
     case DType::kBFloat16: return forward_typed<bf16_t>(p);
     case DType::kFloat16: return forward_typed<f16_t>(p);
+    case DType::kFloat8E4M3: break;  // cpu_forward (fmha/dispatch.cpp) dequantises float8 inputs and calls the float32 kernels
   }
 }
 #endif

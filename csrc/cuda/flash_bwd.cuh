@@ -11,7 +11,7 @@
 //
 // Kernels, in launch order (flash_bwd.cu):
 //  1. flash_bwd_dot_do_o   D for every query row (float32 scratch).
-//  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 64 keys, kv head, batch):
+//  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 16 keys a warp, kv head, batch):
 //                          Kj, Vj stay in shared memory, dKj and dVj in registers, while the
 //                          CTA sweeps every query block Qi of every query head of the kv
 //                          head's group (GQA: dK/dV summed on chip, never per-head copies).
@@ -29,8 +29,9 @@
 //                          fmha/params.h, dbias_is_zero).
 //
 // The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does): each
-// of its 4 warps owns 16 keys, so its rows of dK and dV are mma accumulators of its own, and
-// the accumulator of S^T (keys x queries) is, re-packed in registers, the A operand of
+// of its warps (4 or 8: FlashBwdConfig) owns 16 keys, so its rows of dK and dV are mma
+// accumulators of its own, and the accumulator of S^T (keys x queries) is, re-packed in
+// registers, the A operand of
 // dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ.
 //
 // The strong zero of the NaN rule (cuda/strong_zero.cuh): a step or key block that may hold
@@ -66,12 +67,23 @@ struct FlashBwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kOutDim = kHeadDim_ > 128 ? 128 : kHeadDim_;  // dK/dV/dQ columns per CTA
   static constexpr int kSplits = kHeadDim / kOutDim;
-  static constexpr int kBlockN = 64;  // keys per CTA: 4 warps x 16
+  // Warps of 16 keys each. Every warp reads all of Qi and dOi per step (the B operands of
+  // S^T, dP^T, dV, dK: each fragment feeds one mma pair) and its Kj, Vj rows (A). 8 warps
+  // (the plain kernels at d = 64 and 128) share one copy of Qi and dOi between 128 keys, and
+  // sum dQi over 128 keys before its atomics: per step, the copies, the barriers, the lse and
+  // D loads and half the atomics are spread over twice the mma (tools/sass_report.py, slowest
+  // warp, sm_80 / sm_90: 3.40 / 3.50 non-mma instructions per mma at d = 64, 2.94 / 3.02 at
+  // d = 128, against 3.59 / 3.67 and 3.47 / 3.53 with 4 warps; shared bytes per mma stay
+  // ~375-381, set by the one mma pair per B fragment).
+  static constexpr int kWarps = !kExtras_ && (kHeadDim_ == 64 || kHeadDim_ == 128) ? 8 : 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA
   // Queries per step: S^T and dP^T cost kBlockM/2 registers each on top of dK, dV. At
   // d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did too
-  // with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut).
+  // with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut). With
+  // 8 warps, 128 queries spilled d = 64 (36-48 bytes, sm_80 and sm_90) and 64 queries d = 128
+  // (16-124 bytes, whatever of kPointersInSmem, the dQ lanes' re-read and kDqRows was cut).
   static constexpr int kBlockM = kHeadDim_ < 96 ? 64 : (kExtras_ || kSplits > 1) ? 16 : 32;
-  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kStages = 2;  // Qi, dOi double-buffered
   // Rows padded by 8 elements (16 bytes): 16-byte aligned row starts for ldmatrix and
   // cp.async, and the 8 rows one ldmatrix reads fall in distinct banks.
@@ -106,17 +118,24 @@ struct FlashBwdConfig {
   // fragment a warp loads feeds kDqChunk mma and no warp loops (d <= 96 plain, d <= 64 with
   // extras; at d = 128 and 256 the wide units spilled 8-56 bytes, ptxas 13.0). Else 2 n-tiles
   // per unit (d = 96 with extras: 6 units, 1-2 per warp).
-  static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / 16) / kWarps;
+  // With 8 warps at d = 128 a warp takes kDqRows = 2 row groups instead (all 32 queries) and
+  // 2 n-tiles: each Kj fragment it loads feeds 2 mma pairs, where one row group a warp reads
+  // twice the Kj fragments or holds the row group's dS^T fragments (kDqHoistDs).
+  static constexpr int kDqRows = kWarps == 8 && kHeadDim_ == 128 ? 2 : 1;
+  static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / (16 * kDqRows)) / kWarps;
   static constexpr int kDqChunk =
-      (kNTilesD * (kBlockM / 16)) % kWarps == 0 && kDqUnitsWide >= 2 && kDqUnitsWide % 2 == 0 &&
-              kNTilesD % kDqUnitsWide == 0 && kOutDim + 4 * kDqUnitsWide <= 128
+      kDqRows > 1 ||
+              ((kNTilesD * (kBlockM / 16)) % kWarps == 0 && kDqUnitsWide >= 2 &&
+               kDqUnitsWide % 2 == 0 && kNTilesD % kDqUnitsWide == 0 &&
+               kOutDim + 4 * kDqUnitsWide <= 128)
           ? kDqUnitsWide
           : 2;
-  static constexpr int kDqUnits = (kBlockM / 16) * (kNTilesD / kDqChunk);
+  static constexpr int kDqUnits = (kBlockM / (16 * kDqRows)) * (kNTilesD / kDqChunk);
   // Whether a warp keeps its row group's dS^T fragments (kKStepsN x 4 registers) through its
   // dQ units: where it takes more than one (d = 128, d = 256 plain, d = 96 and 128 with
   // extras), but not at d = 256 with extras, where that spilled 4 bytes (ptxas 13.0, sm_80).
   static constexpr bool kDqHoistDs = kDqUnits > kWarps && !(kExtras_ && kSplits > 1);
+  static_assert(!kDqHoistDs || kDqRows == 1, "hoisted dS^T fragments: one row group");
 
   static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
   static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
@@ -443,11 +462,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
           do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
     }
-    if (tid < Cfg::kBlockM) {
-      const int i = m0 + tid;
-      // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows
-      // past the sequence, so that exp2(x - lse) is exactly 0 there, never NaN.
-      float lse_l2 = INFINITY, dd = 0.0f;
+    // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows past
+    // the sequence, so that exp2(x - lse) is exactly 0 there, never NaN.
+    auto load_lse = [&](int r) {
+      const int i = m0 + r;
+      float lse_l2 = INFINITY;
       if (i < s.sq) {
         const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
                            score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
@@ -456,10 +475,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
         // not give the rule's 0 for S = -inf there.
         if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;
-        dd = w.d[bwd_detail::work_row(p, h, b, i)];
       }
-      sLse[stage * Cfg::kBlockM + tid] = lse_l2;
-      sD[stage * Cfg::kBlockM + tid] = dd;
+      sLse[stage * Cfg::kBlockM + r] = lse_l2;
+    };
+    auto load_d = [&](int r) {
+      const int i = m0 + r;
+      sD[stage * Cfg::kBlockM + r] = i < s.sq ? w.d[bwd_detail::work_row(p, h, b, i)] : 0.0f;
+    };
+    // With 8 warps, lse and D by different warps: each warp's pass issues one of the two
+    // address computations at most (the slowest warp's pass, d = 128: 57 instructions above
+    // the others' with both in one warp).
+    if constexpr (Cfg::kWarps == 8) {
+      static_assert(2 * Cfg::kBlockM <= Cfg::kThreads, "a thread per row of each");
+      if (tid < Cfg::kBlockM)
+        load_lse(tid);
+      else if (tid < 2 * Cfg::kBlockM)
+        load_d(tid - Cfg::kBlockM);
+    } else if (tid < Cfg::kBlockM) {
+      load_lse(tid);
+      load_d(tid);
     }
   };
 
@@ -679,7 +713,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // held where is what kept every build free of spills, ptxas 13.0.)
       float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
       constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
-      constexpr int kRowGroups = Cfg::kBlockM / 16;
+      constexpr int kRowGroups = Cfg::kBlockM / (16 * Cfg::kDqRows);  // of a warp's rows
       static_assert(Cfg::kWarps % kRowGroups == 0, "whole warps per row group");
       constexpr int kWarpsPerGroup = Cfg::kWarps / kRowGroups;
       static_assert(kChunks >= kWarpsPerGroup, "a chunk for every warp");
@@ -689,7 +723,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // (A constant q0 where there is one row group: it kept d = 256 with extras free of spills
       // and spilled d = 128 with extras.)
       constexpr bool kOneGroup = kRowGroups == 1 && !Cfg::kDqHoistDs;
-      const int q0 = kOneGroup ? 0 : (dq_warp / kWarpsPerGroup) * 16;
+      const int q0 = kOneGroup ? 0 : (dq_warp / kWarpsPerGroup) * 16 * Cfg::kDqRows;
       const int w_in = kOneGroup ? dq_warp : dq_warp % kWarpsPerGroup;
       const int c_begin = kEven ? w_in * kPerWarp : w_in * kChunks / kWarpsPerGroup;
       const int c_end = kEven ? c_begin + kPerWarp : (w_in + 1) * kChunks / kWarpsPerGroup;
@@ -723,25 +757,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         constexpr bool kStrongZero = decltype(strong_zero_tag)::value;
         auto dq_chunk = [&](int c) {
           const int col0 = c_base + c * Cfg::kDqChunk * 8;  // the chunk's first column
-          float acc_q[Cfg::kDqChunk][4];
+          constexpr int kRows = Cfg::kDqRows;
+          float acc_q[kRows][Cfg::kDqChunk][4];
 #pragma unroll
-          for (int j = 0; j < Cfg::kDqChunk; ++j)
+          for (int rg = 0; rg < kRows; ++rg)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_q[j][e] = 0.0f;
-          if constexpr (kStrongZero)
-            strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
-                acc_q, sK, col0, dq_t, [&](int r, int k) {
-                  return score::included<kExtras>(p, s, b, h, m0 + q0 + dq_g + 8 * r, n0 + k);
-                });
+            for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc_q[rg][j][e] = 0.0f;
+          if constexpr (kStrongZero) {
+#pragma unroll
+            for (int rg = 0; rg < kRows; ++rg)
+              strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
+                  acc_q[rg], sK, col0, dq_t, [&](int r, int k) {
+                    return score::included<kExtras>(p, s, b, h, m0 + q0 + 16 * rg + dq_g + 8 * r,
+                                                    n0 + k);
+                  });
+          }
           // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
           const T* k_chunk = sK + ((dq_lane % 8) + ((dq_lane / 8) % 2) * 8) * Cfg::kStride +
                              col0 + (dq_lane / 16) * 8;
 #pragma unroll
           for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
-            uint32_t a_kk[4];
-            if constexpr (!Cfg::kDqHoistDs)
-              ldmatrix<4, true>(a_kk, ds_rows + kk * 16 * Cfg::kDsStride);
-            const uint32_t(&a)[4] = Cfg::kDqHoistDs ? a_ds[Cfg::kDqHoistDs ? kk : 0] : a_kk;
+            // One A fragment per row group, each B fragment shared by the kRows of them.
+            uint32_t a_kk[kRows][4];
+            if constexpr (!Cfg::kDqHoistDs) {
+#pragma unroll
+              for (int rg = 0; rg < kRows; ++rg)
+                ldmatrix<4, true>(a_kk[rg], ds_rows + kk * 16 * Cfg::kDsStride + 16 * rg);
+            }
 #pragma unroll
             for (int j = 0; j < Cfg::kDqChunk; j += 2) {
               uint32_t b4[4];
@@ -750,12 +794,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
                 for (int r = 0; r < 4; ++r) b4[r] = strong_zero::finite_pair<T>(b4[r]);
               }
-              mma_pair<T>(acc_q[j], acc_q[j + 1], a, b4);
+#pragma unroll
+              for (int rg = 0; rg < kRows; ++rg) {
+                const uint32_t(&a)[4] =
+                    Cfg::kDqHoistDs ? a_ds[Cfg::kDqHoistDs ? kk : 0] : a_kk[rg];
+                mma_pair<T>(acc_q[rg][j], acc_q[rg][j + 1], a, b4);
+              }
             }
           }
           const int col = col0 + 2 * dq_t;  // the thread's first column
           // The adds from row addresses lo, hi that include col.
-          auto add_all = [&](auto inside_tag, float* lo, float* hi, bool lo_ok, bool hi_ok) {
+          auto add_all = [&](auto inside_tag, const float(&acc)[Cfg::kDqChunk][4], float* lo,
+                             float* hi, bool lo_ok, bool hi_ok) {
             constexpr bool kInside = decltype(inside_tag)::value;  // every row and column
 #pragma unroll
             for (int j = 0; j < Cfg::kDqChunk; ++j)
@@ -765,23 +815,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                 const bool col_in = kInside || col + dc < d;
                 const bool in = kInside || ((e / 2 ? hi_ok : lo_ok) && col_in);
                 float* const row = e / 2 ? hi : lo;
-                atomic_add(col_in ? row + dc : row - col + (d - 1), in ? acc_q[j][e] : 0.0f);
+                atomic_add(col_in ? row + dc : row - col + (d - 1), in ? acc[j][e] : 0.0f);
               }
           };
           if constexpr (Cfg::kDqHoistDs) {
             if (inside)
-              add_all(std::true_type{}, dq_lo + col, dq_hi + col, lo_in, hi_in);
+              add_all(std::true_type{}, acc_q[0], dq_lo + col, dq_hi + col, lo_in, hi_in);
             else
-              add_all(std::false_type{}, dq_lo + col, dq_hi + col, lo_in, hi_in);
+              add_all(std::false_type{}, acc_q[0], dq_lo + col, dq_hi + col, lo_in, hi_in);
           } else {
-            const int i0 = m0 + q0 + dq_g;
-            const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
-            float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
-            float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;
-            if (m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d)
-              add_all(std::true_type{}, lo, hi, lo_ok, hi_ok);
-            else
-              add_all(std::false_type{}, lo, hi, lo_ok, hi_ok);
+#pragma unroll
+            for (int rg = 0; rg < kRows; ++rg) {
+              const int i0 = m0 + q0 + 16 * rg + dq_g;
+              const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
+              float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
+              float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;
+              if (m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d)
+                add_all(std::true_type{}, acc_q[rg], lo, hi, lo_ok, hi_ok);
+              else
+                add_all(std::false_type{}, acc_q[rg], lo, hi, lo_ok, hi_ok);
+            }
           }
         };
         if constexpr (kPerWarp == 1) {

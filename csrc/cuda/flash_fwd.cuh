@@ -20,7 +20,8 @@
 //   m' = max(m, rowmax(S)); P = exp2(S*scale*log2e - m'); l = l*exp2(m - m') + rowsum(P)
 //                                 (lazily: m' = m unless rowmax(S) passes m by more than
 //                                 kLazyRescale = 8 in log2 units; then exp2(m - m') = 1,
-//                                 and a warp multiplies O only when one of its rows moved)
+//                                 and a warp multiplies only the 8-row slots of O where one
+//                                 of its rows moved, never on the first key block)
 //   O  = O*exp2(m - m') + P Vj    P re-packed in registers as f16/bf16 A fragments (the
 //                                 accumulator layout of S is the A layout of P: no
 //                                 shared-memory round trip); Vj via ldmatrix.trans
@@ -213,8 +214,8 @@ template <> struct FlashFwdConfig<256, true> : FlashFwdConfigBase<256, 32, false
 // max m until a block's max passes it by more than this (log2 units). Until then P <= 2^8
 // (float16 and bfloat16 hold it with room to spare; P V and l accumulate in float32), alpha
 // = 1 and O needs no multiply: O / l and lse = m + log2 l are the same sums at another
-// scale. A warp multiplies its O only when one of its rows moved (a vote), so once the maxima
-// settle the common pass carries no rescale at all.
+// scale. A warp multiplies its O only when one of its rows moved (a vote), and then only the
+// 8-row slots that moved, so once the maxima settle the common pass carries no rescale at all.
 constexpr float kLazyRescale = 8.0f;
 
 // What one launch of flash_fwd_kernel needs beyond the params: resolved once on the host.
@@ -349,7 +350,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int n_edge = score::first_edge_block<Cfg::kBlockN>(
         seq, left, right, m0, n_end,
         kExtras && score::zeros_anywhere(p));
-    static_assert(Cfg::kPad * 2 >= 2 * sizeof(int), "n_edge and a count fit a row's padding");
+    static_assert(Cfg::kPad * 2 >= 3 * sizeof(int),
+                  "n_edge, a count and the first block fit a row's padding");
     int* const n_edge_slot = reinterpret_cast<int*>(sQ + Cfg::kHeadDim);  // read after a barrier
     if (tid == 0) *n_edge_slot = n_edge;
 
@@ -386,6 +388,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // The loop's k runs over [k_begin, k_end) and takes block block_at(k): without extras
     // k is the block itself (the loop as it was before the mask, register for register).
     const int k_begin = kExtras ? 0 : n_begin, k_end = kExtras ? n_count : n_end;
+    // The loop's first k, beside n_edge: read only on a pass whose rescale vote fired (kept in
+    // a register through the loop, it cost the d = 128 kernel 12 instructions a pass).
+    int* const k_begin_slot = n_edge_slot + 2;  // read after a barrier
+    if (tid == 0) *k_begin_slot = k_begin;
     auto block_at = [&](int k) {
       if constexpr (kExtras) return n_begin + (listed ? int(*list_entry(k)) : k);
       return k;
@@ -653,13 +659,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           }
         l[x] = l[x] * alpha[x] + row_sum;
       }
-      if (warp_ballot(rescale) != 0u) {
+      // O's rescale: one vote for the common pass where no row moved, then one per 8-row slot
+      // x (rows g + 8 r + 16 mt of the warp): a warp multiplies only the slots where one of its
+      // lanes' rows moved (alpha = 1 in the others: skipping them is exact). Never on the
+      // loop's first block, where every row's max moves from -FLT_MAX but O is still 0 (or NaN
+      // from the strong zero, which stays NaN either way).
+      if (warp_any(rescale) && k != *k_begin_slot) {
 #pragma unroll
         for (int x = 0; x < 2 * kM; ++x)
+          if (warp_any(alpha[x] != 1.0f)) {
 #pragma unroll
-          for (int j = 0; j < Cfg::kNTilesO; ++j) {
-            acc_o[x / 2][j][2 * (x % 2)] *= alpha[x];
-            acc_o[x / 2][j][2 * (x % 2) + 1] *= alpha[x];
+            for (int j = 0; j < Cfg::kNTilesO; ++j) {
+              acc_o[x / 2][j][2 * (x % 2)] *= alpha[x];
+              acc_o[x / 2][j][2 * (x % 2) + 1] *= alpha[x];
+            }
           }
       }
 

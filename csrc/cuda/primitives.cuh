@@ -407,6 +407,16 @@ FMHA_DEVICE uint32_t warp_ballot(bool p) {
 #endif
 }
 
+// Whether any lane's predicate is true (vote.sync.any.pred): a branch on it reads the vote's
+// predicate directly, where `warp_ballot(p) != 0u` takes a compare of the mask as well.
+FMHA_DEVICE bool warp_any(bool p) {
+#if defined(__CUDACC__)
+  return __any_sync(0xFFFFFFFFu, p);
+#else
+  return ::emu::ballot(p) != 0u;
+#endif
+}
+
 // ---------------------------------------------------------------------------- tensor cores
 
 // D = A*B + C for one 16x8x16 tile per warp, f32 accumulation:

@@ -42,6 +42,7 @@ enum class Feature : int {
   kKvCache,
   kPagedKvCache,
   kKvCache8Bit,
+  kFp8Forward,
   kSinks,
   kLseGrad,
   kDeterministicBackward,
@@ -132,6 +133,10 @@ inline constexpr FeatureRow kFeatures[] = {
      Support::kYes, "", Support::kYes, "block table checked on the device"},
     {Feature::kKvCache8Bit, "kv_cache_8bit", "8-bit KV caches (int8, float8_e4m3fn, float8_e5m2)",
      Support::kYes, "", Support::kYes, ""},
+    {Feature::kFp8Forward, "fp8_forward",
+     "float8_e4m3fn q/k/v with descale_q/k/v (forward only)",
+     Support::kYes, "dequantised to float32; no KV caches, dropout or sinks",
+     Support::kNo, "needs the sm_90 fp8 kernel"},
     {Feature::kSinks, "sinks", "attention sinks (and their gradient)",
      Support::kYes, "", Support::kYes, ""},
     {Feature::kLseGrad, "lse_grad", "gradient through lse (dlse)",
@@ -164,6 +169,13 @@ constexpr bool takes_dtype(Backend b, DType t) {
   for (int i = 0; i < c.num_dtypes; ++i)
     if (c.dtypes[i] == t) return true;
   return false;
+}
+
+// Whether a backend takes q, k, v of dtype t: its dtypes, and float8_e4m3fn where it runs
+// the float8 forward (Feature::kFp8Forward, forward only: check_params refuses the backward).
+constexpr bool takes_input_dtype(Backend b, DType t) {
+  return t == DType::kFloat8E4M3 ? support(b, Feature::kFp8Forward) == Support::kYes
+                                 : takes_dtype(b, t);
 }
 
 constexpr bool takes_kv_code(Backend b, KvCode code) {

@@ -22,6 +22,7 @@
 #include "cpu/kernels.h"
 #include "fmha/api.h"
 #include "fmha/error.h"
+#include "fmha/fp8.h"
 #include "fmha/kvcache.h"
 #include "fmha/threads.h"
 #include "fmha/validate.h"
@@ -428,7 +429,14 @@ void set_cpu_isa(CpuIsa isa) {
 
 namespace {
 
-size_t element_size(DType t) { return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : 2; }
+size_t element_size(DType t) {
+  switch (t) {
+    case DType::kFloat64: return 8;
+    case DType::kFloat32: return 4;
+    case DType::kFloat8E4M3: return 1;
+    default: return 2;
+  }
+}
 
 // Outputs are usually fresh allocations that the kernels touch first: with transparent huge
 // pages in "madvise" mode (the common default) every 4 KiB page then faults and is zeroed on
@@ -490,18 +498,19 @@ void fill_zero(void* base, DType t, Dim d0, Dim d1, Dim d2, Dim d3) {
   }
 }
 
-// Zeros in a (batch, rows, heads, dim) tensor of the call (varlen: one packed batch).
-void zero_rows(const FwdParams& p, void* base, bool q_side, int heads, int dim, int64_t bs,
-               int64_t rs, int64_t hs) {
+// Zeros in a (batch, rows, heads, dim) tensor of the call (varlen: one packed batch) of
+// dtype t (the inputs' dtype, or out_dtype for out).
+void zero_rows(const FwdParams& p, void* base, DType t, bool q_side, int heads, int dim,
+               int64_t bs, int64_t rs, int64_t hs) {
   const bool varlen = p.cu_seqlens_q != nullptr;
-  fill_zero(base, p.dtype, {varlen ? 1 : p.batch, bs}, {rows_of(p, q_side), rs}, {heads, hs},
+  fill_zero(base, t, {varlen ? 1 : p.batch, bs}, {rows_of(p, q_side), rs}, {heads, hs},
             {dim, 1});
 }
 
 // Query rows without a key row: each row sees no key, so out = 0 and lse = -inf.
 void forward_without_keys(const FwdParams& p) {
-  zero_rows(p, p.o, true, p.heads_q, p.head_dim_v, p.o_batch_stride, p.o_row_stride,
-            p.o_head_stride);
+  zero_rows(p, p.o, out_dtype(p), true, p.heads_q, p.head_dim_v, p.o_batch_stride,
+            p.o_row_stride, p.o_head_stride);
   const Dim b{p.cu_seqlens_q ? 1 : p.batch, p.lse_batch_stride}, h{p.heads_q, p.lse_head_stride},
       r{rows_of(p, true), p.lse_row_stride}, one{1, 1};
   if (!p.lse) return;
@@ -516,13 +525,13 @@ void forward_without_keys(const FwdParams& p) {
 // broadcast over an empty dimension).
 void backward_without_pairs(const BwdParams& p) {
   if (has_rows(p, true))
-    zero_rows(p, p.dq, true, p.heads_q, p.head_dim, p.dq_batch_stride, p.dq_row_stride,
-              p.dq_head_stride);
+    zero_rows(p, p.dq, p.dtype, true, p.heads_q, p.head_dim, p.dq_batch_stride,
+              p.dq_row_stride, p.dq_head_stride);
   if (has_rows(p, false)) {
-    zero_rows(p, p.dk, false, p.heads_kv, p.head_dim, p.dk_batch_stride, p.dk_row_stride,
-              p.dk_head_stride);
-    zero_rows(p, p.dv, false, p.heads_kv, p.head_dim_v, p.dv_batch_stride, p.dv_row_stride,
-              p.dv_head_stride);
+    zero_rows(p, p.dk, p.dtype, false, p.heads_kv, p.head_dim, p.dk_batch_stride,
+              p.dk_row_stride, p.dk_head_stride);
+    zero_rows(p, p.dv, p.dtype, false, p.heads_kv, p.head_dim_v, p.dv_batch_stride,
+              p.dv_row_stride, p.dv_head_stride);
   }
   if (p.dbias) {  // contiguous, float32 (float64 for float64 inputs)
     const int64_t n = int64_t(p.dbias_batch) * p.dbias_heads * p.dbias_rows * p.dbias_cols;
@@ -543,7 +552,9 @@ void cpu_forward(const FwdParams& p) {
   if (!has_rows(p, false)) return forward_without_keys(p);
   const int64_t b = p.cu_seqlens_q ? 1 : p.batch;
   hint_huge_pages(p.o, b, rows_of(p, true), p.heads_q, p.head_dim_v, p.o_batch_stride,
-                  p.o_row_stride, p.o_head_stride, p.dtype);
+                  p.o_row_stride, p.o_head_stride, out_dtype(p));
+  if (p.dtype == DType::kFloat8E4M3)
+    return cpu_forward_fp8(p, active_kernels().forward, active_kernels().decode_kv_codes);
   active_kernels().forward(p);
 }
 

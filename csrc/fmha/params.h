@@ -9,9 +9,26 @@
 
 #include <cstdint>
 
+// Functions compiled for the host and, by nvcc, for the device (the CPU kernels, the CUDA
+// kernels and their emulator share them).
+#if defined(__CUDACC__)
+#define FMHA_HD __host__ __device__ __forceinline__
+#else
+#define FMHA_HD inline
+#endif
+
 namespace fmha {
 
-enum class DType : int { kFloat64 = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+// kFloat8E4M3 (float8_e4m3fn: 1 sign, 4 exponent, 3 mantissa bits, no infinities, NaN =
+// S.1111.111; decoded by kvq::decode, fmha/kvquant.h) is an input dtype of the forward only:
+// q, k, v hold one-byte codes, each scaled by its descale factor (FwdParams, "FP8 inputs").
+enum class DType : int {
+  kFloat64 = 0,
+  kFloat32 = 1,
+  kBFloat16 = 2,
+  kFloat16 = 3,
+  kFloat8E4M3 = 4
+};
 
 inline const char* dtype_name(DType t) {
   switch (t) {
@@ -19,6 +36,7 @@ inline const char* dtype_name(DType t) {
     case DType::kFloat32: return "float32";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat16: return "float16";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
   }
   return "?";
 }
@@ -58,9 +76,10 @@ struct FwdParams {
   const void* q = nullptr;  // (b, seqlen_q, heads_q, head_dim)
   const void* k = nullptr;  // (b, seqlen_k, heads_kv, head_dim)
   const void* v = nullptr;  // (b, seqlen_k, heads_kv, head_dim_v)
-  void* o = nullptr;        // (b, seqlen_q, heads_q, head_dim_v), same dtype as q
+  void* o = nullptr;        // (b, seqlen_q, heads_q, head_dim_v), dtype out_dtype(*this)
   // (b, heads_q, seqlen_q), or (heads_q, total_q) when varlen: natural-log logsumexp of
-  // each row; float32, float64 for float64 inputs (the backward recomputes P from it).
+  // each row; float32, float64 for float64 inputs (the backward recomputes P from it);
+  // float32 for float8 inputs.
   // The CPU forward takes nullptr for "not wanted" and then skips computing it.
   void* lse = nullptr;
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
@@ -144,11 +163,44 @@ struct FwdParams {
   float* v_scale = nullptr;
   int64_t scale_batch_stride = 0, scale_row_stride = 0, scale_head_stride = 0;
 
+  // --- FP8 inputs (dtype == kFloat8E4M3; forward only, as flash-attn 3's fp8 forward;
+  // docs/semantics.md, "FP8 inputs"). q, k and v hold e4m3 codes (their strides count
+  // bytes); the attention is that of the dequantised tensors
+  //   q = decode(q code) * q_descale[b, h / (heads_q / heads_kv)],  k = decode(k code) *
+  //   k_descale[b, hk],  v = decode(v code) * v_descale[b, hk],
+  // b the batch entry (varlen: the sequence), h the query head, hk the kv head; the softmax
+  // scale applies on top. ---
+  // o's dtype with float8 inputs: kBFloat16 (flash-attn 3's choice, the default) or
+  // kFloat16. Not read for other inputs, whose o has their own dtype (out_dtype()).
+  DType o_dtype = DType::kBFloat16;
+  // Per-(batch, kv head) float32 descale factors, flash-attn 3's q_descale / k_descale /
+  // v_descale of shape (batch, heads_kv): element [b, hk] at b * batch_stride + hk *
+  // head_stride (a stride 0 broadcasts: one factor per tensor has both 0). nullptr: every
+  // factor is 1. Only with float8 inputs (check_params refuses them otherwise).
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t q_descale_batch_stride = 0, q_descale_head_stride = 0;
+  int64_t k_descale_batch_stride = 0, k_descale_head_stride = 0;
+  int64_t v_descale_batch_stride = 0, v_descale_head_stride = 0;
+
   int num_threads = 0;  // CPU: 0 = library default
   // CUDA forward: split the keys of each (query block, head) over this many CTAs and merge
   // the partial results by their lse (FlashDecoding); 0 = pick by occupancy, 1 = no split.
   int num_splits = 0;
 };
+
+// The dtype of o: o_dtype with float8 inputs, the inputs' dtype otherwise.
+FMHA_HD DType out_dtype(const FwdParams& p) {
+  return p.dtype == DType::kFloat8E4M3 ? p.o_dtype : p.dtype;
+}
+
+// The descale factor of (batch entry b, kv head hk) in one of q_descale / k_descale /
+// v_descale with its strides: 1 when the pointer is null.
+FMHA_HD float descale_at(const float* d, int64_t batch_stride, int64_t head_stride, int b,
+                        int hk) {
+  return d ? d[b * batch_stride + hk * head_stride] : 1.0f;
+}
 
 struct BwdParams : FwdParams {
   const void* dout = nullptr;  // like o

@@ -8,13 +8,7 @@
 
 #include <cstdint>
 
-// Functions compiled for the host and, by nvcc, for the device (the CPU kernels, the CUDA
-// kernels and their emulator share them).
-#if defined(__CUDACC__)
-#define FMHA_HD __host__ __device__ __forceinline__
-#else
-#define FMHA_HD inline
-#endif
+#include "fmha/params.h"  // FMHA_HD
 
 // Compiled into every CPU instruction-set translation unit with different flags: the inline
 // namespace gives each its own copy, so the linker never swaps an AVX-512 instantiation into

@@ -73,12 +73,31 @@ void check_forward_features(const FwdParams& p, Backend backend) {
   check_feature(backend, Feature::kNumSplits, p.num_splits > 0, "num_splits");
 }
 
+// FP8 inputs (FwdParams, "FP8 inputs"): a forward-only dtype with its own output dtype and
+// descale factors, which no other dtype takes.
+void check_fp8(const FwdParams& p) {
+  const bool fp8 = p.dtype == DType::kFloat8E4M3;
+  FMHA_CHECK_ARG(fp8 || (!p.q_descale && !p.k_descale && !p.v_descale),
+                 "q_descale, k_descale, v_descale: only with float8_e4m3fn inputs, got dtype ",
+                 dtype_name(p.dtype));
+  if (!fp8) return;
+  FMHA_CHECK_ARG(p.o_dtype == DType::kBFloat16 || p.o_dtype == DType::kFloat16,
+                 "out dtype: float8_e4m3fn inputs write out as bfloat16 or float16, got ",
+                 dtype_name(p.o_dtype));
+  FMHA_CHECK_ARG(!p.cache_seqlens,
+                 "cache_seqlens: KV caches are not supported with float8_e4m3fn inputs");
+  FMHA_CHECK_ARG(p.dropout_p == 0.0,
+                 "dropout_p: float8_e4m3fn inputs are forward-only (inference), dropout is not "
+                 "supported with them");
+}
+
 }  // namespace
 
 void check_params(const FwdParams& p, Backend backend) {
   const BackendCaps& c = caps(backend);
-  FMHA_CHECK_ARG(takes_dtype(backend, p.dtype), "dtype ", dtype_name(p.dtype), ": the ",
+  FMHA_CHECK_ARG(takes_input_dtype(backend, p.dtype), "dtype ", dtype_name(p.dtype), ": the ",
                  c.label, " kernels take ", dtype_list(c));
+  check_fp8(p);
   check_sizes(p, backend);
   check_forward_features(p, backend);
   if (has_query_rows(p)) {
@@ -158,6 +177,8 @@ void check_params(const FwdParams& p, Backend backend) {
 }
 
 void check_params(const BwdParams& p, Backend backend) {
+  FMHA_CHECK_ARG(p.dtype != DType::kFloat8E4M3,
+                 "dtype float8_e4m3fn: float8 inputs are forward-only, there is no backward");
   check_params(static_cast<const FwdParams&>(p), backend);
   check_feature(backend, Feature::kBackward, true, "dout");
   check_feature(backend, Feature::kDbias, p.dbias != nullptr, "dbias");

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core, _sinks
+from . import _core, _fp8, _sinks
 from ._core import (_last_contiguous, _xp, core_args, dbias_shape, get_num_threads,
                     kernel_settings, stream_of)
 from ._validate import Spec, device_of, kind_of, prepare
@@ -112,7 +112,8 @@ def _device_of_array(x):
 def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
               scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
               softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False, seed=None,
-              deterministic: bool = False, num_splits: int = 0, sinks=None, block_mask=None):
+              deterministic: bool = False, num_splits: int = 0, sinks=None, block_mask=None,
+              descale_q=None, descale_k=None, descale_v=None, out_dtype=None):
     """Exact multi-head attention, softmax(scale·QKᵀ [softcap] + bias + ALiBi, masked) V.
 
     q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
@@ -153,7 +154,15 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
 
     Torch CUDA tensors and CuPy arrays run the CUDA kernels (float16/bfloat16, head_dim up
     to 256, sm_80+) on the current stream. Returns out, or (out, lse) when return_lse.
+
+    float8: torch.float8_e4m3fn q, k, v (forward only, no dropout or sinks) are the
+    attention of q·descale_q, k·descale_k, v·descale_v; each descale is a float32 tensor
+    broadcastable to (batch, heads_kv) (flash-attn 3's q_descale / k_descale / v_descale;
+    None = 1). out is torch.bfloat16, or ``out_dtype`` (torch.bfloat16 / torch.float16);
+    lse float32. CPU: dequantised into float32 (docs/semantics.md, "FP8 inputs").
     """
+    if _fp8.wanted(q, descale_q, descale_k, descale_v, out_dtype):
+        return _float8(q, k, v, locals())
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, num_splits=num_splits)
@@ -180,6 +189,13 @@ def attention(q, k, v, *, causal: bool = False, window=(-1, -1), alignment: str 
     return _result(out, lse, sinks, return_lse)
 
 
+def _float8(q, k, v, args: dict):
+    """attention / attention_varlen on float8 inputs; args: the call's arguments (its
+    locals())."""
+    return _fp8.attention(q, k, v, block_arrays=_block_arrays,
+                          **{n: args[n] for n in _fp8.KEYWORDS if n in args})
+
+
 def _result(out, lse, sinks, return_lse):
     """What attention / attention_varlen return from the kernels' out and lse: sinks
     applied when given (fmha/_sinks.py), lse when asked for."""
@@ -193,7 +209,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      *, causal: bool = False, window=(-1, -1), alignment: str = "bottom_right",
                      scale: Optional[float] = None, bias=None, mask=None, dropout_p: float = 0.0,
                      softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False,
-                     seed=None, deterministic: bool = False, num_splits: int = 0, sinks=None):
+                     seed=None, deterministic: bool = False, num_splits: int = 0, sinks=None,
+                     descale_q=None, descale_k=None, descale_v=None, out_dtype=None):
     """:func:`attention` on packed variable-length batches.
 
     q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim[_v]); sequence b owns
@@ -206,8 +223,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     packed rows and the maxima (docs/semantics.md, "Variable-length batches").
     num_splits: as in :func:`attention` (CUDA forward only; validated and ignored on the CPU).
     sinks: as in :func:`attention`. NumPy/CuPy users get the gradients from
-    :func:`attention_varlen_backward`.
+    :func:`attention_varlen_backward`. descale_q/k/v, out_dtype: float8 inputs as in
+    :func:`attention`, the descales broadcastable to (batch, heads_kv) with batch =
+    len(cu_seqlens_q) - 1.
     """
+    if _fp8.wanted(q, descale_q, descale_k, descale_v, out_dtype):
+        return _float8(q, k, v, locals())
     spec = prepare(q, k, v, causal=causal, window=window, alignment=alignment, scale=scale,
                    bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,

@@ -227,7 +227,8 @@ _SPEC_CACHE: dict = {}
 _SPEC_CACHE_SIZE = 256
 
 
-def _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap, num_splits):
+def _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap, num_splits,
+               float8):
     """The cache key of a plain dense call, or None when the call is not one whose every
     argument has its plain type (anything else takes the full validation, which also names
     what is wrong). Types are part of the key: True == 1 must not find a Spec made for 1."""
@@ -253,21 +254,23 @@ def _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap, nu
     if len(ks) != 4 or len(vs) != 4 or ks[1] != vs[1]:
         return None
     return (tq, q.dtype, k.dtype, v.dtype, tuple(q.shape), ks[0], ks[2], ks[3], vs[0], vs[2],
-            vs[3], devices, causal, window, alignment, scale, dropout_p, softcap, num_splits)
+            vs[3], devices, causal, window, alignment, scale, dropout_p, softcap, num_splits,
+            float8)
 
 
 def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right", scale=None,
             bias=None, mask=None, dropout_p=0.0, softcap=0.0, alibi_slopes=None,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-            num_splits=0) -> Spec:
+            num_splits=0, float8=False) -> Spec:
     """Validates every argument of an attention call; returns the normalised :class:`Spec`
-    (shared between equal calls: treat it as read-only)."""
+    (shared between equal calls: treat it as read-only). float8: q, k, v are
+    float8_e4m3fn (the float8 forward, fmha/_fp8.py) instead of a float dtype."""
     key = None
     if (bias is None and mask is None and alibi_slopes is None and cu_seqlens_q is None
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
             and (type(q) is np.ndarray or not _compiling())):
         key = _cache_key(q, k, v, causal, window, alignment, scale, dropout_p, softcap,
-                         num_splits)
+                         num_splits, float8)
         spec = _SPEC_CACHE.get(key) if key is not None else None
         if spec is not None:
             seqlen_k = k.shape[1]
@@ -280,7 +283,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
                     bias=bias, mask=mask, dropout_p=dropout_p, softcap=softcap,
                     alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+                    max_seqlen_k=max_seqlen_k, num_splits=num_splits, float8=float8)
     if key is not None:
         if len(_SPEC_CACHE) >= _SPEC_CACHE_SIZE:
             _SPEC_CACHE.clear()
@@ -290,7 +293,7 @@ def prepare(q, k, v, *, causal=False, window=(-1, -1), alignment="bottom_right",
 
 def _prepare(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p, softcap,
              alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             num_splits) -> Spec:
+             num_splits, float8=False) -> Spec:
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     kind = kind_of(q)
     if not kind and _is_jax(q):
@@ -304,10 +307,16 @@ def _prepare(q, k, v, *, causal, window, alignment, scale, bias, mask, dropout_p
     layout = "(total_tokens, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, kind, nd)
-    _check_float("q", q)
+    if float8:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if dtype_name(x) != FLOAT8:
+                raise TypeError(f"{name}: expected {FLOAT8} like the other inputs of a float8 "
+                                f"call, got {dtype_name(x)}")
+    else:
+        _check_float("q", q)
+        _check_float("k", k, dtype_name(q))
+        _check_float("v", v, dtype_name(q))
     dt = dtype_name(q)
-    _check_float("k", k, dt)
-    _check_float("v", v, dt)
     device = device_of(q)
     for name, x in (("k", k), ("v", v)):
         if device_of(x) != device:
@@ -426,9 +435,21 @@ def _check_cuda(device: str, dtype: str) -> None:
         raise NotImplementedError(f"q: on {device}, but {why}")
 
 
+#: The float8 input dtype (forward only; fmha/_fp8.py).
+FLOAT8 = "float8_e4m3fn"
+
+
 def check_dtype(device: str, dtype: str) -> None:
     """NotImplementedError naming q when `device`'s backend does not take `dtype`."""
     caps = _BACKENDS[backend_of(device)]
+    if dtype == FLOAT8:
+        if caps["features"]["fp8_forward"] != "yes":
+            note = next(f["notes"][backend_of(device)] for f in CAPABILITIES["features"]
+                        if f["key"] == "fp8_forward")
+            raise NotImplementedError(f"q: {FLOAT8} inputs on {device}: the {caps['label']} "
+                                      f"kernels do not take them ({note}); run the call on "
+                                      f"the CPU, or dequantise")
+        return
     if dtype not in caps["dtypes"]:
         hint = "; cast, or use the CPU" if backend_of(device) != "cpu" else ""
         raise NotImplementedError(f"q: dtype {dtype} on {device}: {caps['label']} kernels take "

@@ -71,6 +71,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._philox import dropout_keep_mask
+from .kvquant import as_codes, decode_table, quantize
 
 __all__ = [
     "attention_forward",
@@ -78,6 +79,8 @@ __all__ = [
     "attention_probs",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "attention_fp8_forward",
+    "fp8_dequantize",
     "attention_with_kvcache",
     "kvcache_rows",
 ]
@@ -100,6 +103,7 @@ class _Intermediates:
     scale: float
     softcap: float
     s_raw: np.ndarray      # scale * Q K^T, before the softcap
+    s: np.ndarray          # the scores the softmax reads: softcapped, biased, -inf if excluded
     p: np.ndarray          # softmax probabilities, before dropout
     lse: np.ndarray        # (B, Hq, Sq)
     z: Optional[np.ndarray]  # dropout multiplier (keep / (1 - p)), None without dropout
@@ -296,7 +300,7 @@ def _forward(
 
     return _Intermediates(
         q=qh, k=kh, v=vh, heads_kv=heads_kv, scale=scale, softcap=softcap,
-        s_raw=s_raw, p=p, lse=lse, z=z, excluded=excluded, p_sink=p_sink,
+        s_raw=s_raw, s=s, p=p, lse=lse, z=z, excluded=excluded, p_sink=p_sink,
     )
 
 
@@ -614,3 +618,94 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         outs.append(out[0])
         lses.append(lse[0])
     return np.stack(outs), np.stack(lses)
+
+
+# ---------------------------------------------------------------- float8 (e4m3) inputs
+
+#: The offset of the float8 forward's exponent (docs/semantics.md, "FP8 inputs"): P is
+#: computed as 2**8 * exp(S - m) against the running row maximum m, so that its largest
+#: entries use e4m3's range up to 256 (of 448) instead of [0, 1], where the values below
+#: 2**-6 would lose bits as subnormals and those below 2**-10 would flush to zero.
+FP8_P_OFFSET = 8
+
+
+def fp8_dequantize(codes, descale=None, heads_per_factor=1):
+    """float64 values of float8_e4m3fn codes (uint8 bytes, or ml_dtypes float8 arrays)
+    ``(batch, seqlen, heads, dim)`` times their factor: ``descale`` broadcastable to
+    ``(batch, heads // heads_per_factor)`` (flash-attn 3's per (batch, kv head) layout;
+    query heads pass heads_per_factor = heads_q // heads_kv), None = 1."""
+    x = decode_table("float8_e4m3fn")[as_codes(codes)]
+    if descale is None:
+        return x
+    batch, heads = x.shape[0], x.shape[2]
+    d = np.broadcast_to(np.asarray(descale, dtype=np.float64),
+                        (batch, heads // heads_per_factor))
+    return x * np.repeat(d, heads_per_factor, axis=1)[:, None, :, None]
+
+
+def _e4m3(x: np.ndarray) -> np.ndarray:
+    """x rounded as float32, then to the nearest e4m3 value (ties to even)."""
+    return decode_table("float8_e4m3fn")[quantize(x, "float8_e4m3fn", np.float32(1.0))]
+
+
+def _p_quantised_output(s: np.ndarray, v: np.ndarray, block_k: int):
+    """O and lse of the float8 kernel's online softmax: for each tile of block_k keys, in
+    order, the row maximum m is updated, P = 2**FP8_P_OFFSET * exp(S - m) is rounded to
+    e4m3 for P V, the row sum l takes P unrounded, and earlier O and l are rescaled by
+    exp(m_old - m_new); O / l at the end. s: (..., Sq, Sk) scores, -inf where excluded;
+    v: (..., Sk, Dv). A row with no visible key gives 0 and -inf."""
+    m = np.full(s.shape[:-1], -np.inf)
+    l = np.zeros(s.shape[:-1])
+    o = np.zeros(s.shape[:-1] + v.shape[-1:])
+    for j in range(0, s.shape[-1], block_k):
+        tile = s[..., j:j + block_k]
+        m_new = np.maximum(m, tile.max(axis=-1, initial=-np.inf))
+        ref = np.where(m_new == -np.inf, 0.0, m_new)
+        alpha = np.exp(m - ref)  # 0 while m is -inf: o and l are still 0
+        p = np.exp(tile - ref[..., None] + FP8_P_OFFSET * math.log(2.0))
+        l = l * alpha + p.sum(axis=-1)
+        o = o * alpha[..., None] + _e4m3(p) @ v[..., j:j + block_k, :]
+        m = m_new
+    seen = l > 0
+    out = np.where(seen[..., None], o / np.where(seen, l, 1.0)[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)) - FP8_P_OFFSET * math.log(2.0),
+                       -np.inf)
+    return out, lse
+
+
+def attention_fp8_forward(
+    q, k, v, *, descale_q=None, descale_k=None, descale_v=None, quantize_p=False,
+    block_k=128, scale=None, causal=False, window=(-1, -1), alignment="bottom_right",
+    bias=None, mask=None, alibi_slopes=None, softcap=0.0,
+):
+    """Reference forward of float8_e4m3fn inputs (docs/semantics.md, "FP8 inputs").
+
+    q, k, v: e4m3 codes as uint8 bytes (``t.view(torch.uint8).numpy()`` of a
+    torch.float8_e4m3fn tensor) in the layout of :func:`attention_forward`; descale_q,
+    descale_k, descale_v: factors broadcastable to ``(batch, heads_kv)``, None = 1 (a query
+    head uses its kv head's factor). The other keywords as in :func:`attention_forward`.
+
+    quantize_p=False: what the float8 forward computes, exact attention of the dequantised
+    inputs (:func:`fp8_dequantize`), the yardstick every backend is measured against.
+    quantize_p=True: a model of a kernel that rounds P to e4m3 for P V as flash-attn 3's
+    fp8 kernel does (see :func:`_p_quantised_output`), key tiles of ``block_k`` from the
+    first key on; finite inputs only.
+
+    Returns out (batch, seqlen_q, heads_q, head_dim_v) and lse (batch, heads_q,
+    seqlen_q), float64.
+    """
+    heads_q, heads_kv = np.shape(q)[2], np.shape(k)[2]
+    group = heads_q // heads_kv if heads_kv else 1
+    qd = fp8_dequantize(q, descale_q, group)
+    kd = fp8_dequantize(k, descale_k)
+    vd = fp8_dequantize(v, descale_v)
+    kw = dict(scale=scale, causal=causal, window=window, alignment=alignment, bias=bias,
+              mask=mask, alibi_slopes=alibi_slopes, softcap=softcap)
+    if not quantize_p:
+        return attention_forward(qd, kd, vd, **kw)
+    if not (isinstance(block_k, int) and block_k >= 1):
+        raise ValueError(f"block_k: expected an int >= 1, got {block_k!r}")
+    it = _forward(qd, kd, vd, dropout_p=0.0, seed=0, offset=0, **kw)
+    out, lse = _p_quantised_output(it.s, it.v, block_k)
+    return np.transpose(out, (0, 2, 1, 3)), lse

@@ -158,6 +158,10 @@ def _feature_call(backend, key):
         return lambda: _C.check_forward(q2, k2, v2, out2, lse2, backend=backend, **S)
     if key == "lse_optional":
         return lambda: _C.check_forward(q, k, v, out, None, backend=backend, **S)
+    if key == "fp8_forward":
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        out8 = torch.zeros(out.shape, dtype=torch.bfloat16)
+        return lambda: _C.check_forward(q8, k8, v8, out8, lse, backend=backend, **S)
     if key in ("kv_cache", "paged_kv_cache", "kv_cache_8bit"):
         return lambda: cxx_kvcache(backend, code=1 if key == "kv_cache_8bit" else 0,
                                    paged=key == "paged_kv_cache")
@@ -401,6 +405,21 @@ def test_features_python(backend, key, request):
     accept = BACKENDS[backend]["features"][key] != "no"
     verdict = _verdict(lambda: py_dense(backend, "float16", **_py_feature_kwargs(key)))
     _assert(verdict, accept, f"Python {backend} {key}")
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_fp8_forward_python(backend, request):
+    """float8_e4m3fn inputs through the Python layer: the CPU runs them (the public call),
+    CUDA as the table says."""
+    if backend == "cuda":
+        request.getfixturevalue("as_cuda")
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in _dense("float32")[:3])
+    if backend == "cpu":
+        call = lambda: fmha.attention(q, k, v, descale_q=torch.tensor(0.5))  # noqa: E731
+    else:
+        call = lambda: _validate.prepare(q, k, v, float8=True)  # noqa: E731
+    accept = BACKENDS[backend]["features"]["fp8_forward"] != "no"
+    _assert(_verdict(call), accept, f"Python {backend} fp8_forward")
 
 
 def test_features_python_cpu_calls():

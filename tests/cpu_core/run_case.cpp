@@ -50,7 +50,8 @@ using fmha::DType;
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 
 DType parse_dtype(const std::string& s) {
-  for (DType t : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+  for (DType t : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                  DType::kFloat8E4M3})
     if (s == fmha::dtype_name(t)) return t;
   fail("unknown dtype '" + s + "'");
 }
@@ -109,7 +110,13 @@ struct Scalars {
            {"dq_head_stride", &p.dq_head_stride}, {"dk_batch_stride", &p.dk_batch_stride},
            {"dk_row_stride", &p.dk_row_stride}, {"dk_head_stride", &p.dk_head_stride},
            {"dv_batch_stride", &p.dv_batch_stride}, {"dv_row_stride", &p.dv_row_stride},
-           {"dv_head_stride", &p.dv_head_stride}};
+           {"dv_head_stride", &p.dv_head_stride},
+           {"q_descale_batch_stride", &p.q_descale_batch_stride},
+           {"q_descale_head_stride", &p.q_descale_head_stride},
+           {"k_descale_batch_stride", &p.k_descale_batch_stride},
+           {"k_descale_head_stride", &p.k_descale_head_stride},
+           {"v_descale_batch_stride", &p.v_descale_batch_stride},
+           {"v_descale_head_stride", &p.v_descale_head_stride}};
     for (auto [name, b] : {std::pair<const char*, fmha::Broadcast4*>{"bias", &p.bias},
                            {"mask", &p.mask}}) {
       const std::string n = name;
@@ -121,7 +128,7 @@ struct Scalars {
     u64 = {{"seed", &p.seed}, {"offset", &p.offset}};
     f64 = {{"scale", &p.scale}, {"softcap", &p.softcap}, {"dropout_p", &p.dropout_p}};
     flag = {{"bottom_right", &p.bottom_right}, {"deterministic", &p.deterministic}};
-    dtype = {{"dtype", &p.dtype}, {"bias.dtype", &p.bias.dtype}};
+    dtype = {{"dtype", &p.dtype}, {"bias.dtype", &p.bias.dtype}, {"o_dtype", &p.o_dtype}};
   }
 
   void set(const std::string& key, const std::string& value) {
@@ -162,6 +169,9 @@ void set_pointer(BwdParams& p, const std::string& field, void* ptr) {
   else if (field == "alibi_slopes") p.alibi_slopes = static_cast<const double*>(ptr);
   else if (field == "cu_seqlens_q") p.cu_seqlens_q = static_cast<const int32_t*>(ptr);
   else if (field == "cu_seqlens_k") p.cu_seqlens_k = static_cast<const int32_t*>(ptr);
+  else if (field == "q_descale") p.q_descale = static_cast<const float*>(ptr);
+  else if (field == "k_descale") p.k_descale = static_cast<const float*>(ptr);
+  else if (field == "v_descale") p.v_descale = static_cast<const float*>(ptr);
   else fail("unknown array '" + field + "'");
 }
 

@@ -184,6 +184,20 @@ Result flash_bwd_case(const BwdCase& c) {
 EMU_TEST("flash_bwd.f16.d64.causal.tail.atomic", FLASH_BWD_CITE) {
   return flash_bwd_case<half_t>({1, 70, 70, 2, 1, 64, -1, 0, false});
 }
+// d = 64 and 128 plain: the 8-warp kernels (FlashBwdConfig), over several key blocks of 128
+// and a GQA group of 2, in both dQ modes, with partial query and key blocks.
+EMU_TEST("flash_bwd.f16.d64.gqa.blocks.atomic", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({1, 130, 260, 4, 2, 64, -1, -1, false});
+}
+EMU_TEST("flash_bwd.bf16.d64.gqa.blocks.deterministic", FLASH_BWD_CITE) {
+  return flash_bwd_case<bf16_t>({1, 130, 260, 4, 2, 64, -1, -1, true});
+}
+EMU_TEST("flash_bwd.f16.d128.gqa.blocks.atomic", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({1, 70, 200, 4, 2, 128, -1, -1, false});
+}
+EMU_TEST("flash_bwd.bf16.d128.causal.blocks.deterministic", FLASH_BWD_CITE) {
+  return flash_bwd_case<bf16_t>({1, 150, 150, 2, 1, 128, -1, 0, true});
+}
 EMU_TEST("flash_bwd.bf16.d128.window.deterministic", FLASH_BWD_CITE) {
   return flash_bwd_case<bf16_t>({1, 40, 75, 1, 1, 128, 20, 3, true});
 }
@@ -258,6 +272,10 @@ Result strong_zero_case(int d, bool deterministic) {
 
 EMU_TEST("flash_bwd.f16.d64.strong_zero.atomic", "docs/semantics.md, Non-finite inputs: " FLASH_BWD_CITE) {
   return strong_zero_case<half_t>(64, false);
+}
+EMU_TEST("flash_bwd.f16.d128.strong_zero.atomic",
+         "docs/semantics.md, Non-finite inputs: " FLASH_BWD_CITE) {
+  return strong_zero_case<half_t>(128, false);
 }
 EMU_TEST("flash_bwd.bf16.d128.strong_zero.deterministic",
          "docs/semantics.md, Non-finite inputs: " FLASH_BWD_CITE) {

@@ -290,13 +290,14 @@ def test_whole_blocks_from_a_later_first_block(rng, d):
     run_case(rng, sq=17, sk=320, d=d, num_splits=2, expect_splits=2)
 
 
-def _rising_scores(rng, sq, sk, d, growth, every=3, heads=1):
+def _rising_scores(rng, sq, sk, d, growth, every=3, heads=1, rows=None):
     """q, k whose scores rise along the keys by `growth` log2 units per 64 keys on rows 0,
-    every, 2 every, ... and stay flat on the others (their column 0 is 0)."""
+    every, 2 every, ... (or the rows `rows` selects) and stay flat on the others (their
+    column 0 is 0)."""
     q64 = rng.standard_normal((1, sq, heads, d)) * 0.3
     k64 = rng.standard_normal((1, sk, heads, d)) * 0.3
     q64[0, :, :, 0] = 0.0
-    q64[0, ::every, :, 0] = 1.0
+    q64[0, slice(None, None, every) if rows is None else rows, :, 0] = 1.0
     k64[0, :, :, 0] = (np.arange(sk) * (growth / 64 * np.log(2) * np.sqrt(d)))[:, None]
     return q64, k64
 
@@ -316,6 +317,18 @@ def test_lazy_rescale_with_rising_scores(rng, d, growth, extras):
     kw = dict(softcap=30.0) if extras else {}
     run_case(rng, sq=70, sk=320, d=d, qk64=qk64, **kw)
     run_case(rng, sq=70, sk=320, d=d, qk64=qk64, causal=True, alignment="top_left", **kw)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("slot", [0, 1, 2, 3])
+def test_lazy_rescale_of_one_row_slot(rng, d, slot):
+    # A warp rescales O only in the 8-row slots (rows g + 8 r + 16 mt of its 16 or 32) where a
+    # row's max moved. Here only the rows i with (i mod 32) div 8 = slot rise, so each warp's
+    # vote fires with one slot moving: O multiplied in another slot than the one that moved,
+    # or not at all, fails here.
+    rows = (np.arange(100) % 32) // 8 == slot
+    qk64 = _rising_scores(rng, 100, 320, d, 12.0, rows=rows)
+    run_case(rng, sq=100, sk=320, d=d, qk64=qk64)
 
 
 @pytest.mark.parametrize("p", [0.5, 0.998])

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fmha import reference
+from fmha import kvquant, reference
 from fmha._philox import dropout_keep_mask
 
 from conftest import LOW_PRECISION, assert_close, naive_results, round_to
@@ -78,6 +78,10 @@ CASES = {
                                   causal=True, bias=(1, 2, 45, 77), mask=(1, 2, 45, 77)),
     "f16_window_alibi_dropout": dict(dtype="float16", b=2, sq=38, sk=38, hq=2, hkv=2, d=32,
                                      dv=32, window=(6, -1), alibi="h", dropout_p=0.15, seed=5),
+    # float8 inputs (forward only): descales per (batch, kv head), one broadcast (stride 0)
+    "fp8_causal_gqa_descales_strided": dict(dtype="float8_e4m3fn", b=2, sq=37, sk=53, hq=4,
+                                            hkv=2, d=40, dv=24, causal=True, layout="bhsd",
+                                            threads=2),
 }
 
 # Run under the sanitizers only, with no comparison of values: NaN and Inf inputs (in q, k, v
@@ -94,13 +98,18 @@ NONFINITE_CASES = {
 _NP = {"float64": "<f8", "float32": "<f4", "float16": "<f2"}
 
 
+FP8 = "float8_e4m3fn"
+
+
 def _elem(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, FP8: 1}[dtype]
 
 
 def _to_bytes(x64: np.ndarray, dtype: str) -> bytes:
     """float64 values (already representable in dtype) as dtype's bytes, C order."""
     x64 = np.ascontiguousarray(x64)
+    if dtype == FP8:  # exact values: their codes
+        return kvquant.quantize(x64, FP8, np.float32(1)).tobytes()
     if dtype == "bfloat16":
         return (x64.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
     return x64.astype(_NP[dtype]).tobytes()
@@ -130,6 +139,7 @@ class Case:
         s = spec
         self.dtype = dt = s["dtype"]
         self.acc = "float64" if dt == "float64" else "float32"
+        self.out_dtype = "bfloat16" if dt == FP8 else dt  # float8 inputs: bfloat16 out
         rng = np.random.default_rng(zlib.crc32(name.encode()))
         hq, hkv, d, dv = s["hq"], s["hkv"], s["d"], s["dv"]
         self.varlen = s.get("varlen")
@@ -145,14 +155,16 @@ class Case:
             b, sq, sk = s["b"], s["sq"], s["sk"]
             lead_q, lead_k = (b, sq), (b, sk)
         self.full = (b, hq, sq, sk)
-        draw = lambda shape: round_to(rng.standard_normal(shape), dt)
+        draw = lambda shape: (  # noqa: E731
+            reference.fp8_dequantize(kvquant.quantize(rng.standard_normal(shape), FP8, 1))
+            if dt == FP8 else round_to(rng.standard_normal(shape), dt))
         self.q, self.k = draw(lead_q + (hq, d)), draw(lead_k + (hkv, d))
         self.v, self.dout = draw(lead_k + (hkv, dv)), draw(lead_q + (hq, dv))
         if s.get("nonfinite"):
             self.q[..., 3, 0, 5], self.k[..., 7, 0, 2] = np.nan, np.inf
             self.v[..., 11, 0, 1], self.dout[..., 5, 1, 0] = -np.inf, np.nan
 
-        settings = dict(dtype=dt, batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
+        settings = dict(dtype=dt, o_dtype=self.out_dtype, batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk,
                         head_dim=d, head_dim_v=dv, scale=s.get("scale", 1.0 / np.sqrt(d)),
                         softcap=s.get("softcap", 0.0), dropout_p=s.get("dropout_p", 0.0),
                         seed=s.get("seed", 0), offset=0, num_threads=s.get("threads", 1),
@@ -181,17 +193,30 @@ class Case:
                                                                      strides))
 
         layout = s.get("layout", "bshd")
-        for field, x in (("q", self.q), ("k", self.k), ("v", self.v), ("dout", self.dout)):
-            array(field, x, "do" if field == "dout" else field, layout)
+        self.fields = ("q", "k", "v") if dt == FP8 else ("q", "k", "v", "dout")  # no backward
+        for field in self.fields:
+            array(field, getattr(self, field), "do" if field == "dout" else field, layout)
+        self.descales = {}
+        if dt == FP8:  # (b, hkv) float32; k's one factor for all, a broadcast (stride 0)
+            for field, shape in (("q_descale", (b, hkv)), ("k_descale", (1, 1)),
+                                 ("v_descale", (b, hkv))):
+                x = rng.uniform(0.3, 2.0, shape).astype(np.float32)
+                self.descales[field] = x
+                (directory / f"{field}.in").write_bytes(x.astype("<f4").tobytes())
+                lines.append(f"in {field} 4 {field}.in")
+                st = [0, 0] if shape == (1, 1) else [hkv, 1]
+                lines += [f"{field}_batch_stride {st[0]}", f"{field}_head_stride {st[1]}"]
         # Outputs: contiguous, in the kernels' layout.
-        for field, lead, heads, dim in (("o", lead_q, hq, dv), ("dq", lead_q, hq, d),
-                                        ("dk", lead_k, hkv, d), ("dv", lead_k, hkv, dv)):
+        outputs = (("o", lead_q, hq, dv), ("dq", lead_q, hq, d), ("dk", lead_k, hkv, d),
+                   ("dv", lead_k, hkv, dv))
+        for field, lead, heads, dim in outputs[:1] if dt == FP8 else outputs:
             shape = lead + (heads, dim)
             st = _contiguous_strides(shape)
             st = ([0] + st) if self.varlen else st
             for n, value in zip(("batch", "row", "head"), st[:3]):
                 lines.append(f"{field}_{n}_stride {value}")
-            lines.append(f"out {field} {_elem(dt)} {int(np.prod(shape))}")
+            lines.append(f"out {field} {_elem(self.out_dtype if field == 'o' else dt)} "
+                         f"{int(np.prod(shape))}")
         self.lse_shape = (hq, lead_q[0]) if self.varlen else (b, hq, sq)
         if self.varlen:
             lines += ["lse_batch_stride 0", f"lse_head_stride {lead_q[0]}", "lse_row_stride 1"]
@@ -246,6 +271,16 @@ class Case:
     @functools.cached_property
     def expected(self) -> dict:
         kw = dict(self.kw, alibi_slopes=self.alibi)
+        if self.dtype == FP8:  # the exact attention of the dequantised inputs
+            assert not self.varlen and self.bias is None and self.mask is None
+            group = self.q.shape[2] // self.k.shape[2]
+            q, k, v = (x * np.repeat(np.broadcast_to(self.descales[f"{n}_descale"],
+                                                     (x.shape[0], self.k.shape[2])),
+                                     group if n == "q" else 1, axis=1)[:, None, :, None]
+                       for n, x in (("q", self.q), ("k", self.k), ("v", self.v)))
+            del kw["dropout_p"], kw["seed"], kw["offset"]
+            out, lse = reference.attention_forward(q, k, v, **kw)
+            return dict(o=out, lse=lse)
         if self.varlen:
             out, lse = reference.attention_varlen_forward(self.q, self.k, self.v, self.cu_q,
                                                           self.cu_k, **kw)
@@ -284,13 +319,18 @@ class Case:
         """The outputs the runner wrote under `tag` against the reference."""
         shapes = dict(o=self.q.shape[:-1] + self.v.shape[-1:], lse=self.lse_shape,
                       dq=self.q.shape, dk=self.k.shape, dv=self.v.shape)
+        if self.dtype == FP8:
+            for field in ("dq", "dk", "dv"):
+                del shapes[field]
         if self.bias is not None:
             shapes["dbias"] = self.dbias_shape
         naive = self.naive
         for field, shape in shapes.items():
-            stored = self.dtype if field in ("o", "dq", "dk", "dv") else self.acc
+            stored = (self.out_dtype if field == "o" else self.dtype
+                      if field in ("dq", "dk", "dv") else self.acc)
             got = _from_bytes((self.dir / f"{tag}.{field}.bin").read_bytes(), stored, shape)
-            assert_close(f"{self.name}: {field}", got, self.expected[field], self.dtype,
+            assert_close(f"{self.name}: {field}", got, self.expected[field],
+                         "float32" if self.dtype == FP8 and field == "lse" else self.dtype,
                          naive=None if naive is None else naive[field],
                          grad=field.startswith("d"), result_dtype=stored)
 
@@ -302,7 +342,7 @@ def cases(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            if CASES.get(name, NONFINITE_CASES.get(name))["dtype"] in LOW_PRECISION:
+            if CASES.get(name, NONFINITE_CASES.get(name))["dtype"] in LOW_PRECISION + (FP8,):
                 pytest.importorskip("torch", reason="bfloat16 rounding and the low-precision "
                                                     "tolerance rule need torch")
             made[name] = Case(name, {**CASES, **NONFINITE_CASES}[name], root / name)

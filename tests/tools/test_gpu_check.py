@@ -1,5 +1,6 @@
 """tools/gpu_check.sh runs the CUDA cases of the Hugging Face serving tests: its serving phase
-selects cases that exist (one per path and pool kind), under a time limit, with its own log."""
+selects cases that exist (one per path and pool kind), under a time limit, with its own log;
+and it times the previous backward design against this one (tools/bwd_ab.sh)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,31 @@ def test_runs_both_forward_kernels_and_both_sdpa_backends():
     assert 'BUDGET="${GPU_CHECK_BUDGET_S:-530}"' in SCRIPT
     assert int(re.search(r"run_phase tests-sm80 (\d+) ", SCRIPT).group(1)) <= 60
     assert int(re.search(r"run_phase bench (\d+) ", SCRIPT).group(1)) <= 180
+
+
+def test_bwd_ab_phase_times_old_against_new():
+    phase = SCRIPT[SCRIPT.index("run_phase bwd-ab"):]
+    phase = phase[:phase.index("\n")]
+    assert 'tools/bwd_ab.sh "$arch" "$OUT/bwd-ab"' in phase and '"$OUT/bwd-ab.log"' in phase
+    assert int(phase.split()[2]) <= 150, "the device session is 15 minutes"
+    assert SCRIPT.index("run_phase bench") < SCRIPT.index("run_phase bwd-ab")
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "bwd_ab.sh")], check=True)
+
+
+def test_bwd_ab_default_old_revision_is_the_previous_design():
+    """The default OLD_REV is the last commit before the backward's warp count per head dim:
+    its kernel has 4 warps everywhere, the commit after it does not."""
+    if subprocess.run(["git", "rev-parse", "--git-dir"], cwd=ROOT,
+                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    old = subprocess.run([str(ROOT / "tools" / "bwd_ab.sh"), "--old-rev"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    show = lambda rev: subprocess.run(["git", "show", f"{rev}:csrc/cuda/flash_bwd.cuh"], cwd=ROOT,
+                                      capture_output=True, text=True, check=True).stdout
+    old_config = "static constexpr int kBlockN = 64;  // keys per CTA: 4 warps x 16"
+    assert old_config in show(old) and "kWarps = !kExtras_" not in show(old)
+    child = subprocess.run(["git", "rev-list", "--ancestry-path", "--reverse", f"{old}..HEAD"],
+                           cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    assert "static constexpr int kWarps = !kExtras_" in show(child)
+    assert old_config not in show(child)

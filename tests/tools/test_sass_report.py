@@ -269,8 +269,8 @@ PLAIN = [
 ]
 
 
-def _plain(decide=None):
-    blocks = sr.blocks_of(sr.parse(_sass(PLAIN))["planted_kernel"])
+def _plain(decide=None, lines=PLAIN):
+    blocks = sr.blocks_of(sr.parse(_sass(lines))["planted_kernel"])
     loop = sr.main_loop(blocks)
     body, ends = sr.loop_region(blocks, loop, natural=False)
     passes = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends,
@@ -402,3 +402,43 @@ def test_hopper_loop_counts_hgmma_and_syncs():
         assert loop is not None and loop.header == 0x20, natural
         counts = sr.pass_counts(sr.blocks_of(funcs["planted_kernel"]), loop)
         assert (counts["HGMMA"], counts["HMMA"], counts["SYNCS"], counts["path"]) == (3, 0, 2, 8)
+
+
+# The forward's rescale as it compiles now: the warp's vote read as a predicate (VOTE.ANY P),
+# then a test on a value loaded from shared memory ("not the loop's first block") guarding the
+# multiplies; and a vote whose float compare an ISETP folds with an integer test.
+GUARDED = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "FSETP.NEU.AND P2, PT, R20, 1, PT"),
+    (0x20, "VOTE.ANY P1, P2"),
+    (0x28, "@!P1 BRA 0x60"),                     # no max moved
+    (0x30, "LDS R30, [R3+0x8]"),
+    (0x38, "ISETP.NE.AND P1, PT, R11, R30, PT"),
+    (0x40, "@!P1 BRA 0x60"),                     # the first block: no rescale
+    (0x48, "FMUL R24, R24, R20"),
+    (0x50, "FMUL R25, R25, R20"),
+    (0x58, "FMUL R26, R26, R20"),
+    (0x60, "FSETP.GT.AND P4, PT, R21, R22, PT"),
+    (0x68, "ISETP.NE.AND P4, PT, R11, R12, P4"),
+    (0x70, "VOTE.ANY R23, PT, P4"),
+    (0x78, "ISETP.NE.AND P5, PT, R23, RZ, PT"),
+    (0x80, "@!P5 BRA 0x90"),
+    (0x88, "FMUL R27, R27, R21"),
+    (0x90, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x98, "@P6 BRA 0x10"),
+    (0xa0, "EXIT"),
+]
+
+
+def test_a_test_on_the_vote_side_is_passed_on_the_rescale_pass():
+    blocks, loop, body, passes = _plain(lines=GUARDED)
+    lines = sr.branch_listing(blocks, loop.header, body, set())
+    cls = {int(line.split()[0], 16): line.split()[1] for line in lines}
+    assert cls == {0x28: "vote", 0x40: "data", 0x80: "vote", 0x98: "call"}
+    rescale = {0x48, 0x50, 0x58, 0x88}
+    assert rescale <= _addrs(passes["slowest warp, rescale"])
+    assert not rescale & _addrs(passes["slowest warp, no rescale"])
+    # with the first-block test decided as the first block takes it: no multiply of O there
+    first = _plain({0x40: "taken"}, GUARDED)[3]
+    assert not {0x48, 0x50, 0x58} & _addrs(first["slowest warp, rescale"])

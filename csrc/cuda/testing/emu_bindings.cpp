@@ -346,7 +346,7 @@ void flash_backward(const py::object& dout_obj, const py::object& q_obj, const p
 namespace {
 
 void expect_half(const fmha::FwdParams& p) {
-  if (fmha::takes_dtype(fmha::Backend::kCuda, p.dtype)) return;
+  if (fmha::takes_input_dtype(fmha::Backend::kCuda, p.dtype)) return;
   throw fmha::Unsupported(fmha::concat("q: dtype ", fmha::dtype_name(p.dtype), ": the CUDA kernels take ",
                                        fmha::dtype_list(fmha::caps(fmha::Backend::kCuda))));
 }
@@ -362,10 +362,12 @@ void launch_emulated(const Params& p, Launch&& launch) {
 void emu_forward(py::object q, py::object k, py::object v, py::object out, py::object lse,
                  py::object bias, py::object mask, py::object alibi, py::object cu_q,
                  py::object cu_k, py::object block_index, py::object block_masks,
+                 py::object q_descale, py::object k_descale, py::object v_descale,
                  py::kwargs kw) {
   auto c = fmha::bind::forward_call(q, k, v, out, lse, bias, mask, alibi, cu_q, cu_k, kw,
                                     /*host_only=*/true);
   fmha::bind::fill_block_mask(c, block_index, block_masks);
+  fmha::bind::fill_descales(c, q_descale, k_descale, v_descale);
   launch_emulated(c.p, [](const fmha::FwdParams& p, void* s) { fmha::gpu::launch_flash_fwd(p, s); });
 }
 
