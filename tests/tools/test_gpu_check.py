@@ -92,8 +92,9 @@ def test_bwd_ab_default_old_revision_is_the_previous_design():
                                       capture_output=True, text=True, check=True).stdout
     old_config = "static constexpr int kBlockN = 64;  // keys per CTA: 4 warps x 16"
     assert old_config in show(old) and "kWarps = !kExtras_" not in show(old)
-    child = subprocess.run(["git", "rev-list", "--ancestry-path", "--reverse", f"{old}..HEAD"],
-                           cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()[0]
+    # The first later change to the kernel (other branches may have merged in between).
+    child = subprocess.run(["git", "rev-list", "--ancestry-path", "--reverse", f"{old}..HEAD",
+                            "--", "csrc/cuda/flash_bwd.cuh"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()[0]
     assert "static constexpr int kWarps = !kExtras_" in show(child)
     assert old_config not in show(child)
