@@ -394,12 +394,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mbarrier_arrive(&k_empty[0]);  // this thread is done with K's stage
     softmax(n_begin);
     rescale_and_pack();
-    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+    // One key block; `more` (a block follows) is a compile-time constant, the last block
+    // peeled, and every block commits one group and waits to depth 1, so that ptxas can prove
+    // S(j+1) retired before its softmax reads it. (A runtime `more` or a data-dependent wait
+    // depth makes ptxas serialise every wgmma: warning C7514, no overlap.)
+    auto step = [&](int n, int i, auto more_c) {
+      constexpr bool more = decltype(more_c)::value;
       const int s = i % Cfg::kStages;
       const uint32_t parity = uint32_t((i / Cfg::kStages) & 1);
       const uint8_t* tV = sV + s * Cfg::kKVBytes;
       const int n0 = n * Cfg::kBlockN;
-      const bool more = n + 1 < n_end;
 
       mbarrier_wait(&v_full[s], parity);
       // The strong zero: an edge block whose Vj holds NaN or Inf (each warp scans the whole
@@ -473,14 +477,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                              SmemSwizzle::k128B);
           wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
         }
-        wgmma_commit_group();
       }
+      wgmma_commit_group();  // empty in the rare block: one group per block either way
       give_turn();
       if constexpr (kOverlap) {
         if (more) {
-          // S(j+1) retired (the rare block issued no P Vj: nothing else is pending)
-          if (v_nonfinite) wgmma_wait_group<0>();
-          else wgmma_wait_group<1>();
+          // S(j+1) retired (the group after it is P Vj's, empty in the rare block)
+          wgmma_wait_group<1>();
           mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
           softmax(n + 1);
         }
@@ -498,7 +501,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       if (more) rescale_and_pack();
-    }
+    };
+    int n = n_begin, i = 0;
+    for (; n + 1 < n_end; ++n, ++i) step(n, i, std::true_type{});
+    step(n, i, std::false_type{});  // n_begin < n_end here: the last block exists
   }
 
   // ---- epilogue: l over the quad, O /= l, lse; as flash_fwd.cuh (l = 0: out 0 or NaN,
