@@ -221,6 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbarrier_init(&v_empty[s], 128 * Cfg::kConsumers);
     }
     for (int c = 0; c < Cfg::kConsumers; ++c) mbarrier_init(&turn[c], 128);
+    fence_barrier_init();  // the inits, seen by TMA's complete_tx (the async proxy) too
   }
   // The barriers exist before anyone arrives on or waits for them (the only CTA-wide barrier).
   __syncthreads();
