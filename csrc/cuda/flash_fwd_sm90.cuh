@@ -180,7 +180,11 @@ template <typename T, typename Cfg, bool kEdges>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90Maps maps, FwdParams p, FwdLaunch launch) {
   constexpr bool kOverlap = kEdges ? Cfg::kOverlapEdges : Cfg::kOverlap;
-  FMHA_DYNAMIC_SHARED(uint8_t, smem);
+  // TMA's 128-byte swizzle, the wgmma descriptors (base offset 0) and the swizzle arithmetic
+  // below address 1024-byte atoms from the tiles' starts: a misaligned window would give
+  // silently wrong operands, so the kernel stops instead.
+  FMHA_DYNAMIC_SHARED_ALIGNED(uint8_t, smem, 1024);
+  if (smem_u32(smem) % 1024u != 0) __trap();
   uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
   uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
   uint8_t* sV = sK + Cfg::kStages * Cfg::kKVBytes;           // the same
