@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile fmha's CUDA sources with nvcc for each target architecture and read ptxas's
 resource report (-Xptxas -v): every kernel must compile, and no kernel may spill registers
-or use a local-memory stack frame (both turn register tiles into slow memory traffic).
+or use a local-memory stack frame (both turn register tiles into slow memory traffic), nor have
+its wgmma serialised by ptxas (warning C7514: the asynchronous GEMMs then overlap nothing).
 
     python tools/ptxas_check.py                 # every CUDA source (default_sources), sm_80 + sm_90
     python tools/ptxas_check.py --arch 90 csrc/cuda/testing/gemm_tc.cu
@@ -10,7 +11,8 @@ or use a local-memory stack frame (both turn register tiles into slow memory tra
 It prints one row per (kernel, arch) and then a register table: one row per kernel, one
 column per arch.
 
-Exit status: 0 clean, 1 a kernel spills / has a stack frame / a file does not compile,
+Exit status: 0 clean, 1 a kernel spills / has a stack frame / has serialised wgmma / a file
+does not compile,
 2 nvcc not found. tests/native/test_cuda_emu.py runs it (and skips it where there is no nvcc).
 """
 
@@ -33,6 +35,10 @@ _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
 _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+# ptxas serialises a kernel's wgmma when it cannot prove that the accumulators other
+# instructions read were retired by a wgmma.wait_group (the report names the function ahead of
+# its entry line: the flag goes to that function's next entry, i.e. the arch it was said for).
+_SERIALIZED = re.compile(r"\(C7514\).*in the function '([^']+)'")
 
 
 @dataclass
@@ -44,10 +50,12 @@ class Kernel:
     stack: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
+    wgmma_serialized: bool = False
 
     @property
     def clean(self) -> bool:
-        return self.stack == 0 and self.spill_stores == 0 and self.spill_loads == 0
+        return (self.stack == 0 and self.spill_stores == 0 and self.spill_loads == 0
+                and not self.wgmma_serialized)
 
 
 def find_nvcc() -> str | None:
@@ -62,10 +70,16 @@ def parse(report: str, file: str) -> list[Kernel]:
     kernels: list[Kernel] = []
     current: Kernel | None = None
     props_for: str | None = None
+    serialized: set[str] = set()  # named by C7514, entry not yet seen
     for line in report.splitlines():
+        m = _SERIALIZED.search(line)
+        if m:
+            serialized.add(m.group(1))
+            continue
         m = _ENTRY.search(line)
         if m:
-            current = Kernel(file, m.group(2), m.group(1))
+            current = Kernel(file, m.group(2), m.group(1), wgmma_serialized=m.group(1) in serialized)
+            serialized.discard(m.group(1))
             kernels.append(current)
             props_for = None
             continue
@@ -182,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     names = demangle(sorted({k.name for k in kernels}))
     print(f"{'arch':6} {'regs':>4} {'stack':>5} {'spill st/ld':>11}  kernel")
     for k in kernels:
-        flag = "" if k.clean else "   <-- FAIL"
+        flag = "" if k.clean else ("   <-- FAIL (wgmma serialised, C7514)" if k.wgmma_serialized
+                                   else "   <-- FAIL")
         print(f"{k.arch:6} {k.registers:4d} {k.stack:5d} {k.spill_stores:5d}/{k.spill_loads:<5d}  "
               f"{names.get(k.name, k.name)} ({k.file}){flag}")
     print_register_table(kernels, names, archs)
@@ -197,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{SM90_FWD_LAUNCH_REGS} (384 threads, one CTA per SM)", file=sys.stderr)
     bad += over
     if bad or errors:
-        print(f"ptxas_check: {len(bad)} kernel(s) spill or use a stack frame, "
+        print(f"ptxas_check: {len(bad)} kernel(s) spill, use a stack frame or serialise wgmma, "
               f"{len(errors)} file(s) failed to compile", file=sys.stderr)
         return 1
     built = sorted({k.arch for k in kernels}, key=lambda a: (len(a), a))

@@ -180,7 +180,11 @@ template <typename T, typename Cfg, bool kEdges>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ Sm90Maps maps, FwdParams p, FwdLaunch launch) {
   constexpr bool kOverlap = kEdges ? Cfg::kOverlapEdges : Cfg::kOverlap;
-  FMHA_DYNAMIC_SHARED(uint8_t, smem);
+  // TMA's 128-byte swizzle, the wgmma descriptors (base offset 0) and the swizzle arithmetic
+  // below address 1024-byte atoms from the tiles' starts: a misaligned window would give
+  // silently wrong operands, so the kernel stops instead.
+  FMHA_DYNAMIC_SHARED_ALIGNED(uint8_t, smem, 1024);
+  if (smem_u32(smem) % 1024u != 0) __trap();
   uint8_t* sQ = smem;                                        // [2 consumers][kBoxes][64 rows][128 B]
   uint8_t* sK = sQ + Cfg::kQBytes;                           // [kStages][kBoxes][kBlockN][128 B]
   uint8_t* sV = sK + Cfg::kStages * Cfg::kKVBytes;           // the same
@@ -221,6 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbarrier_init(&v_empty[s], 128 * Cfg::kConsumers);
     }
     for (int c = 0; c < Cfg::kConsumers; ++c) mbarrier_init(&turn[c], 128);
+    fence_barrier_init();  // the inits, seen by TMA's complete_tx (the async proxy) too
   }
   // The barriers exist before anyone arrives on or waits for them (the only CTA-wide barrier).
   __syncthreads();
@@ -394,12 +399,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mbarrier_arrive(&k_empty[0]);  // this thread is done with K's stage
     softmax(n_begin);
     rescale_and_pack();
-    for (int n = n_begin, i = 0; n < n_end; ++n, ++i) {
+    // One key block; `more` (a block follows) is a compile-time constant, the last block
+    // peeled, and every block commits one group and waits to depth 1, so that ptxas can prove
+    // S(j+1) retired before its softmax reads it. (A runtime `more` or a data-dependent wait
+    // depth makes ptxas serialise every wgmma: warning C7514, no overlap.)
+    auto step = [&](int n, int i, auto more_c) {
+      constexpr bool more = decltype(more_c)::value;
       const int s = i % Cfg::kStages;
       const uint32_t parity = uint32_t((i / Cfg::kStages) & 1);
       const uint8_t* tV = sV + s * Cfg::kKVBytes;
       const int n0 = n * Cfg::kBlockN;
-      const bool more = n + 1 < n_end;
 
       mbarrier_wait(&v_full[s], parity);
       // The strong zero: an edge block whose Vj holds NaN or Inf (each warp scans the whole
@@ -473,14 +482,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                              SmemSwizzle::k128B);
           wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
         }
-        wgmma_commit_group();
       }
+      wgmma_commit_group();  // empty in the rare block: one group per block either way
       give_turn();
       if constexpr (kOverlap) {
         if (more) {
-          // S(j+1) retired (the rare block issued no P Vj: nothing else is pending)
-          if (v_nonfinite) wgmma_wait_group<0>();
-          else wgmma_wait_group<1>();
+          // S(j+1) retired (the group after it is P Vj's, empty in the rare block)
+          wgmma_wait_group<1>();
           mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
           softmax(n + 1);
         }
@@ -498,7 +506,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       if (more) rescale_and_pack();
-    }
+    };
+    int n = n_begin, i = 0;
+    for (; n + 1 < n_end; ++n, ++i) step(n, i, std::true_type{});
+    step(n, i, std::false_type{});  // n_begin < n_end here: the last block exists
   }
 
   // ---- epilogue: l over the quad, O /= l, lse; as flash_fwd.cuh (l = 0: out 0 or NaN,

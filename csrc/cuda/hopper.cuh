@@ -11,7 +11,8 @@
 //   TMA           encode_tensor_map (host), tma_load (2D..5D, completes on an mbarrier),
 //                 tma_store, bulk_commit_group, bulk_wait_group_read<N>
 //   FP8           pack_fp8x2<e4m3_t / e5m2_t> (cvt.rn.satfinite from two floats)
-//   others        fence_proxy_async, setmaxnreg_inc<N> / _dec<N>, elect_one, smem_u32
+//   others        fence_proxy_async, fence_barrier_init, setmaxnreg_inc<N> / _dec<N>,
+//                 elect_one, smem_u32
 //
 // Warpgroup-level functions (wgmma_*, setmaxnreg_*) are called by all 128 threads of a
 // warpgroup together (.sync.aligned); elect_one by all 32 lanes of a warp.
@@ -608,6 +609,20 @@ FMHA_DEVICE void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
   ::emu::fence_proxy_async();
+#else
+  FMHA_HOPPER_UNSUPPORTED();
+#endif
+}
+
+// fence.mbarrier_init.release.cluster: this thread's mbarrier.init writes (generic-proxy
+// writes) become visible to the arrivals that follow, TMA's complete_tx included, which come
+// through the async proxy -- PTX ISA "membar / fence" (fence.mbarrier_init) and "mbarrier.init".
+// The initialising thread calls it after its inits, before the barrier that publishes them.
+FMHA_DEVICE void fence_barrier_init() {
+#if defined(FMHA_HOPPER_PTX)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#elif defined(FMHA_GPU_EMU_PATH)
+  // The emulator has one view of shared memory for both proxies: nothing to order.
 #else
   FMHA_HOPPER_UNSUPPORTED();
 #endif

@@ -54,6 +54,19 @@
 #else
 #define FMHA_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::emu::dynamic_smem())
 #endif
+// The same, `align`-byte aligned (a literal power of two, at most 1024: TMA's 128-byte swizzle
+// and wgmma's descriptors want 1024). Only the declaration: the kernel checks the address,
+// as the alignment the hardware gives dynamic shared memory is not documented. The emulator's
+// window is 1024-byte aligned.
+#if defined(__CUDACC__)
+#define FMHA_DYNAMIC_SHARED_ALIGNED(T, name, align)                                   \
+  extern __shared__ __align__(align) unsigned char fmha_dynamic_smem_##align##_[];    \
+  T* name = reinterpret_cast<T*>(fmha_dynamic_smem_##align##_)
+#else
+#define FMHA_DYNAMIC_SHARED_ALIGNED(T, name, align)                                    \
+  static_assert((align) <= 1024 && ((align) & ((align) - 1)) == 0, "alignment");      \
+  T* name = static_cast<T*>(::emu::dynamic_smem())
+#endif
 
 // kernel<<<grid, block, smem, stream>>>(args...), then a launch-error check naming the
 // kernel. `kernel` is a name or a pointer variable (wrap template-ids in a variable).

@@ -116,6 +116,7 @@ __global__ void mbar_pingpong_kernel(float* counter, int* seen) {
   if (t == 0) {
     mbarrier_init(&bars[0], 1);
     mbarrier_init(&bars[1], 96);
+    fence_barrier_init();
   }
   __syncthreads();
   for (int i = 0; i < 8; ++i) {
@@ -149,7 +150,10 @@ EMU_TEST("hopper.mbarrier.pingpong", "PTX ISA mbarrier: try_wait.parity blocks u
 // Waiting for a phase nobody completes is a deadlock, reported instead of hanging.
 __global__ void mbar_deadlock_kernel(int*) {
   FMHA_DYNAMIC_SHARED(uint64_t, bar);
-  if (threadIdx.x == 0) mbarrier_init(bar, 2);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar, 2);
+    fence_barrier_init();
+  }
   __syncthreads();
   if (threadIdx.x == 0) mbarrier_arrive(bar);  // one of the two arrivals
   mbarrier_wait(bar, 0);

@@ -14,6 +14,7 @@ namespace hopper_compile_check {
 __global__ void mbarrier_kernel(int* out) {
   FMHA_DYNAMIC_SHARED(uint64_t, bar);
   mbarrier_init(bar, 2);
+  fence_barrier_init();
   __syncthreads();
   const uint64_t s = mbarrier_arrive(bar);
   mbarrier_expect_tx(bar, 16);
@@ -61,6 +62,7 @@ __global__ void tma_kernel(const __grid_constant__ TensorMap map1, const __grid_
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 65536);
   if (threadIdx.x == 0) {
     mbarrier_init(bar, 1);
+    fence_barrier_init();
     mbarrier_arrive_expect_tx(bar, 5 * 1024);
     const int32_t c1[1] = {x};
     const int32_t c2[2] = {x, 1};

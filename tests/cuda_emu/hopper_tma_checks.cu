@@ -39,7 +39,10 @@ __global__ void tma_tiles_kernel(const __grid_constant__ TensorMap map, const in
                                  int tiles, uint32_t tile_bytes, uint8_t* out) {
   FMHA_DYNAMIC_SHARED(uint8_t, smem);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + tiles * kStageBytes);
-  if (threadIdx.x == 0) mbarrier_init(bar, 1);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar, 1);
+    fence_barrier_init();
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     mbarrier_arrive_expect_tx(bar, uint32_t(tiles) * tile_bytes);
@@ -105,6 +108,7 @@ __global__ void tma_3d_kernel(const __grid_constant__ TensorMap map, float* out)
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 1024);
   if (threadIdx.x == 0) {
     mbarrier_init(bar, 1);
+    fence_barrier_init();  // the init, seen by the TMA's complete_tx
     mbarrier_arrive_expect_tx(bar, 8 * 2 * 2 * 4);
     const int32_t c[3] = {6, 1, 3};
     tma_load<3>(smem, &map, c, bar);
@@ -146,6 +150,7 @@ __global__ void tma_5d_kernel(const __grid_constant__ TensorMap map, uint8_t* ou
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 1024);
   if (threadIdx.x == 0) {
     mbarrier_init(bar, 1);
+    fence_barrier_init();  // the init, seen by the TMA's complete_tx
     mbarrier_arrive_expect_tx(bar, 16 * 2 * 2 * 1 * 2);
     const int32_t c[5] = {0, 2, -1, 1, 2};
     tma_load<5>(smem, &map, c, bar);
@@ -289,6 +294,7 @@ __global__ void tma_wgmma_kernel(const __grid_constant__ TensorMap a_map,
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], 128);
     }
+    fence_barrier_init();
   }
   __syncthreads();
   const int span = p.span, inner = span / 2;  // box columns per TMA: one swizzle row
@@ -424,7 +430,10 @@ EMU_TEST("hopper.tma_wgmma.nmajor.sw64", CITE_TMA "; wgmma descriptors over TMA-
 __global__ void tma_overwrite_kernel(const __grid_constant__ TensorMap map) {
   FMHA_DYNAMIC_SHARED(uint8_t, smem);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + 8192);
-  if (threadIdx.x == 0) mbarrier_init(bar, 1);
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar, 1);
+    fence_barrier_init();
+  }
   for (int i = threadIdx.x; i < 8192; i += 128) smem[i] = 0;
   fence_proxy_async();
   __syncthreads();

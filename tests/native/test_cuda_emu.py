@@ -378,7 +378,8 @@ def _built_kernel_reports() -> dict[str, str]:
 def _assert_clean(kernels):
     bad = [k for k in kernels if not k.clean]
     assert not bad, "\n".join(f"{k.arch} {k.name}: stack {k.stack}, spills {k.spill_stores}/"
-                              f"{k.spill_loads}" for k in bad)
+                              f"{k.spill_loads}, wgmma serialised {k.wgmma_serialized}"
+                              for k in bad)
 
 
 def test_ptxas_no_spills_or_stack(nvcc):
@@ -454,6 +455,34 @@ def test_ptxas_check_catches_a_stack_frame(nvcc):
     assert not errors
     assert len(kernels) == 2 and all(k.stack > 0 for k in kernels)
     assert ptxas_check.main([str(EMU_TESTS / "planted_stack_frame.cu")]) == 1
+
+
+def test_ptxas_check_catches_serialised_wgmma():
+    """A kernel whose wgmma ptxas serialised (warning C7514, printed ahead of the kernel's entry
+    line: its overlap never happens on the GPU) fails the check; only that kernel, only for the
+    arch the warning was printed for."""
+    name = "_ZN4fmha3gpu21flash_fwd_sm90_kernelI6__halfNS0_18FlashFwdSm90ConfigILi64EEELb0EEEv"
+    other = "_ZN4fmha3gpu24flash_fwd_combine_kernelI6__halfLi64EEEvNS_9FwdParamsE"
+
+    def entry(kernel, arch, regs):
+        return (f"ptxas info    : Compiling entry function '{kernel}' for '{arch}'\n"
+                f"ptxas info    : Function properties for {kernel}\n"
+                "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+                f"ptxas info    : Used {regs} registers, used 1 barriers\n")
+
+    report = (entry(name, "sm_90", 40)
+              + "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions "
+                "are serialized due to non wgmma instructions reading accumulator registers of  "
+                "a wgmma between start and end of the pipeline stage in the function "
+                f"'{name}'\n"
+              + entry(other, "sm_90a", 32) + entry(name, "sm_90a", 168))
+    kernels = ptxas_check.parse(report, "planted.cu")
+    assert [(k.arch, k.name == name, k.wgmma_serialized) for k in kernels] == [
+        ("sm_90", True, False), ("sm_90a", False, False), ("sm_90a", True, True)]
+    assert [k.clean for k in kernels] == [True, True, False]
+    # Without the warning, the same report is clean.
+    clean = ptxas_check.parse(entry(name, "sm_90a", 168), "planted.cu")
+    assert len(clean) == 1 and clean[0].clean
 
 
 # ----------------------------------------------------------------------------- fmha._cuda_emu
