@@ -13,6 +13,14 @@ namespace gpu {
 
 #include "cuda/instantiations/flash_fwd_sm90_instantiations.inc"
 
+// The combine of the sm_90 launchers' key splits (declared extern in cuda/flash_fwd_sm90.cuh).
+template int run_flash_fwd_combine<half_t, 64>(const FwdParams&, const FwdLaunch&, Stream);
+template int run_flash_fwd_combine<half_t, 128>(const FwdParams&, const FwdLaunch&, Stream);
+template int run_flash_fwd_combine<half_t, 256>(const FwdParams&, const FwdLaunch&, Stream);
+template int run_flash_fwd_combine<bf16_t, 64>(const FwdParams&, const FwdLaunch&, Stream);
+template int run_flash_fwd_combine<bf16_t, 128>(const FwdParams&, const FwdLaunch&, Stream);
+template int run_flash_fwd_combine<bf16_t, 256>(const FwdParams&, const FwdLaunch&, Stream);
+
 // The tile: the smallest of 64, 128, 256 that holds both head dims and that this build
 // compiled (FMHA_CUDA_HEAD_DIMS); 0 when none.
 int flash_fwd_sm90_tile(const FwdParams& p) {

@@ -58,6 +58,16 @@
 namespace fmha {
 namespace gpu {
 
+// The split-KV combine is the sm_80 forward's kernel. Its instantiations for this kernel's
+// tiles live in flash_fwd_sm90.cu, which is built for every arch, and never in the generated
+// launchers, which may be built for sm_90a alone (CMakeLists.txt): the combine launched on
+// another GPU must find its machine code there.
+#define FMHA_SM90_COMBINE(T, D) \
+  extern template int run_flash_fwd_combine<T, D>(const FwdParams&, const FwdLaunch&, Stream);
+FMHA_SM90_COMBINE(half_t, 64) FMHA_SM90_COMBINE(half_t, 128) FMHA_SM90_COMBINE(half_t, 256)
+FMHA_SM90_COMBINE(bf16_t, 64) FMHA_SM90_COMBINE(bf16_t, 128) FMHA_SM90_COMBINE(bf16_t, 256)
+#undef FMHA_SM90_COMBINE
+
 // The shape of one sm_90 forward kernel. Tiles per head dim as FlashAttention-3 picks them
 // for 16-bit inputs: the consumer's registers hold O (64 x d / 128 threads = d / 2 floats) and
 // S (kBlockN / 2), and shared memory (227 KiB per CTA on H100/H200) holds Qi and kStages
