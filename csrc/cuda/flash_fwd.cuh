@@ -234,6 +234,15 @@ struct FwdLaunch {
     if (split_keys == 0) return num_splits;
     return keys > split_keys ? (keys + split_keys - 1) / split_keys : 1;
   }
+  // Split-KV: the split-th of num_splits equal contiguous shares of the key blocks
+  // [n_begin, n_end) a query block sees (a share may be empty: it then reports no key, lse
+  // -inf). Shared by the sm_80 and sm_90 forward kernels.
+  FMHA_DEVICE void take_split(int split, int& n_begin, int& n_end) const {
+    if (num_splits <= 1) return;
+    const int per = (max(n_end - n_begin, 0) + num_splits - 1) / num_splits;
+    n_begin += split * per;
+    n_end = min(n_end, n_begin + per);
+  }
   // Host: the scratch the partials take (0 without splits), and pointing them into it.
   int64_t partial_rows(const FwdParams& p) const {
     return num_splits > 1 ? int64_t(num_splits) * p.batch * p.heads_q * p.seqlen_q : 0;
@@ -285,13 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int left = p.window_left, right = p.window_right;
   int n_begin, n_end;
   score::key_blocks<Cfg::kBlockN>(seq, left, right, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
-  if (launch.num_splits > 1) {
-    // Split-KV: this CTA takes the split-th of num_splits equal contiguous shares of the
-    // blocks above (a share may be empty: then it reports no key, lse -inf).
-    const int per = (max(n_end - n_begin, 0) + launch.num_splits - 1) / launch.num_splits;
-    n_begin += split * per;
-    n_end = min(n_end, n_begin + per);
-  }
+  launch.take_split(split, n_begin, n_end);
 
   // The rows of this thread in the accumulator layout: g and g + 8 of each of the warp's
   // m16 tiles, row_lo + 16 mt + 8 r, which statistics index x = 2 mt + r holds; its O

@@ -218,11 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int left = p.window_left, right = p.window_right;
   int n_begin, n_end;
   score::key_blocks<Cfg::kBlockN>(seq, left, right, m0, m0 + Cfg::kBlockM - 1, n_begin, n_end);
-  if (launch.num_splits > 1) {
-    const int per = (max(n_end - n_begin, 0) + launch.num_splits - 1) / launch.num_splits;
-    n_begin += split * per;
-    n_end = min(n_end, n_begin + per);
-  }
+  launch.take_split(split, n_begin, n_end);
 
   if (tid == 0) {
     // Arrival counts: one (the producer's arrive.expect_tx) for the full barriers, every
