@@ -98,3 +98,26 @@ def test_bwd_ab_default_old_revision_is_the_previous_design():
                            text=True, check=True).stdout.split()[0]
     assert "static constexpr int kWarps = !kExtras_" in show(child)
     assert old_config not in show(child)
+
+
+def test_gpu_check_phases_selects_what_runs(tmp_path):
+    """GPU_CHECK_PHASES runs only the phases it names (the build and import always run) and
+    records the others as not run, without failing the check for them."""
+    body = SCRIPT[SCRIPT.index("run_phase() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    probe = (f"{body}\nOUT={tmp_path}; BUDGET=100; T0=$(date +%s); failed=0\n"
+             "run_phase tests 20 $OUT/t.log true; echo tests=$?\n"
+             "run_phase bench 20 $OUT/b.log true; echo bench=$?\n"
+             "run_phase build 20 $OUT/c.log true; echo build=$?\n"
+             "echo failed=$failed\n")
+    env = {"PATH": "/usr/bin:/bin", "GPU_CHECK_PHASES": "tests,decode"}
+    out = subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "tests=0" in out and "bench=1" in out and "build=0" in out and "failed=0" in out
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"^bench\s+not run\s.*not in GPU_CHECK_PHASES", summary, re.M)
+    assert re.search(r"^tests\s+ok", summary, re.M)
+    env.pop("GPU_CHECK_PHASES")
+    out = subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "bench=0" in out
