@@ -104,8 +104,9 @@ DEFAULT_FILES = [
     "csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu",
 ]
 COUNTED = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR", "MUFU", "SHFL")
-# The Hopper kernels' (sm_90a) additions: wgmma (HGMMA), mbarrier operations (SYNCS), TMA loads
-# (UTMALDG). "MMA" below counts both tensor-core kinds: the main loop is the one with the most.
+# The Hopper kernels' (sm_90a) additions: wgmma (HGMMA; the column counts QGMMA, the 8-bit
+# wgmma, too), mbarrier operations (SYNCS), TMA loads (UTMALDG). "MMA" below counts both
+# tensor-core kinds: the main loop is the one with the most.
 COUNTED_SM90 = ("HGMMA", "SYNCS", "UTMALDG")
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -133,7 +134,9 @@ class Block:
 
     def count(self, base: str) -> int:
         if base == "MMA":
-            return sum(i.base in ("HMMA", "HGMMA") for i in self.instrs)
+            return sum(i.base in ("HMMA", "HGMMA", "QGMMA") for i in self.instrs)
+        if base == "HGMMA":
+            return sum(i.base in ("HGMMA", "QGMMA") for i in self.instrs)
         return sum(i.base == base for i in self.instrs)
 
 
@@ -739,7 +742,8 @@ def short_name(mangled: str) -> str:
     kind = re.search(r"(flash_\w+?kernel|flash_\w+?_o|flash_bwd_convert_dq)", mangled)
     cfg = re.search(r"Config(?:I|ILi)(\d+)(?:ELb(\d))?", mangled)
     flags = re.findall(r"Lb(\d)", mangled)
-    dtype = "bf16" if "nv_bfloat16" in mangled else "fp16"
+    dtype = ("e4m3" if "e4m3_t" in mangled else "bf16" if "nv_bfloat16" in mangled
+             else "fp16")
     label = kind.group(1) if kind else mangled[:40]
     if cfg:
         label += f" d{cfg.group(1)}"
