@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // warp). e4m3, k32: register x of k-step kk holds 4 keys of row g (x even) or g + 8 (x
     // odd), A's k = 4t..4t+3 (x < 2) or 16 + 4t.. (x >= 2); the thread has keys 2t, 2t+1 of
     // each n-tile, so A's k = 16h + 4t + q holds key 16h + 8 (q / 2) + 2t + q % 2 of the
-    // 32-key chunk, the order in which the pre-pass stored Vj^T's columns (v_t_column).
+    // 32-key chunk, the order in which the pre-pass stored Vj^T's columns (v_t_key).
     auto rescale_and_pack = [&] {
       if (warp_ballot(rescale) != 0u) {
 #pragma unroll
@@ -719,38 +719,71 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // The e4m3 kernel's P Vj reads Vj^T (8-bit wgmma operands are K-major): V^T of each (batch
 // entry, kv head) as head_dim_v rows of `vt_row` bytes (the keys, padded to whole key blocks
-// with 0), made by this pre-pass. Within each 32-key chunk, key k is stored at column
-// v_t_column(k), the order of the keys in P's A fragments (see rescale_and_pack), so that P
-// needs no shuffle. A NaN code is stored as 0, and v_nan[(b, kv head, key block)] says the
+// with 0), made by this pre-pass. Within each 32-key chunk, column c holds key v_t_key(c),
+// the order of the keys in P's A fragments (see rescale_and_pack), so that P needs no
+// shuffle. A NaN code is stored as 0, and v_nan[(b, kv head, key block)] says the
 // block's V held one (the kernel's v_nan_fix puts the NaN back where an included pair meets
-// it). One CTA per (key block, kv head, batch entry), a thread per key. (FlashAttention-3
+// it). One CTA of 128 threads per (key block, kv head, batch entry). (FlashAttention-3
 // transposes Vj in shared memory in its producer warps instead; that needs generic stores
 // ordered by mbarriers, which the emulator's race checker does not model.)
-FMHA_HD int v_t_column(int key) {
-  // key = 16 h + 8 q + 2 t + e  ->  16 h + 4 t + 2 q + e
-  return (key & ~15) + 4 * ((key / 2) % 4) + 2 * ((key / 8) % 2) + key % 2;
+// The key at column `col` of a 32-key chunk: A's k = 16 h + 4 t + 2 q + e holds the S
+// accumulator's key 16 h + 8 q + 2 t + e (thread t's columns 2t, 2t+1 of n-tiles 2h, 2h+1).
+FMHA_HD int v_t_key(int col) {
+  // col = 16 h + 4 t + 2 q + e  ->  16 h + 8 q + 2 t + e
+  return (col & ~15) + 8 * ((col / 2) % 2) + 2 * ((col / 4) % 4) + col % 2;
 }
 
+// The block's keys x head_dim_v codes go through shared memory: read by rows of V (16-byte
+// loads where vec16: V's base, strides and head_dim_v multiples of 16 bytes; else bytes),
+// written by rows of V^T (a warp writes one 128-byte row, a lane 4 keys).
 template <int kBlockN>
 __global__ void __launch_bounds__(kBlockN)
-    fp8_v_transpose_kernel(FwdParams p, uint8_t* vt, int* v_nan, int64_t vt_row, int v_blocks) {
-  const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, kr = threadIdx.x;
+    fp8_v_transpose_kernel(FwdParams p, uint8_t* vt, int* v_nan, int64_t vt_row, int v_blocks,
+                           bool vec16) {
+  static_assert(kBlockN == 128, "a warp writes a 128-key row of V^T, 4 keys a lane");
+  constexpr int kPitch = 256 + 16;  // bytes per key in the tile: d <= 256, 16-byte aligned rows
+  __shared__ __align__(16) uint8_t tile[kBlockN * kPitch];
+  const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const score::Seq seq = score::seq_of(p, b);
-  const int key = n * kBlockN + kr, dv = p.head_dim_v;
+  const int dv = p.head_dim_v, keys = min(kBlockN, seq.sk - n * kBlockN);
   const uint8_t* in = static_cast<const uint8_t*>(p.v) + hk * p.v_head_stride +
                       score::k_base(p, seq, b, p.v_batch_stride, p.v_row_stride) +
-                      int64_t(key) * p.v_row_stride;
-  uint8_t* out = vt + (int64_t(b) * p.heads_kv + hk) * dv * vt_row + n * kBlockN + (kr & ~31) +
-                 v_t_column(kr % 32);
+                      int64_t(n) * kBlockN * p.v_row_stride;
+  if (vec16) {
+    const int chunks = dv / 16;
+    for (int c = tid; c < kBlockN * chunks; c += kBlockN) {
+      const int key = c / chunks, x = c % chunks;
+      struct alignas(16) Chunk { uint32_t w[4]; };  // one 16-byte load / store
+      Chunk w = {{0, 0, 0, 0}};
+      if (key < keys) w = *reinterpret_cast<const Chunk*>(in + int64_t(key) * p.v_row_stride + 16 * x);
+      *reinterpret_cast<Chunk*>(tile + key * kPitch + 16 * x) = w;
+    }
+  } else {
+    for (int e = tid; e < kBlockN * dv; e += kBlockN) {
+      const int key = e / dv, col = e % dv;
+      tile[key * kPitch + col] = key < keys ? in[int64_t(key) * p.v_row_stride + col] : uint8_t(0);
+    }
+  }
+  __syncthreads();
+  const int warp = tid / 32, lane = tid % 32;
+  int key_of[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) key_of[j] = (lane / 8) * 32 + v_t_key((4 * lane + j) % 32);
+  uint8_t* out = vt + (int64_t(b) * p.heads_kv + hk) * dv * vt_row + int64_t(n) * kBlockN + 4 * lane;
   bool nan = false;
-  for (int col = 0; col < dv; ++col) {
-    const uint8_t x = key < seq.sk ? in[col] : uint8_t(0);
-    const bool bad = (x & 0x7F) == 0x7F;  // e4m3fn: S.1111.111 is NaN (no infinities)
-    nan |= bad;
-    out[int64_t(col) * vt_row] = bad ? uint8_t(0) : x;
+  for (int col = warp; col < dv; col += kBlockN / 32) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t x = tile[key_of[j] * kPitch + col];
+      const bool bad = (x & 0x7F) == 0x7F;  // e4m3fn: S.1111.111 is NaN (no infinities)
+      nan |= bad;
+      word |= uint32_t(bad ? 0 : x) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(out + int64_t(col) * vt_row) = word;
   }
   const int any = __syncthreads_or(nan);
-  if (kr == 0) v_nan[(int64_t(b) * p.heads_kv + hk) * v_blocks + n] = any;
+  if (tid == 0) v_nan[(int64_t(b) * p.heads_kv + hk) * v_blocks + n] = any;
 }
 
 // Host side (cuda/flash_fwd_sm90.cu): whether the sm_90 kernel takes a call (the sm_80 one
@@ -790,8 +823,11 @@ int run_flash_fwd_sm90(const FwdParams& p, Stream stream) {
   if constexpr (kFp8) {
     maps.v_nan = v_nan;
     maps.v_blocks = n_blocks;
+    const bool vec16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_row_stride % 16 == 0 &&
+                       p.v_head_stride % 16 == 0 && p.v_batch_stride % 16 == 0 &&
+                       p.head_dim_v % 16 == 0;
     FMHA_LAUNCH(fp8_v_transpose_kernel<Cfg::kBlockN>, dim3(n_blocks, p.heads_kv, p.batch),
-                dim3(Cfg::kBlockN), 0, stream, p, vt, v_nan, vt_row, n_blocks);
+                dim3(Cfg::kBlockN), 0, stream, p, vt, v_nan, vt_row, n_blocks, vec16);
   }
   const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
   auto go = [&](auto kernel) {

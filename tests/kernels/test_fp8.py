@@ -376,6 +376,7 @@ SM90_SHAPES = [
     (1, 130, 200, 2, 2, 128, 128, True),    # two query blocks, a partial key block
     (2, 33, 129, 1, 1, 256, 256, False),    # d = 256: two 128-byte boxes a row
     (1, 40, 90, 2, 1, 128, 96, True),       # head_dim_v < head_dim
+    (1, 20, 140, 1, 1, 64, 40, False),      # V rows not in 16-byte chunks: read by bytes
 ]
 
 
