@@ -444,7 +444,9 @@ _TWO_DEST = {"ISETP", "FSETP", "HSETP2", "DSETP", "PSETP", "UISETP", "PLOP3", "U
              "SHFL", "FCHK"}
 _LOADS = {"LD", "LDS", "LDG", "LDL", "LDSM", "LDC", "ATOM", "ATOMS", "ATOMG", "LDGDEPBAR",
           "S2R", "CS2R", "S2UR", "REDUX", "MATCH"}
-TID, DATA, VOTE, FLOATVOTE = 1, 2, 4, 8
+TID, DATA, VOTE, FLOATVOTE, BOUND = 1, 2, 4, 8, 16
+# A kernel parameter read from the constant bank: c[0x0][0x20c].
+_CONST = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
 _THREAD_SREGS = ("SR_TID", "SR_LANEID", "SR_VIRTID", "SR_LTMASK", "SR_LEMASK", "SR_GTMASK",
                  "SR_GEMASK", "SR_EQMASK")
 
@@ -497,16 +499,100 @@ def dests_and_sources(ins: Instr) -> tuple[list[str], list[str]]:
     return dests, srcs
 
 
-def _transfer(ins: Instr, state: dict) -> None:
+def _const_taint(args: str, bounds: frozenset, width: int = 1) -> int:
+    """BOUND if an operand reads one of the constant-bank words `bounds` names (a load of
+    `width` words from c[0x0][X] reads X .. X + 4 (width - 1))."""
+    for m in _CONST.finditer(args):
+        a = int(m.group(1), 16)
+        if any(a + 4 * k in bounds for k in range(width)):
+            return BOUND
+    return 0
+
+
+_CMP_INSIDE = {  # ISETP's compare of index A with bound B, for an index inside the bound
+    "LT": True, "LE": True, "NE": True, "GT": False, "GE": False, "EQ": False}
+_CMP_SWAP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+
+
+def _pred_value(tok: str, state: dict) -> bool | None:
+    """The value a plain call gives a predicate operand (PT, !P0, ...), None if unknown."""
+    tok = tok.strip()
+    neg = tok.startswith("!")
+    name = tok.lstrip("!")
+    v = True if name in ("PT", "UPT") else state.get("val:" + name)
+    return None if v is None else v != neg
+
+
+def _bound_compare(ins: Instr, state: dict, bounds: frozenset) -> tuple | None:
+    """(value of the first, of the second destination) a plain full-block call gives an ISETP
+    that compares an index (a value computed from the thread index, "idx:" in _transfer: a row,
+    key or column; the block it is in may come from a bound, as the backward's query block
+    from the blocks per head) with a bound (computed from a sequence length or head dim read
+    from the parameters, not from the thread index): the index lies inside, as in every full
+    block; None for any other instruction."""
+    if ins.base != "ISETP" or (ins.pred and ins.pred.strip() != "@PT"):
+        return None
+    mods = ins.op.split(".")[1:]
+    if "EX" in mods or len(mods) < 2:
+        return None
+    cmp, bop = mods[0], mods[-1]
+    ops = _operands(ins.args)
+    if cmp not in _CMP_INSIDE or bop not in ("AND", "OR", "XOR") or len(ops) != 5:
+        return None
+
+    def kind(o: str) -> str | None:
+        if any(state.get("idx:" + r) for r in _regs(o)):
+            return "index"
+        t = _const_taint(o, bounds)
+        for r in _regs(o):
+            t |= state.get(r, 0)
+        return "bound" if t & BOUND else None
+
+    a, b = kind(ops[2]), kind(ops[3])
+    if (a, b) == ("index", "bound"):
+        value = _CMP_INSIDE[cmp]
+    elif (a, b) == ("bound", "index"):
+        value = _CMP_INSIDE[_CMP_SWAP[cmp]]
+    else:
+        return None
+    c = _pred_value(ops[4], state)
+    if c is None:
+        return None
+    op = {"AND": lambda x, y: x and y, "OR": lambda x, y: x or y, "XOR": lambda x, y: x != y}[bop]
+    return op(value, c), op(not value, c)
+
+
+def _transfer(ins: Instr, state: dict, bounds: frozenset = frozenset()) -> None:
     """Taint flow through one instruction: TID from the thread-index special registers, DATA
     from loads (shared, global, local, constant by register), VOTE from votes (FLOATVOTE: of a
-    float compare), block and warp reductions turning a thread's taint into data."""
+    float compare), block and warp reductions turning a thread's taint into data, BOUND from
+    the parameters `bounds` names (constant-bank addresses); and the value ("val:P0") a plain
+    full-block call gives a predicate set by an index-versus-bound compare (_bound_compare)."""
     dests, srcs = dests_and_sources(ins)
     if not dests:
         return
-    t = 0
+    decided = _bound_compare(ins, state, bounds) if bounds else None
+    for r in dests:
+        if r.lstrip("U").startswith("P"):
+            state.pop("val:" + r, None)
+    if decided is not None:
+        for r, v in zip(dests[:2], decided):
+            if r.lstrip("U").startswith("P") and r not in ("PT", "UPT"):
+                state["val:" + r] = v
+    t = _const_taint(ins.args, bounds, 2 if "64" in ins.op.split(".") else 1) if bounds else 0
     for r in srcs:
         t |= state.get(r, 0)
+    # "idx:": computed from the thread index by the operands themselves (TID also flows
+    # through a guard: a warp-uniform value written under a thread test is no index). A
+    # guarded write counts as made: ptxas reuses registers whose old value is dead there.
+    guard = set(_regs(ins.pred.lstrip("@"))) if ins.pred else set()
+    idx = (ins.base in ("S2R", "CS2R") and any(x in ins.args for x in _THREAD_SREGS)) or (
+        ins.base not in _LOADS and any(state.get("idx:" + r) for r in srcs if r not in guard))
+    for r in dests:
+        if idx:
+            state["idx:" + r] = True
+        else:
+            state.pop("idx:" + r, None)
     if ins.base == "S2R" or ins.base == "CS2R":
         t = TID if any(s in ins.args for s in _THREAD_SREGS) else (
             DATA if "CLOCK" in ins.args else 0)
@@ -535,9 +621,10 @@ def _transfer(ins: Instr, state: dict) -> None:
                 ins.base in ("ISETP", "PLOP3") and float_src)
 
 
-def taint(blocks: list[Block]) -> dict[int, dict]:
-    """Each block's register taint at entry (TID / DATA / VOTE bits), to a fixed point over the
-    control flow (the union where paths meet)."""
+def taint(blocks: list[Block], bounds: frozenset = frozenset()) -> dict[int, dict]:
+    """Each block's register taint at entry (TID / DATA / VOTE / BOUND bits), to a fixed point
+    over the control flow (the union where paths meet; a predicate's plain-call value survives
+    a meeting only where every path gives it the same)."""
     by_start = {b.start: b for b in blocks}
     entry: dict[int, dict] = {blocks[0].start: {}}
     work = [blocks[0].start]
@@ -555,8 +642,9 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
                         t |= state.get(r, 0)
                 for r in dest:
                     state[r] = DATA | (t & ~TID)
+                    state.pop("val:" + r, None)
                 continue
-            _transfer(ins, state)
+            _transfer(ins, state, bounds)
         for v in by_start[x].succ:
             if v not in by_start:
                 continue
@@ -566,8 +654,15 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
                 work.append(v)
                 continue
             changed = False
+            for r in {k for k in list(old) + list(state) if k.startswith("val:")}:
+                if r not in old or old[r] is None:
+                    continue
+                if state.get(r) != old[r]:
+                    old[r], changed = None, True
             for r, t in state.items():
-                if r.startswith("float:"):
+                if r.startswith("val:"):
+                    continue
+                if r.startswith(("float:", "idx:")):
                     if t and not old.get(r):
                         old[r], changed = True, True
                 elif old.get(r, 0) | t != old.get(r, 0):
@@ -578,12 +673,31 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
     return entry
 
 
-def branch_class(block: Block, entry_state: dict) -> str | None:
-    """The class (warp, vote, data, call) of the conditional branch ending block, None if it
-    ends in none."""
+def branch_decision(block: Block, entry_state: dict, bounds: frozenset) -> str | None:
+    """The side ("taken" or "fall") a plain full-block call takes at the conditional branch
+    ending block, where its guard is the value of an index-versus-bound compare
+    (_bound_compare: a row, key or column test every full block passes); None elsewhere."""
+    last = block.instrs[-1]
+    if not bounds or last.base != "BRA" or not _conditional(last) or not last.pred:
+        return None
+    if len(_operands(last.args)) > 1:  # `@!P0 BRA P1, target`: two predicates
+        return None
+    state = dict(entry_state)
+    for ins in block.instrs[:-1]:
+        _transfer(ins, state, bounds)
+    v = _pred_value(last.pred.lstrip("@"), state)
+    return None if v is None else ("taken" if v else "fall")
+
+
+def branch_class(block: Block, entry_state: dict, bounds: frozenset = frozenset()
+                 ) -> str | None:
+    """The class (warp, vote, data, call; bound: an index-versus-bound test, branch_decision)
+    of the conditional branch ending block, None if it ends in none."""
     last = block.instrs[-1]
     if not ((last.base == "BRA" and _conditional(last)) or _loop_exit_call(last)):
         return None
+    if branch_decision(block, entry_state, bounds):
+        return "bound"
     state = dict(entry_state)
     for ins in block.instrs[:-1]:
         _transfer(ins, state)
@@ -610,14 +724,19 @@ class PlainPass:
 
 
 def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tuple = (),
-                 decide: dict | None = None) -> list[PlainPass]:
+                 decide: dict | None = None, bounds: frozenset = frozenset()
+                 ) -> list[PlainPass]:
     """The main loop's passes as a plain call runs them (see the section's head): the slowest
     and the fastest warp's, and where the loop has a vote branch, each of them with and without
-    the rescale. decide: {a conditional branch's address: "taken" or "fall"}, the side a plain
-    call takes where the rule of thumb gets it wrong (a bounds test a full block passes)."""
+    the rescale, and with three or more votes (the forward's warp vote, then one per 8-row slot)
+    the rescale of one slot: the first two votes on their rescale side, the others not.
+    bounds: the constant-bank addresses of the sizes a full block lies inside (plain_bounds);
+    the index-versus-bound tests on them are decided as a full block takes them
+    (branch_decision). decide: {a conditional branch's address: "taken" or "fall"}, the side a
+    plain call takes where neither decides it right; it overrides both."""
     by_start = {b.start: b for b in blocks}
     topo, fwd = _forward_dag(by_start, head, body)
-    states = taint(blocks)
+    states = taint(blocks, bounds)
     weight = {x: _weight(by_start[x], also) for x in topo}
     # the rule of thumb's best rest of the pass from each block (to a latch)
     rest: dict[int, tuple] = {}
@@ -628,11 +747,16 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
             best = tuple(0 for _ in weight[x])
         if best is not None:
             rest[x] = tuple(p + q for p, q in zip(weight[x], best))
-    classes = {x: branch_class(by_start[x], states.get(x, {})) for x in topo}
-    decide = decide or {}
+    classes = {x: branch_class(by_start[x], states.get(x, {}), bounds) for x in topo}
+    auto = {by_start[x].instrs[-1].addr: branch_decision(by_start[x], states.get(x, {}), bounds)
+            for x in topo if classes[x] == "bound"}
+    decide = {**auto, **(decide or {})}
     passes = []
-    has_vote = any(c == "vote" for c in classes.values())
-    for vote_side in ((True, False) if has_vote else (None,)):
+    votes = [x for x in topo if classes[x] == "vote"]
+    sides = (True, False) if votes else (None,)
+    if len(votes) >= 3:
+        sides = (True, "one", False)
+    for vote_side in sides:
         for slowest in (True, False):
             # allowed edges: both sides of warp branches, the chosen side of vote branches,
             # the plain side of the others
@@ -654,8 +778,9 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                     succ = side[:1] or succ
                 elif cls == "vote" and len(succ) > 1:
                     longest = max(succ, key=lambda v: -rest[v][-1])
-                    succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
-                    if vote_side:
+                    fires = vote_side is True or (vote_side == "one" and x in votes[:2])
+                    succ = [longest] if fires else [v for v in succ if v != longest][:1]
+                    if fires:
                         on_vote_side.add(longest)
                 elif x in on_vote_side and cls in ("data", "call") and len(succ) > 1:
                     succ = [max(succ, key=lambda v: -rest[v][-1])]
@@ -678,7 +803,8 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                               [by_start[a] for a in reversed(path)])
             label = "slowest warp" if slowest else "fastest warp"
             if vote_side is not None:
-                label += ", rescale" if vote_side else ", no rescale"
+                label += {True: ", rescale", "one": ", rescale one slot",
+                          False: ", no rescale"}[vote_side]
             passes.append(PlainPass(label, stats))
     return passes
 
@@ -694,17 +820,21 @@ def loop_region(blocks: list[Block], loop: LoopStats, natural: bool) -> tuple[se
     return body, {tail}
 
 
-def branch_listing(blocks: list[Block], head: int, body: set, on_path: set) -> list[str]:
+def branch_listing(blocks: list[Block], head: int, body: set, on_path: set,
+                   bounds: frozenset = frozenset()) -> list[str]:
     """One line per conditional branch of the loop body: address, class, the two successors
-    and the instructions of each, whether the rule-of-thumb path passes it."""
+    and the instructions of each, whether the rule-of-thumb path passes it; for a bound test,
+    the side a full block takes."""
     by_start = {b.start: b for b in blocks}
-    states = taint(blocks)
+    states = taint(blocks, bounds)
     lines = []
     for x in sorted(body):
         b = by_start[x]
-        cls = branch_class(b, states.get(x, {}))
+        cls = branch_class(b, states.get(x, {}), bounds)
         if cls is None:
             continue
+        if cls == "bound":
+            cls = "bound=" + branch_decision(b, states.get(x, {}), bounds)
         last = b.instrs[-1]
         succ = ", ".join(f"{v:#x} ({len(by_start[v].instrs)} instrs)" for v in b.succ
                          if v in by_start)
@@ -788,6 +918,32 @@ def launch_shapes(configs: set[str], src_root: Path, nvcc: str) -> dict[str, tup
     return dict(zip(order, shapes))
 
 
+# The sizes a plain full-block call's rows, keys and columns lie inside (FwdParams fields; the
+# backward's BwdParams starts with them), and where the kernel's first parameter starts in the
+# constant bank: 0x160 before sm_90, 0x210 from it.
+BOUND_FIELDS = ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v")
+
+
+def param_base(arch: str) -> int:
+    return 0x210 if int(re.match(r"\d+", arch).group(0)) >= 90 else 0x160
+
+
+def plain_bounds(src_root: Path, nvcc: str) -> tuple[int, ...]:
+    """Byte offsets of BOUND_FIELDS in fmha::FwdParams: a host program printing them, compiled
+    against src_root and run here (as launch_shapes)."""
+    lines = ["#include <cstddef>", "#include <cstdio>", '#include "fmha/params.h"', "int main() {"]
+    lines += [f'  std::printf("%zu\\n", offsetof(fmha::FwdParams, {f}));' for f in BOUND_FIELDS]
+    lines += ["  return 0;", "}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "bounds.cu", Path(tmp) / "bounds"
+        src.write_text("\n".join(lines) + "\n")
+        subprocess.run([nvcc, "-std", "c++17", f"-I{src_root / 'csrc'}",
+                        f"-I{src_root / 'third_party'}", "-o", str(exe), str(src)],
+                       check=True, capture_output=True, text=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return tuple(int(x) for x in out.split())
+
+
 def _disasm_env() -> dict:
     env = dict(os.environ)
     nvd = find_tool("nvdisasm")
@@ -866,6 +1022,7 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
            ) -> list[dict]:
     rows = []
     env = _disasm_env()
+    bounds = frozenset(param_base(arch) + off for off in plain_bounds(src_root, nvcc))
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             cubin = (keep or Path(tmp)) / (Path(f).stem + f".sm{arch}.cubin")
@@ -898,12 +1055,13 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 body, ends = loop_region(blocks, loop, natural=hopper)
                 row["plain"] = [] if hopper else [
                     dict(name=pp.name, **pass_counts(blocks, pp.loop, inner_trips))
-                    for pp in plain_passes(blocks, loop.header, body, ends, also, decide)]
+                    for pp in plain_passes(blocks, loop.header, body, ends, also, decide,
+                                           bounds)]
                 if show_branches:
                     print(f"  {row['kernel']} {row['arch']}: branches of the loop "
                           f"{loop.header:#x}..{loop.back_edge:#x}", file=sys.stderr)
                     for line in branch_listing(blocks, loop.header, body,
-                                               {b.start for b in loop.path}):
+                                               {b.start for b in loop.path}, bounds):
                         print("    " + line, file=sys.stderr)
                 rows.append(row)
     configs = {r["config"] for r in rows if r["config"]}
