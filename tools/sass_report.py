@@ -17,19 +17,18 @@ and the path's HMMA, LDSM (ldmatrix), LDS/STS, LDGSTS (cp.async), BAR, MUFU, SHF
 non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL: spill code).
 A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
 full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
-predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
-the fastest warp's pass, e.g. the backward's warps that load lse or D), a warp vote
-of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
-no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
-`--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
-instructions rule skips). `--branches` lists the loop's branches with their class, to find the
-ones to decide:
+predicate comes from -- a row, key or column index against a sequence length or head dim, or
+a test the plain call's parameters decide (bound: the side a full block takes, e.g. the
+backward's lse and D row tests and its window key test), the thread index (warp: both sides
+searched, giving the slowest and the fastest warp's pass, e.g. the backward's warps that load
+lse or D), a warp vote of a float compare (vote: the forward's lazy rescale, counted as the
+rescale pass of every slot, the rescale of one slot, and the no-rescale pass), loaded data or
+call-wide values (the common side, as for `path`). `--decide ADDR=taken|fall` overrides the
+side of one branch; `--branches` lists the loop's branches with their class and, for bound
+tests, the side taken:
 
     python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
         --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
-    python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --decide 0xa1f0=fall --decide 0xa340=fall --decide 0xa680=fall \
-        csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
  Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
 Cfg::kThreads and Cfg::kSmemBytes its launcher passes, read by compiling and running a small
@@ -432,6 +431,10 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
 #          a NaN lse): a plain call has finite inputs and takes the common side.
 #   call   a branch on call-wide values only (the parameters, the block index, the loop's step):
 #          the common side, unless --decide names the side a plain call takes.
+#   bound  (before the others) a branch a plain full-block call decides: an index computed from
+#          the thread index compared with a sequence length or head dim (BOUND_FIELDS: the
+#          index inside), or a compare the intervals of a plain call's values settle (thread
+#          and block indices >= 0, PLAIN_VALUES: the window -1). The side is taken as decided.
 # The common side of a data or call branch is the side the rule of thumb takes: the one whose
 # rest of the pass has the most HMMA, then LDGSTS, then the fewest instructions.
 
@@ -562,6 +565,135 @@ def _bound_compare(ins: Instr, state: dict, bounds: frozenset) -> tuple | None:
     return op(value, c), op(not value, c)
 
 
+INF = float("inf")
+_IMM = re.compile(r"-?(0x[0-9a-f]+|\d+)")
+
+
+def _known(bounds: frozenset) -> dict:
+    """The (address, value) pairs of `bounds`: parameters a plain call fixes."""
+    return {b[0]: b[1] for b in bounds if isinstance(b, tuple)}
+
+
+def _interval(tok: str, state: dict, known: dict) -> tuple:
+    """The values an integer operand may hold in a plain call: (lo, hi), INF-bounded."""
+    tok = tok.strip().replace(".reuse", "")
+    neg = tok.startswith("-")
+    tok = tok.lstrip("-")
+    if tok in ("RZ", "URZ"):
+        v = (0, 0)
+    elif _IMM.fullmatch(tok):
+        x = int(tok, 0)
+        v = (x, x)
+    elif (m := _CONST.fullmatch(tok)) and int(m.group(1), 16) in known:
+        x = known[int(m.group(1), 16)]
+        v = (x, x)
+    elif re.fullmatch(r"U?R\d+", tok):
+        v = state.get("iv:" + tok, (-INF, INF))
+    else:
+        return (-INF, INF)
+    return (-v[1], -v[0]) if neg else v
+
+
+def _add(*ivs) -> tuple:
+    return (sum(v[0] for v in ivs), sum(v[1] for v in ivs))
+
+
+def _mul(a: tuple, b: tuple) -> tuple:
+    if a[0] < 0 or b[0] < 0:  # keep to non-negative factors (no sign cases, no 0 * INF)
+        return (-INF, INF)
+    lo = a[0] * b[0]
+    hi = INF if INF in (a[1], b[1]) and (a[1] and b[1]) else a[1] * b[1]
+    return (lo, hi)
+
+
+def _lop3(vals: list, lut: int) -> tuple:
+    """LOP3 of three operands, bit by bit where the known ones decide it (a 32-bit constant)."""
+    out = 0
+    for bit in range(32):
+        outs = set()
+        for x in range(8):
+            ok = True
+            for k, v in enumerate(vals):
+                want = (x >> (2 - k)) & 1
+                if v[0] == v[1] and v[0] not in (-INF, INF):
+                    ok &= ((int(v[0]) >> bit) & 1) == want
+            if ok:
+                outs.add((lut >> x) & 1)
+        if len(outs) != 1:
+            return (-INF, INF)
+        out |= outs.pop() << bit
+    out = out - (1 << 32) if out >> 31 else out
+    return (out, out)
+
+
+def _int_value(ins: Instr, state: dict, known: dict) -> tuple | None:
+    """The interval an integer instruction writes to its first destination in a plain call
+    (thread and block indices >= 0, the parameters `known` fixes), None where it is not
+    followed."""
+    ops = _operands(ins.args)
+    mods = ins.op.split(".")[1:]
+    iv = lambda o: _interval(o, state, known)  # noqa: E731
+    b = ins.base
+    if b in ("S2R", "CS2R") and re.search(r"SR_(TID|CTAID|LANEID)", ins.args):
+        return (0, INF)
+    if b == "MOV" and len(ops) >= 2:
+        return iv(ops[1])
+    if b == "IMAD" and "MOV" in mods and len(ops) == 4:
+        return iv(ops[3])
+    if b == "IMAD" and "SHL" in mods and len(ops) == 4:
+        return _mul(iv(ops[1]), iv(ops[2]))
+    if b == "IMAD" and len(ops) == 4 and not ({"WIDE", "HI", "X"} & set(mods)):
+        return _add(_mul(iv(ops[1]), iv(ops[2])), iv(ops[3]))
+    if b == "IADD3" and not ({"X"} & set(mods)):
+        return _add(*(iv(o) for o in ops[-3:]))
+    if b == "LEA" and not ({"HI", "X"} & set(mods)) and len(ops) == 4 and \
+            _IMM.fullmatch(ops[3]):
+        return _add(_mul(iv(ops[1]), (1 << int(ops[3], 0),) * 2), iv(ops[2]))
+    if b == "IMNMX" and len(ops) == 4:
+        x, y = iv(ops[1]), iv(ops[2])
+        return ((min(x[0], y[0]), min(x[1], y[1])) if ops[3] == "PT"
+                else (max(x[0], y[0]), max(x[1], y[1])))
+    if b == "SEL" and len(ops) == 4:
+        c = _pred_value(ops[3], state)
+        x, y = iv(ops[1]), iv(ops[2])
+        return x if c is True else y if c is False else (min(x[0], y[0]), max(x[1], y[1]))
+    if b == "LOP3" and len(ops) == 6 and re.fullmatch(r"U?R\d+", ops[0]):
+        return _lop3([iv(o) for o in ops[1:4]], int(ops[4], 0))
+    return None
+
+
+def _interval_compare(ins: Instr, state: dict, known: dict) -> tuple | None:
+    """(first, second destination) of an ISETP whose operands' intervals decide it."""
+    if ins.base != "ISETP" or (ins.pred and ins.pred.strip() != "@PT"):
+        return None
+    mods = ins.op.split(".")[1:]
+    ops = _operands(ins.args)
+    if "EX" in mods or len(mods) < 2 or len(ops) != 5 or mods[-1] not in ("AND", "OR", "XOR"):
+        return None
+    x, y = _interval(ops[2], state, known), _interval(ops[3], state, known)
+    if "U32" in mods and (x[0] < 0 or y[0] < 0):
+        return None
+    cmp = mods[0]
+    value = {"LT": (x[1] < y[0], x[0] >= y[1]), "LE": (x[1] <= y[0], x[0] > y[1]),
+             "GT": (x[0] > y[1], x[1] <= y[0]), "GE": (x[0] >= y[1], x[1] < y[0]),
+             "EQ": (False, x[1] < y[0] or x[0] > y[1]),
+             "NE": (x[1] < y[0] or x[0] > y[1], False)}.get(cmp)
+    if value is None or value == (False, False):
+        if cmp == "EQ" and x[0] == x[1] == y[0] == y[1]:
+            value = (True, False)
+        elif cmp == "NE" and x[0] == x[1] == y[0] == y[1]:
+            value = (False, True)
+        else:
+            return None
+    v = value[0]  # decided: True if value[0], False if value[1]
+    c = _pred_value(ops[4], state)
+    if c is None:
+        return None
+    op = {"AND": lambda a, b: a and b, "OR": lambda a, b: a or b,
+          "XOR": lambda a, b: a != b}[mods[-1]]
+    return op(v, c), op(not v, c)
+
+
 def _transfer(ins: Instr, state: dict, bounds: frozenset = frozenset()) -> None:
     """Taint flow through one instruction: TID from the thread-index special registers, DATA
     from loads (shared, global, local, constant by register), VOTE from votes (FLOATVOTE: of a
@@ -571,10 +703,28 @@ def _transfer(ins: Instr, state: dict, bounds: frozenset = frozenset()) -> None:
     dests, srcs = dests_and_sources(ins)
     if not dests:
         return
+    known = _known(bounds) if bounds else {}
     decided = _bound_compare(ins, state, bounds) if bounds else None
+    if decided is None and bounds:
+        decided = _interval_compare(ins, state, known)
+    value = _int_value(ins, state, known) if bounds else None
+    if value is not None and ins.pred and ins.pred.strip() != "@PT":
+        g = _pred_value(ins.pred.lstrip("@"), state)
+        old = state.get("iv:" + dests[0], (-INF, INF))
+        value = old if g is False else value if g is True else (
+            min(old[0], value[0]), max(old[1], value[1]))
     for r in dests:
+        state.pop("iv:" + r, None)
         if r.lstrip("U").startswith("P"):
             state.pop("val:" + r, None)
+    if value is not None and value != (-INF, INF) and re.fullmatch(r"U?R\d+", dests[0]):
+        state["iv:" + dests[0]] = value
+    if ins.base in ("LDC", "ULDC") and known and not ins.pred:
+        m = _CONST.search(ins.args)  # LDC.64 R22, c[0x0][0x3a8]: R22, R23 <- words X, X + 4
+        for k, r in enumerate(dests if m else []):
+            if int(m.group(1), 16) + 4 * k in known:
+                x = known[int(m.group(1), 16) + 4 * k]
+                state["iv:" + r] = (x, x)
     if decided is not None:
         for r, v in zip(dests[:2], decided):
             if r.lstrip("U").startswith("P") and r not in ("PT", "UPT"):
@@ -659,8 +809,17 @@ def taint(blocks: list[Block], bounds: frozenset = frozenset()) -> dict[int, dic
                     continue
                 if state.get(r) != old[r]:
                     old[r], changed = None, True
+            for r in [k for k in old if k.startswith("iv:")]:
+                a, b = old[r], state.get(r, (-INF, INF))
+                if b[0] < a[0] or b[1] > a[1]:  # widened at once: loop counters
+                    w = (a[0] if b[0] >= a[0] else -INF, a[1] if b[1] <= a[1] else INF)
+                    if w == (-INF, INF):
+                        del old[r]
+                    else:
+                        old[r] = w
+                    changed = True
             for r, t in state.items():
-                if r.startswith("val:"):
+                if r.startswith(("val:", "iv:")):
                     continue
                 if r.startswith(("float:", "idx:")):
                     if t and not old.get(r):
@@ -922,6 +1081,9 @@ def launch_shapes(configs: set[str], src_root: Path, nvcc: str) -> dict[str, tup
 # backward's BwdParams starts with them), and where the kernel's first parameter starts in the
 # constant bank: 0x160 before sm_90, 0x210 from it.
 BOUND_FIELDS = ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v")
+# Parameters a plain call fixes (no window, not causal: fmha/params.h), whose values decide
+# tests on them (the backward's key range of a row block) by interval arithmetic.
+PLAIN_VALUES = {"window_left": -1, "window_right": -1}
 
 
 def param_base(arch: str) -> int:
@@ -929,10 +1091,11 @@ def param_base(arch: str) -> int:
 
 
 def plain_bounds(src_root: Path, nvcc: str) -> tuple[int, ...]:
-    """Byte offsets of BOUND_FIELDS in fmha::FwdParams: a host program printing them, compiled
-    against src_root and run here (as launch_shapes)."""
+    """Byte offsets of BOUND_FIELDS, then of PLAIN_VALUES' fields, in fmha::FwdParams: a host
+    program printing them, compiled against src_root and run here (as launch_shapes)."""
     lines = ["#include <cstddef>", "#include <cstdio>", '#include "fmha/params.h"', "int main() {"]
-    lines += [f'  std::printf("%zu\\n", offsetof(fmha::FwdParams, {f}));' for f in BOUND_FIELDS]
+    lines += [f'  std::printf("%zu\\n", offsetof(fmha::FwdParams, {f}));'
+              for f in BOUND_FIELDS + tuple(PLAIN_VALUES)]
     lines += ["  return 0;", "}"]
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "bounds.cu", Path(tmp) / "bounds"
@@ -1022,7 +1185,10 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
            ) -> list[dict]:
     rows = []
     env = _disasm_env()
-    bounds = frozenset(param_base(arch) + off for off in plain_bounds(src_root, nvcc))
+    offs = plain_bounds(src_root, nvcc)
+    bounds = frozenset([param_base(arch) + off for off in offs[:len(BOUND_FIELDS)]] +
+                       [(param_base(arch) + off, v) for off, v in
+                        zip(offs[len(BOUND_FIELDS):], PLAIN_VALUES.values())])
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             cubin = (keep or Path(tmp)) / (Path(f).stem + f".sm{arch}.cubin")

@@ -557,3 +557,36 @@ def test_the_one_slot_rescale_pass_moves_the_first_slot_alone():
     assert {0x30, 0x38, 0x40} <= _addrs(one)     # the first-block test is passed
     assert not (slot0 | others | {0x30}) & _addrs(passes["slowest warp, no rescale"])
     assert every.path_count() - one.path_count() == 3
+
+
+# The backward's key range of a row block under a window (key_hi), in a plain call: the
+# window's left edge is -1 (none), so R4 = (R5 | left) >= 0 ? R5 : 0 is 0, and 0 > n0 (the
+# CTA's first key, blockIdx.x * 128 >= 0) is false: the key test's block runs.
+WINDOW = [
+    (0x00, "S2R R27, SR_CTAID.X"),
+    (0x08, "IMAD.SHL.U32 R27, R27, 0x80, RZ"),
+    (0x0c, "LDC R20, c[0x0][0x2f8]"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "LDS R5, [R3]"),
+    (0x20, "LOP3.LUT R4, R5, R20, RZ, 0xfc, !PT"),
+    (0x28, "ISETP.GE.AND P0, PT, R4, RZ, PT"),
+    (0x30, "SEL R4, R5, RZ, P0"),
+    (0x38, "ISETP.GT.AND P0, PT, R4, R27, PT"),
+    (0x40, "@P0 BRA 0x58"),
+    (0x48, "IADD3 R13, R13, 0x1, RZ"),           # the key test's block
+    (0x50, "IADD3 R14, R14, 0x1, RZ"),
+    (0x58, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x60, "@P5 BRA 0x10"),
+    (0x68, "EXIT"),
+]
+
+
+def test_a_test_on_the_window_is_decided_by_the_values_of_a_plain_call():
+    passes, cls = _bounded_passes(WINDOW, frozenset({(0x2f8, -1)}))
+    assert cls[0x40] == "bound=fall"
+    assert all({0x48, 0x50} <= _addrs(p) for p in passes.values())
+    # with another left edge the test is not decided: the rule of thumb skips the block
+    for bounds in (frozenset({(0x2f8, 0)}), frozenset()):
+        passes, cls = _bounded_passes(WINDOW, bounds)
+        assert cls[0x40] == "data"
+        assert all(not {0x48, 0x50} & _addrs(p) for p in passes.values())
