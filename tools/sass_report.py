@@ -1738,12 +1738,14 @@ def main() -> int:
                          "over 32 keys, and the read rate the issue slots allow on an H200")
     ap.add_argument("--decide", action="append", default=[], metavar="ADDR=SIDE",
                     help="the side (taken or fall) a plain call takes at the conditional branch "
-                         "at ADDR (hex, as --branches lists it) of the main loop, where the rule "
-                         "of thumb takes the other: e.g. a bounds test a full block passes. "
-                         "Repeatable; addresses are one build's, so give one file and --kernel")
+                         "at ADDR (hex, as --branches lists it) of the main loop, overriding "
+                         "the rule of thumb and the bound decisions (e.g. a test no plain call "
+                         "decides). Repeatable; addresses are one build's, so give one file and "
+                         "--kernel")
     ap.add_argument("--branches", action="store_true",
                     help="list the main loop's conditional branches on stderr: address, class "
-                         "(warp, vote, data, call), the two sides, whether the path takes them")
+                         "(bound=taken|fall, warp, vote, data, call), the two sides, whether the "
+                         "path takes them")
     ap.add_argument("--loops", action="store_true",
                     help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()
