@@ -8,7 +8,13 @@ would report for the accesses the emulator sees (csrc/cuda/emu/runtime.h, Kernel
   ldmatrix     shared-memory wavefronts / the conflict-free ideal (1.00 = no bank conflict)
   cp.async st  the same for cp.async's shared-memory stores
   cp.async ld  global load efficiency: bytes asked for / (32 x 32-byte sectors touched)
+  wgmma        (the sm_90 forward) shared-memory wavefronts of the operand reads through the
+               matrix descriptors, one 8 x 16-byte core matrix per phase after the swizzle,
+               / the ideal
+  TMA          (the sm_90 forward) the same for the tile copies, 128 bytes of a box per phase
 
+The sm_90 forward (csrc/cuda/flash_fwd_sm90.cuh) runs as the emulator runs it everywhere,
+FMHA_CUDA_KERNEL=sm90 (SM90_CASES; forward only: the backward has no sm_90 kernel).
 Ordinary loads and stores (the decode kernel's, the epilogues') are plain C++ in the emulator
 and are not counted. No GPU is needed; the numbers are exact for the model, not timed.
 
@@ -52,6 +58,17 @@ CASES = [
     ("d32 deterministic", 1, 128, 128, 2, 32, {"deterministic": True}),
     ("d64 bias grad", 1, 128, 128, 2, 64, {"bias": True, "bias_grad": True}),
 ]
+#: The sm_90 forward, fp16 and bf16, at each head dim it takes and with a causal mask (the
+#: edge blocks' path): (label, batch, seqlen_q, seqlen_k, heads, head_dim, keywords); dtype
+#: is a keyword here.
+SM90_CASES = [
+    ("sm90 d64", 1, 128, 256, 2, 64, {}),
+    ("sm90 d64 causal", 1, 128, 256, 2, 64, {"causal": True}),
+    ("sm90 d128", 1, 128, 256, 2, 128, {}),
+    ("sm90 d128 bf16", 1, 128, 256, 2, 128, {"dtype": "bfloat16"}),
+    ("sm90 d256", 1, 128, 256, 2, 256, {}),
+]
+
 #: Keywords only the backward takes.
 _BACKWARD_ONLY = ("deterministic", "bias_grad")
 
@@ -84,6 +101,48 @@ def profile(cases=CASES):
     return rows
 
 
+def profile_sm90(cases=SM90_CASES):
+    """The sm_90 forward's counters per case (FMHA_CUDA_KERNEL=sm90 under the emulator); fails
+    if a case's forward did not run in that kernel."""
+    import os
+
+    import fmha
+    from fmha import _cuda_emu
+    from fmha._core import _kernel_module
+
+    rng = np.random.default_rng(0)
+    rows = []
+    saved = os.environ.get("FMHA_CUDA_KERNEL")
+    os.environ["FMHA_CUDA_KERNEL"] = "sm90"
+    try:
+        for label, b, sq, sk, h, d, kw in cases:
+            kw = dict(kw)
+            dtype = kw.pop("dtype", "float16")
+            if dtype == "bfloat16":
+                import torch  # NumPy has no bfloat16
+                q, k, v = (torch.from_numpy(aligned(rng, (b, n, h, d), np.float32)).to(torch.bfloat16)
+                           for n in (sq, sk, sk))
+            else:
+                q = aligned(rng, (b, sq, h, d))
+                k, v = (aligned(rng, (b, sk, h, d)) for _ in range(2))
+            with _kernel_module(_cuda_emu):
+                _cuda_emu.forward_kernel()  # clear
+                _cuda_emu.reset_stats()
+                fmha.attention(q, k, v, **kw)
+                used = _cuda_emu.forward_kernel()
+            if used != "sm90":
+                raise RuntimeError(f"{label}: the forward ran in the {used or 'no'} kernel, not sm90")
+            for t in _cuda_emu.traffic():
+                if t["wgmma_requests"] or t["tma_requests"]:
+                    rows.append(dict(case=label, pass_="forward", **t))
+    finally:
+        if saved is None:
+            del os.environ["FMHA_CUDA_KERNEL"]
+        else:
+            os.environ["FMHA_CUDA_KERNEL"] = saved
+    return rows
+
+
 def _ratio(a, b):
     return f"{a / b:.2f}" if b else "—"
 
@@ -103,6 +162,18 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def table_sm90(rows) -> str:
+    lines = ["| case | kernel | wgmma requests | wgmma operand wavefronts / ideal | TMA requests "
+             "| TMA wavefronts / ideal |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} ({r['pass_']}) | `{r['kernel']}` | {r['wgmma_requests']} | "
+            f"{_ratio(r['wgmma_wavefronts'], r['wgmma_ideal_wavefronts'])} | "
+            f"{r['tma_requests']} | {_ratio(r['tma_wavefronts'], r['tma_ideal_wavefronts'])} |")
+    return "\n".join(lines)
+
+
 HEADER = """# Memory traffic of the CUDA kernels, counted by the emulator ({date})
 
 Command (no GPU; exact counts for the model in `csrc/cuda/emu/runtime.h`, `KernelTraffic`):
@@ -116,7 +187,9 @@ Shapes: batch 1, 2 heads, 128 queries and 128 keys (one or two query tiles: 128 
 the backward's dQ kernel without atomics, "d64 bias grad" the dbias kernel. Columns: ldmatrix
 and cp.async-store shared-memory wavefronts over the conflict-free ideal (1.00 = no bank
 conflict); global load efficiency = bytes asked for / (32 x sectors touched). Reading:
-`docs/cuda_kernels.md`, "Shared-memory traffic".
+`docs/cuda_kernels.md`, "Shared-memory traffic". The second table: the sm_90 forward
+(FMHA_CUDA_KERNEL=sm90, 128 queries, 256 keys), its wgmma operand reads (one 8 x 16-byte
+core matrix per phase) and TMA tile copies (128 bytes per phase), after the 128-byte swizzle.
 
 """
 
@@ -129,7 +202,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if importlib.util.find_spec("fmha._cuda_emu") is None:
         sys.exit("fmha._cuda_emu is not built (FMHA_BUILD_TESTING=ON builds it)")
-    text = table(profile())
+    text = table(profile()) + "\n\n" + table_sm90(profile_sm90())
     print(text)
     if a.out:
         import time

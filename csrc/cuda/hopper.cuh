@@ -622,7 +622,7 @@ FMHA_DEVICE void fence_barrier_init() {
 #if defined(FMHA_HOPPER_PTX)
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #elif defined(FMHA_GPU_EMU_PATH)
-  // The emulator has one view of shared memory for both proxies: nothing to order.
+  ::emu::fence_mbarrier_init();  // checked by the race checker before a TMA's complete_tx
 #else
   FMHA_HOPPER_UNSUPPORTED();
 #endif

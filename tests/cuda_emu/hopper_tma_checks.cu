@@ -277,6 +277,9 @@ struct PipeParams {
   bool b_nmajor;  // B tile N-major (transposed B)
   int k_tiles;
   float* c;
+  // planted (race checker): 1 no fence.mbarrier_init after the inits, 2 the fence only after
+  // the __syncthreads that publishes them (the producer is not ordered after it)
+  int bug = 0;
 };
 
 template <int kTransB>
@@ -294,9 +297,10 @@ __global__ void tma_wgmma_kernel(const __grid_constant__ TensorMap a_map,
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], 128);
     }
-    fence_barrier_init();
+    if (p.bug == 0) fence_barrier_init();
   }
   __syncthreads();
+  if (tid == 0 && p.bug == 2) fence_barrier_init();
   const int span = p.span, inner = span / 2;  // box columns per TMA: one swizzle row
   if (tid >= 128) {  // producer warp
     const bool leader = elect_one();
@@ -363,7 +367,7 @@ __global__ void tma_wgmma_kernel(const __grid_constant__ TensorMap a_map,
   }
 }
 
-Result tma_wgmma_case(int span, bool b_nmajor) {
+Result tma_wgmma_case(int span, bool b_nmajor, int bug = 0) {
   const int M = 64, N = 64, K = 256;
   std::vector<uint16_t> A(size_t(M * K)), Bt(size_t(N * K)), B(size_t(K * N));
   std::vector<int> av(A.size()), bv(size_t(K * N));
@@ -397,11 +401,27 @@ Result tma_wgmma_case(int span, bool b_nmajor) {
     b_map = encode_tensor_map(TmaDtype::kF16, 2, B.data(), dims, str, box, es, swz);
   }
   std::vector<float> C(size_t(M * N), -1.0f);
-  PipeParams p{span, b_nmajor, K / 64, C.data()};
+  PipeParams p{span, b_nmajor, K / 64, C.data(), bug};
   const size_t smem = 4 * 64 * 64 * 2 + 64;
   auto kernel = b_nmajor ? &tma_wgmma_kernel<1> : &tma_wgmma_kernel<0>;
   set_max_dynamic_smem(kernel, smem);
+  emu::reset_stats();
   FMHA_LAUNCH(kernel, dim3(1), dim3(160), smem, nullptr, a_map, b_map, p);
+  // Shared-memory traffic (runtime.h, KernelTraffic): every TMA box fills whole 128-byte
+  // lines, and every core matrix a wgmma reads through the swizzle spans the 32 banks once:
+  // 2 x 4 boxes of 64 x 128 bytes per k-tile over (64 / inner) boxes, 4 x 4 wgmma k-steps of
+  // 16 + 16 core matrices (A: 64 rows x 32 bytes, B: 64 x 32 bytes).
+  const std::vector<emu::KernelTraffic> traffic = emu::traffic();
+  if (traffic.size() != 1) return fail("expected the traffic of one kernel");
+  const emu::KernelTraffic& t = traffic[0];
+  const uint64_t boxes = uint64_t(4 * 2 * (64 / inner)), lines = uint64_t(4 * 2 * 64 * 64 * 2 / 128);
+  if (t.tma_requests != boxes || t.tma_ideal_wavefronts != lines || t.tma_wavefronts != lines ||
+      t.wgmma_requests != 16 || t.wgmma_ideal_wavefronts != 16 * 32 || t.wgmma_wavefronts != 16 * 32)
+    return fail("traffic: TMA " + std::to_string(t.tma_requests) + " requests " +
+                std::to_string(t.tma_wavefronts) + "/" + std::to_string(t.tma_ideal_wavefronts) +
+                " wavefronts, wgmma " + std::to_string(t.wgmma_requests) + " requests " +
+                std::to_string(t.wgmma_wavefronts) + "/" + std::to_string(t.wgmma_ideal_wavefronts) +
+                " wavefronts");
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
       double want = 0;
@@ -410,7 +430,7 @@ Result tma_wgmma_case(int span, bool b_nmajor) {
         return fail("C[" + std::to_string(m) + "][" + std::to_string(n) + "] = " +
                     std::to_string(C[size_t(m * N + n)]) + ", expected " + std::to_string(want));
     }
-  return pass("4 k-tiles through 2 stages");
+  return pass("4 k-tiles through 2 stages; conflict-free TMA and wgmma shared-memory traffic");
 }
 
 EMU_TEST("hopper.tma_wgmma.kmajor.sw128", CITE_TMA "; wgmma descriptors over TMA-swizzled tiles") {
@@ -462,6 +482,24 @@ EMU_TEST("hopper.tma.overwrite_inflight_operand", CITE_TMA "; wgmma operands are
   if (err.find("an operand of a wgmma.mma_async still in flight") == std::string::npos)
     return fail("expected the in-flight operand error, got: " + (err.empty() ? "success" : err));
   return pass();
+}
+
+// ---- planted: mbarriers used by TMA's complete_tx (the async proxy) without
+// fence.mbarrier_init after their init, or with the fence not published by a __syncthreads
+// to the producer. The race checker reports both.
+EMU_TEST("planted.mbarrier_init_fence.buggy", "(racecheck) mbarriers initialised without "
+                                              "fence.mbarrier_init, then completed by TMA") {
+  return tma_wgmma_case(128, false, 1);
+}
+EMU_TEST("planted.mbarrier_init_fence.fixed", "the same pipeline with fence.mbarrier_init") {
+  return tma_wgmma_case(128, false, 0);
+}
+EMU_TEST("planted.mbarrier_init_sync.buggy", "(racecheck) fence.mbarrier_init after the "
+                                             "__syncthreads that publishes the inits") {
+  return tma_wgmma_case(128, false, 2);
+}
+EMU_TEST("planted.mbarrier_init_sync.fixed", "the fence before the __syncthreads") {
+  return tma_wgmma_case(128, false, 0);
 }
 
 // ---- planted: consumers read a TMA destination without waiting for its mbarrier phase

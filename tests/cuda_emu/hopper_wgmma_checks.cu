@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/emu/runtime_internal.h"
 #include "cuda/hopper.cuh"
 #include "emu_test.h"
 
@@ -232,6 +233,7 @@ Result run_gemm(const Case& c) {
   p.d = D.data();
   p.bug = c.bug;
   auto kernel = &wgmma_gemm_kernel<N, T, TB, kARegs, kTransA, kTransB, kScaleA, kGroupPerStep>;
+  emu::reset_stats();
   FMHA_LAUNCH(kernel, dim3(1), dim3(128), image.size(), nullptr, p);
   int wrong = 0;
   char first[200] = "";
@@ -247,7 +249,21 @@ Result run_gemm(const Case& c) {
   if (wrong)
     return fail("mismatch in " + std::to_string(wrong) + " of " + std::to_string(64 * N) +
                 " elements; first: " + first);
-  return pass(std::to_string(steps) + " wgmma k-steps, N = " + std::to_string(N));
+  // Shared-memory traffic (runtime.h, KernelTraffic): each k-step reads A's 64 rows x 32
+  // bytes (16 core matrices, unless A is in registers) and B's N x 32 bytes (N / 4), and
+  // every canonical layout puts a core matrix's 8 rows in distinct banks: one wavefront each.
+  const std::vector<emu::KernelTraffic> traffic = emu::traffic();
+  const uint64_t cores = uint64_t(steps) * uint64_t((c.a_regs ? 0 : 16) + N / 4);
+  if (traffic.size() != 1 || traffic[0].wgmma_requests != uint64_t(steps) ||
+      traffic[0].wgmma_ideal_wavefronts != cores || traffic[0].wgmma_wavefronts != cores)
+    return fail("wgmma traffic: expected " + std::to_string(steps) + " requests, " +
+                std::to_string(cores) + " wavefronts (the ideal)" +
+                (traffic.size() == 1 ? ", got " + std::to_string(traffic[0].wgmma_requests) + ", " +
+                                           std::to_string(traffic[0].wgmma_wavefronts) + "/" +
+                                           std::to_string(traffic[0].wgmma_ideal_wavefronts)
+                                     : std::string(", got no single kernel")));
+  return pass(std::to_string(steps) + " wgmma k-steps, N = " + std::to_string(N) +
+              ", conflict-free operand reads");
 }
 
 #define CITE_WGMMA                                                                            \
@@ -344,6 +360,37 @@ EMU_TEST("hopper.wgmma.rules", "PTX ISA wgmma.fence (required before a wgmma who
 }
 
 // ---- planted bugs: each must fail (the result check; or the race checker, where noted)
+// The traffic model's rule for one core-matrix read (runtime.cpp, count_operand_reads):
+// eight 16-byte rows read in one phase. A tile of 128-byte rows without a swizzle (the plain
+// row-major tile of 64 f16 columns) puts all eight rows of a core matrix in banks 0-3: eight
+// wavefronts; the 128-byte swizzle moves row r's chunk to chunk (c ^ r), one wavefront, as
+// does the no-swizzle canonical layout (rows 16 bytes apart); 64-byte rows unswizzled pair up
+// in two bank groups (four).
+EMU_TEST("hopper.traffic.core_matrix", "PTX ISA Shared Memory Matrix Layout (core matrices "
+                                       "of 8 x 16 bytes, swizzle modes); 32 banks of 4 bytes") {
+  struct Want {
+    const char* layout;
+    uint32_t pitch;
+    bool swizzle128;
+    uint64_t wavefronts;
+  };
+  for (const Want& w : {Want{"128-byte rows, no swizzle", 128, false, 8},
+                        Want{"128-byte rows, 128B swizzle", 128, true, 1},
+                        Want{"canonical no-swizzle core matrix", 16, false, 1},
+                        Want{"64-byte rows, no swizzle", 64, false, 4}})
+    for (uint32_t chunk = 0; chunk < 8 && 16 * chunk < w.pitch; ++chunk) {
+      uint32_t rows[8];
+      for (uint32_t r = 0; r < 8; ++r)
+        rows[r] = 2048 + r * w.pitch + 16 * (w.swizzle128 ? chunk ^ r : chunk);
+      const auto got = emu::detail::core_matrix_wavefronts(rows);
+      if (got.first != w.wavefronts || got.second != 1)
+        return fail(std::string(w.layout) + ", chunk " + std::to_string(chunk) + ": " +
+                    std::to_string(got.first) + " wavefronts (ideal " +
+                    std::to_string(got.second) + "), expected " + std::to_string(w.wavefronts));
+    }
+  return pass();
+}
+
 EMU_TEST("planted.wgmma_swizzle.buggy", "a 128B-swizzled B tile described as 64B-swizzled") {
   Case c{Ty::kF16, Ty::kF16, false, 128, 128, false, false};
   c.b_span_desc = 64;

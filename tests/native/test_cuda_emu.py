@@ -12,7 +12,10 @@ the static checks of the kernels.
   (c) out-of-bounds reads by AddressSanitizer.
 * The Hopper model (tests/cuda_emu/hopper_*.cu): mbarrier, setmaxnreg, elect.sync, wgmma for
   every swizzle mode, TMA, and its planted bugs (a wrong swizzle, a missing wgmma.wait_group, a
-  TMA destination read before its mbarrier phase, a missing fence.proxy.async); the inline PTX
+  TMA destination read before its mbarrier phase, a missing fence.proxy.async or
+  fence.mbarrier_init), its shared-memory traffic counters (wgmma operand reads, TMA tile
+  copies: conflict-free through every swizzle; the core-matrix rule on a non-swizzled tile of
+  128-byte rows: 8 wavefronts); the inline PTX
   of csrc/cuda/hopper.cuh assembled for sm_90a.
 * Every kernel is built for sm_80 and sm_90 with no register spill and no stack frame: the
   shipped ones as the installed build's ptxas report says (fmha/_ptxas/), the test-only ones
@@ -319,7 +322,7 @@ def test_hopper_model(programs, variant):
         assert f"hopper.tma.load2d.{swizzle}" in res
     assert {"hopper.mbarrier.phases", "hopper.mbarrier.over_arrival", "hopper.mbarrier.deadlock",
             "hopper.setmaxnreg.budget", "hopper.tma_wgmma.nmajor.sw128", "hopper.tma.load5d",
-            "hopper.cvt.e4m3x2", "hopper.cvt.e5m2x2"} <= set(res)
+            "hopper.cvt.e4m3x2", "hopper.cvt.e5m2x2", "hopper.traffic.core_matrix"} <= set(res)
 
 
 @pytest.mark.parametrize("bug", ["wgmma_swizzle", "wgmma_wait", "wgmma_operand"])
@@ -341,11 +344,16 @@ def test_planted_hopper_bug_gives_a_wrong_result(programs, bug):
     ("proxy_fence", ["proxy hazard", "wgmma.mma_async operand", "no fence.proxy.async"]),
     ("tma_store_fence", ["proxy hazard", "cp.async.bulk.tensor store", "no fence.proxy.async"]),
     ("wgmma_operand", ["racecheck: memory hazards", "wgmma_ss"]),
+    ("mbarrier_init_fence", ["async-proxy hazard", "cp.async.bulk.tensor", "no fence.mbarrier_init"]),
+    ("mbarrier_init_sync", ["async-proxy hazard", "cp.async.bulk.tensor", "fence.mbarrier_init",
+                            "no __syncthreads"]),
 ])
 def test_planted_hopper_hazard_is_caught_by_racecheck(programs, bug, words):
     """Reading a TMA destination before its mbarrier phase completes, generic shared-memory
-    writes read by the async proxy (wgmma, TMA store) without fence.proxy.async, and a wgmma
-    operand rewritten while the wgmma is in flight: the race checker reports each."""
+    writes read by the async proxy (wgmma, TMA store) without fence.proxy.async, a wgmma
+    operand rewritten while the wgmma is in flight, and mbarriers completed by TMA without
+    fence.mbarrier_init after their init (or without a __syncthreads after that fence): the
+    race checker reports each."""
     bad = programs.run("racecheck", f"planted.{bug}.buggy")
     assert bad.returncode == 1
     for w in words:

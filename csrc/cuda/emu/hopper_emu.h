@@ -97,6 +97,10 @@ uint8_t f32_to_e5m2(float x);
 // fence.proxy.async (PTX ISA, "membar / fence"): orders this thread's generic-
 // proxy shared-memory writes before later async-proxy accesses (wgmma, TMA store).
 void fence_proxy_async();
+// fence.mbarrier_init (PTX ISA, "membar / fence"): this thread's earlier mbarrier.init
+// become visible to the async proxy (a TMA's complete_tx); the race checker reports a TMA on
+// an mbarrier whose init was not so fenced and then published by a __syncthreads.
+void fence_mbarrier_init();
 // setmaxnreg.{inc,dec}.sync.aligned.u32 (PTX ISA, "setmaxnreg").
 void setmaxnreg(bool inc, int count);
 int setmaxnreg_current();  // this warpgroup's per-thread register count (tests)

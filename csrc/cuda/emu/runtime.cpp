@@ -114,6 +114,8 @@ struct WarpState {
 struct Traffic {
   uint64_t launches = 0, ldsm_requests = 0, ldsm_wavefronts = 0, ldsm_ideal = 0;
   uint64_t cp_requests = 0, cp_wavefronts = 0, cp_ideal = 0, sectors = 0, bytes = 0;
+  uint64_t wgmma_requests = 0, wgmma_wavefronts = 0, wgmma_ideal = 0;
+  uint64_t tma_requests = 0, tma_wavefronts = 0, tma_ideal = 0;
   void add(const Traffic& o) {
     launches += o.launches;
     ldsm_requests += o.ldsm_requests;
@@ -124,6 +126,12 @@ struct Traffic {
     cp_ideal += o.cp_ideal;
     sectors += o.sectors;
     bytes += o.bytes;
+    wgmma_requests += o.wgmma_requests;
+    wgmma_wavefronts += o.wgmma_wavefronts;
+    wgmma_ideal += o.wgmma_ideal;
+    tma_requests += o.tma_requests;
+    tma_wavefronts += o.tma_wavefronts;
+    tma_ideal += o.tma_ideal;
   }
 };
 
@@ -157,6 +165,12 @@ struct KernelName {
 };
 
 }  // namespace
+
+std::pair<uint64_t, uint64_t> core_matrix_wavefronts(const uint32_t (&rows)[8]) {
+  std::vector<uintptr_t> words;
+  for (const uint32_t a : rows) add_words(words, a, 16);
+  return phase_wavefronts(words);
+}
 
 struct BlockState {
   const KernelName* kernel = nullptr;
@@ -206,6 +220,11 @@ struct BlockState {
     int64_t tx = 0;
     uint64_t phases = 0;  // completed phases; the current phase's parity is phases & 1
     int waiters = 0;      // threads blocked in a wait on it (counted in `blocked`)
+    // fence.mbarrier_init (race checker): the initialising thread, whether it has fenced
+    // since the init, and its block-barrier count at that fence.
+    int init_tid = -1;
+    bool init_fenced = false;
+    uint32_t fence_epoch = 0;
   };
   std::map<const void*, Mbar> mbars;
   int regs_launch = 0;        // per-thread registers at launch (see setmaxnreg)
@@ -1172,6 +1191,28 @@ void mbar_add_tx_locked(ThreadImpl& t, BlockState::Mbar& m, int64_t delta, const
   }
 }
 
+// The complete_tx of a TMA comes through the async proxy, which sees the mbarrier.init (a
+// generic-proxy write) only once the initialising thread has made it visible with
+// fence.mbarrier_init, and the issuing thread is ordered after that fence: the same thread,
+// or one that passed a __syncthreads after it (PTX ISA "membar / fence": fence.mbarrier_init;
+// "mbarrier.init"). Checked by the race checker, as the other async-proxy orderings.
+void check_init_fenced_locked(ThreadImpl& t, const BlockState::Mbar& m, const void* bar,
+                              const void* pc) {
+  std::string why;
+  if (!m.init_fenced)
+    why = "whose initialising thread (" + describe_thread(m.init_tid, false) +
+          ") has executed no fence.mbarrier_init (fence_barrier_init) since its mbarrier.init";
+  else if (t.tid != m.init_tid && t.block_epoch <= m.fence_epoch)
+    why = "with no __syncthreads between the initialising thread's fence.mbarrier_init (" +
+          describe_thread(m.init_tid, false) + ") and this thread";
+  if (!why.empty())
+    fail_locked(*t.block, "racecheck: async-proxy hazard: " + describe_thread(t.tid) +
+                              ": the cp.async.bulk.tensor at " + describe_pc(pc) +
+                              " completes its transactions on " +
+                              describe_address(bar) + ", " + why +
+                              ": the async proxy may not see the initialised mbarrier");
+}
+
 // A blocking wait until `done(m)`, with the deadlock check of every barrier.
 template <typename Done>
 void mbar_wait_locked(ThreadImpl& t, std::unique_lock<std::mutex>& lk, BlockState::Mbar& m,
@@ -1333,6 +1374,31 @@ std::vector<uint32_t> operand_chunks(const Desc& d, bool mn_major, int eb, int r
   return chunks;
 }
 
+// The shared-memory wavefronts of one operand's read (runtime.h, KernelTraffic), added to
+// `tr`. The canonical layouts of PTX ISA "Shared Memory Matrix Layout" are built from core
+// matrices of 8 rows x 16 bytes (K-major: 8 rows of M/N, 16 bytes of K each; M/N-major: 8
+// K-rows of 16 bytes of M/N), and each swizzle mode places a core matrix's eight rows in
+// eight different 16-byte bank groups -- the reason the modes exist (CuTe's sm_90 GMMA
+// layout atoms are the same: 8 rows of the span, Swizzle<B,4,3>, the XOR of address bits 4..
+// with bits 7..). The ISA does not say how the tensor cores fetch, so the model reads one
+// core matrix per phase, at its addresses after the swizzle; a layout whose core-matrix
+// rows share banks is counted as conflicting (core_matrix_wavefronts).
+void count_operand_reads(Traffic& tr, const Desc& d, bool mn_major, int eb, int rows, int K) {
+  const int T = 16 / eb;  // elements per 16-byte row of a core matrix
+  // K-major: groups of 8 M/N rows x K chunks; M/N-major: groups of 8 K-rows x M/N chunks.
+  const int lines = mn_major ? K : rows, chunks = mn_major ? rows / T : K / T;
+  for (int l0 = 0; l0 < lines; l0 += 8)
+    for (int c = 0; c < chunks; ++c) {
+      uint32_t row_address[8];
+      for (int r = 0; r < 8; ++r)
+        row_address[r] = mn_major ? operand_address(d, true, eb, c * T, l0 + r)
+                                  : operand_address(d, false, eb, l0 + r, c * T);
+      const auto wf = core_matrix_wavefronts(row_address);
+      tr.wgmma_wavefronts += wf.first;
+      tr.wgmma_ideal += wf.second;
+    }
+}
+
 void check_operand(ThreadImpl& t, const Desc& d, bool mn_major, int eb, int rows, int K,
                    const char* which) {
   std::ostringstream os;
@@ -1441,6 +1507,9 @@ void execute_wgmma(BlockState& b, ThreadImpl* const* ts, size_t index) {
         A[size_t(row * K + k)] = read_elem(a.type_a, operand_address(d, a.trans_a, eb, row, k));
   }
   const Desc db = decode_desc(a.b_desc);
+  ++b.traffic.wgmma_requests;
+  if (!a.a_regs) count_operand_reads(b.traffic, decode_desc(a.a_desc), a.trans_a, eb, 64, K);
+  count_operand_reads(b.traffic, db, a.trans_b, eb, N, K);
   for (int k = 0; k < K; ++k)
     for (int n = 0; n < N; ++n)
       B[size_t(k * N + n)] = read_elem(a.type_b, operand_address(db, a.trans_b, eb, n, k));
@@ -1556,6 +1625,26 @@ uint64_t for_each_box_element(const TmaDescriptor& m, const int32_t* coords, uin
   return total * m.element_bytes;
 }
 
+// The shared-memory wavefronts of a TMA tile copy (runtime.h, KernelTraffic), added to the
+// block's counters (lock held): the box moves in its dense order (PTX ISA "Tensor Access
+// Modes", tile mode: dimension 0 fastest), 128 bytes per phase, each byte at its address
+// after the tensor map's swizzle ("Tensor-map" swizzle modes). The swizzle permutes 16-byte
+// chunks within a 128-byte line and the shared-memory end of a copy is 128-byte aligned, so
+// each phase fills one line: conflict-free by construction in this model, counted so that a
+// change of either shows.
+void count_tma_locked(BlockState& b, uint32_t smem_base, uint64_t bytes, int span) {
+  std::vector<uintptr_t> words;
+  ++b.traffic.tma_requests;
+  for (uint64_t p0 = 0; p0 < bytes; p0 += 128) {
+    words.clear();
+    for (uint64_t c = p0; c < std::min(bytes, p0 + 128); c += 16)
+      add_words(words, swizzle_address(smem_base + uint32_t(c), span), int(std::min<uint64_t>(16, bytes - c)));
+    const auto wf = phase_wavefronts(words);
+    b.traffic.tma_wavefronts += wf.first;
+    b.traffic.tma_ideal += wf.second;
+  }
+}
+
 uint64_t box_bytes(const TmaDescriptor& m) {
   uint64_t total = m.element_bytes;
   for (int i = 0; i < m.rank; ++i)
@@ -1619,6 +1708,7 @@ void mbarrier_init(uint64_t* bar, uint32_t count) {
     detail::fail_locked(b, detail::describe_thread(t.tid) + ": mbarrier.init of an mbarrier that threads wait on");
   BlockState::Mbar m;
   m.expected = m.pending = count;
+  m.init_tid = t.tid;
   b.mbars[bar] = m;
   std::memset(bar, 0, sizeof *bar);  // the object's bytes: opaque; the state is beside it
 }
@@ -1920,6 +2010,7 @@ void tma_load(void* dst, const void* tensor_map, const int32_t* coords, uint64_t
   BlockState& b = *t.block;
   std::lock_guard<std::mutex> lk(b.m);
   BlockState::Mbar& mb = detail::mbar_locked(t, bar, "cp.async.bulk.tensor (its mbarrier)");
+  if (detail::g_race_checker) detail::check_init_fenced_locked(t, mb, bar, pc);
   // The chunks the tile covers: the swizzle permutes 16-byte chunks within 128-byte lines.
   std::vector<uint32_t> chunks;
   const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
@@ -1933,6 +2024,7 @@ void tma_load(void* dst, const void* tensor_map, const int32_t* coords, uint64_t
                                    detail::describe_address(b.dynamic_smem + size_t(c) * 16) +
                                    ", an operand of a wgmma.mma_async still in flight");
   }
+  detail::count_tma_locked(b, base, bytes, span);
   unsigned char* smem = b.dynamic_smem;
   detail::for_each_box_element(m, coords, base, [&](const unsigned char* g, uint32_t a) {
     if (g) std::memcpy(smem + a, g, m.element_bytes);
@@ -1955,8 +2047,12 @@ void tma_store(const void* tensor_map, const int32_t* coords, const void* src) {
   const uint64_t bytes = detail::box_bytes(m);
   const uint32_t base = detail::smem_offset_of(t, src, bytes, "cp.async.bulk.tensor store");
   const void* pc = __builtin_return_address(0);
+  const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
+  {
+    std::lock_guard<std::mutex> lk(t.block->m);
+    detail::count_tma_locked(*t.block, base, bytes, span);
+  }
   if (detail::g_race_checker) {
-    const int span = m.swizzle == 1 ? 32 : m.swizzle == 2 ? 64 : m.swizzle == 3 ? 128 : 0;
     for (uint64_t c = 0; c < (bytes + 15) / 16; ++c)
       detail::g_race_checker->async_read(
           t.block->dynamic_smem + (detail::swizzle_address(base + uint32_t(c * 16), span) & ~15u),
@@ -2017,7 +2113,21 @@ uint8_t f32_to_fp8(bool e4m3, float x) {
 uint8_t f32_to_e4m3(float x) { return detail::f32_to_fp8(true, x); }
 uint8_t f32_to_e5m2(float x) { return detail::f32_to_fp8(false, x); }
 
-// ---- fence.proxy.async, setmaxnreg, elect.sync ----
+// ---- fence.proxy.async, fence.mbarrier_init, setmaxnreg, elect.sync ----
+
+// fence.mbarrier_init: the calling thread's earlier mbarrier.init become visible to the
+// async proxy (tma_load checks it, with the race checker).
+void fence_mbarrier_init() {
+  ThreadImpl& t = detail::me();
+  std::lock_guard<std::mutex> lk(t.block->m);
+  for (auto& entry : t.block->mbars) {
+    BlockState::Mbar& m = entry.second;
+    if (m.init_tid == t.tid && !m.init_fenced) {
+      m.init_fenced = true;
+      m.fence_epoch = t.block_epoch;
+    }
+  }
+}
 
 void fence_proxy_async() {
   detail::me();
@@ -2295,6 +2405,12 @@ std::vector<KernelTraffic> traffic() {
     k.cp_async_ideal_wavefronts = t.cp_ideal;
     k.cp_async_global_sectors = t.sectors;
     k.cp_async_global_bytes = t.bytes;
+    k.wgmma_requests = t.wgmma_requests;
+    k.wgmma_wavefronts = t.wgmma_wavefronts;
+    k.wgmma_ideal_wavefronts = t.wgmma_ideal;
+    k.tma_requests = t.tma_requests;
+    k.tma_wavefronts = t.tma_wavefronts;
+    k.tma_ideal_wavefronts = t.tma_ideal;
     out.push_back(std::move(k));
   }
   std::sort(out.begin(), out.end(),

@@ -28,15 +28,21 @@ Stats stats();
 void reset_stats();  // also clears traffic()
 
 // Memory traffic of one kernel (all its launches since the last reset), as Nsight Compute
-// would count it for the accesses the emulator sees: ldmatrix (shared-memory reads) and
-// cp.async (global reads, shared-memory writes). Ordinary loads and stores are plain C++
-// here and are not counted. A warp-level request is the same such operation of each lane
+// would count it for the accesses the emulator sees: ldmatrix (shared-memory reads),
+// cp.async (global reads, shared-memory writes), and Hopper's async proxy: wgmma operand
+// reads through matrix descriptors and TMA tile copies (shared-memory writes of loads, reads
+// of stores). Ordinary loads and stores are plain C++ here and are not counted. A warp-level request is the same such operation of each lane
 // of a warp: for cp.async, the k-th of each lane since the same barrier (the lanes of a
 // convergent warp issue them together).
 //  - Shared memory: 32 banks of 4 bytes; a request takes one wavefront per 128 bytes, plus
 //    one more for every additional distinct 4-byte word that falls in an already-used bank
 //    (a bank conflict). ldmatrix: one phase per 8x8 matrix (eight 16-byte rows);
 //    cp.async: phases of 128 / cp-size lanes. ideal = the wavefronts without conflicts.
+//  - wgmma: one request per warpgroup instruction; each shared-memory operand (A unless it
+//    comes from registers, and B) is read one core matrix (8 rows of 16 bytes, PTX ISA
+//    "Shared Memory Matrix Layout") per phase, at its addresses after the swizzle.
+//  - TMA: one request per cp.async.bulk.tensor; the box is moved 128 bytes (of its dense
+//    order) per phase, at the addresses after the tensor map's swizzle.
 //  - Global memory (cp.async sources): the 32-byte sectors a request touches, and the bytes
 //    it asks for; efficiency = bytes / (32 * sectors) (over 1 if lanes read the same bytes).
 struct KernelTraffic {
@@ -45,6 +51,8 @@ struct KernelTraffic {
   uint64_t ldmatrix_requests = 0, ldmatrix_wavefronts = 0, ldmatrix_ideal_wavefronts = 0;
   uint64_t cp_async_requests = 0, cp_async_wavefronts = 0, cp_async_ideal_wavefronts = 0;
   uint64_t cp_async_global_sectors = 0, cp_async_global_bytes = 0;
+  uint64_t wgmma_requests = 0, wgmma_wavefronts = 0, wgmma_ideal_wavefronts = 0;
+  uint64_t tma_requests = 0, tma_wavefronts = 0, tma_ideal_wavefronts = 0;
 };
 std::vector<KernelTraffic> traffic();
 

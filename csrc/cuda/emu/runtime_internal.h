@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/emu/cuda_emu.h"
@@ -66,6 +67,11 @@ struct ThreadImpl {
   std::vector<PendingBulkStore> bulk_uncommitted;
   std::vector<std::vector<PendingBulkStore>> bulk_groups;
 };
+
+// The shared-memory wavefronts of one core-matrix read of a wgmma operand (traffic counters,
+// runtime.h): its eight 16-byte rows at these shared-window addresses, in one phase.
+// Returns {wavefronts, the conflict-free ideal}.
+std::pair<uint64_t, uint64_t> core_matrix_wavefronts(const uint32_t (&rows)[8]);
 
 // Performs the thread's TMA stores still in flight (at a bulk wait_group, and at its exit).
 void flush_bulk_stores(ThreadImpl& t);

@@ -484,12 +484,18 @@ PYBIND11_MODULE(_cuda_emu, m) {
       d["cp_async_ideal_wavefronts"] = k.cp_async_ideal_wavefronts;
       d["cp_async_global_sectors"] = k.cp_async_global_sectors;
       d["cp_async_global_bytes"] = k.cp_async_global_bytes;
+      d["wgmma_requests"] = k.wgmma_requests;
+      d["wgmma_wavefronts"] = k.wgmma_wavefronts;
+      d["wgmma_ideal_wavefronts"] = k.wgmma_ideal_wavefronts;
+      d["tma_requests"] = k.tma_requests;
+      d["tma_wavefronts"] = k.tma_wavefronts;
+      d["tma_ideal_wavefronts"] = k.tma_ideal_wavefronts;
       rows.append(d);
     }
     return rows;
   }, "Memory traffic per kernel since the last reset_stats(): shared-memory wavefronts of "
-     "ldmatrix and of cp.async stores (and the conflict-free ideal), global sectors and bytes "
-     "of cp.async reads (csrc/cuda/emu/runtime.h, KernelTraffic, says how each is counted).");
+     "ldmatrix, of cp.async stores, of wgmma operand reads and of TMA tile copies (and the "
+     "conflict-free ideal), global sectors and bytes of cp.async reads (csrc/cuda/emu/runtime.h, KernelTraffic, says how each is counted).");
   fmha::bind::def_forward_kvcache(
       m, &emu_forward_kvcache,
       "fmha._C.forward_kvcache's signature and keyword settings, on host float16/bfloat16 "
