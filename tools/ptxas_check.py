@@ -2,7 +2,8 @@
 """Compile fmha's CUDA sources with nvcc for each target architecture and read ptxas's
 resource report (-Xptxas -v): every kernel must compile, and no kernel may spill registers
 or use a local-memory stack frame (both turn register tiles into slow memory traffic), nor have
-its wgmma serialised by ptxas (warning C7514: the asynchronous GEMMs then overlap nothing).
+its wgmma serialised by ptxas (a "wgmma.mma_async instructions are serialized" warning,
+C7514, C7515, C7520, ...: the asynchronous GEMMs then overlap nothing).
 
     python tools/ptxas_check.py                 # every CUDA source (default_sources), sm_80 + sm_90
     python tools/ptxas_check.py --arch 90 csrc/cuda/testing/gemm_tc.cu
@@ -35,10 +36,15 @@ _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
 _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
-# ptxas serialises a kernel's wgmma when it cannot prove that the accumulators other
-# instructions read were retired by a wgmma.wait_group (the report names the function ahead of
-# its entry line: the flag goes to that function's next entry, i.e. the arch it was said for).
-_SERIALIZED = re.compile(r"\(C7514\).*in the function '([^']+)'")
+# ptxas serialises a kernel's wgmma when it cannot prove the asynchronous pipeline safe: the
+# accumulators other instructions read not retired by a wgmma.wait_group (C7514), other
+# instructions defining them inside a pipeline stage (C7515), a warpgroup.arrive it had to put
+# on a divergent path (C7520), ... -- each a "Potential Performance Loss: wgmma.mma_async
+# instructions are serialized" with its own code. (C7519, a warpgroup.arrive inserted without
+# serialising, is not one.) The report names the function ahead of its entry line: the flag
+# goes to that function's next entry, i.e. the arch it was said for.
+_SERIALIZED = re.compile(r"\((C7\d+)\) Potential Performance Loss: wgmma\.mma_async instructions "
+                         r"are serialized.*in the function '([^']+)'")
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Kernel:
     spill_stores: int = 0
     spill_loads: int = 0
     wgmma_serialized: bool = False
+    serialized_by: str = ""  # ptxas's warning code(s), e.g. "C7514"
 
     @property
     def clean(self) -> bool:
@@ -70,16 +77,17 @@ def parse(report: str, file: str) -> list[Kernel]:
     kernels: list[Kernel] = []
     current: Kernel | None = None
     props_for: str | None = None
-    serialized: set[str] = set()  # named by C7514, entry not yet seen
+    serialized: dict[str, list[str]] = {}  # named by a serialisation warning, entry not yet seen
     for line in report.splitlines():
         m = _SERIALIZED.search(line)
         if m:
-            serialized.add(m.group(1))
+            serialized.setdefault(m.group(2), []).append(m.group(1))
             continue
         m = _ENTRY.search(line)
         if m:
-            current = Kernel(file, m.group(2), m.group(1), wgmma_serialized=m.group(1) in serialized)
-            serialized.discard(m.group(1))
+            codes = serialized.pop(m.group(1), [])
+            current = Kernel(file, m.group(2), m.group(1), wgmma_serialized=bool(codes),
+                             serialized_by=", ".join(codes))
             kernels.append(current)
             props_for = None
             continue
@@ -196,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     names = demangle(sorted({k.name for k in kernels}))
     print(f"{'arch':6} {'regs':>4} {'stack':>5} {'spill st/ld':>11}  kernel")
     for k in kernels:
-        flag = "" if k.clean else ("   <-- FAIL (wgmma serialised, C7514)" if k.wgmma_serialized
-                                   else "   <-- FAIL")
+        flag = "" if k.clean else (f"   <-- FAIL (wgmma serialised, {k.serialized_by})"
+                                   if k.wgmma_serialized else "   <-- FAIL")
         print(f"{k.arch:6} {k.registers:4d} {k.stack:5d} {k.spill_stores:5d}/{k.spill_loads:<5d}  "
               f"{names.get(k.name, k.name)} ({k.file}){flag}")
     print_register_table(kernels, names, archs)

@@ -120,7 +120,8 @@ struct FlashFwdSm90ConfigBase {
   // block's S (40 registers) beside O (128) and P (20) in flight spills 88 bytes.
   static constexpr bool kOverlap = kHeadDim <= 128;
   // ... and the kernel with the strong zero's watch: at d = 128 its rare product beside the
-  // overlap's state spills 144 bytes; at d = 64 both fit.
+  // overlap's state (and O's copy, kept through the discarded P Vj) spills 912 bytes; at
+  // d = 64 both fit.
   static constexpr bool kOverlapEdges = kHeadDim <= 64;
   // P's A fragments: 4 registers per wgmma k-step, 2 (16-bit) or 4 (e4m3) values each.
   static constexpr int kPRegs = kBlockN / kKStep * 4;
@@ -547,7 +548,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                  sm90_detail::nonfinite_bits<T>(uint16_t(words[x] >> 16));
         v_nonfinite = warp_ballot(any) != 0u;
       }
+      float o_before[kEdges && kOverlap ? kO : 1];  // the rare block's O, kept through P Vj
+      if constexpr (kEdges && kOverlap) {
+        if (v_nonfinite) {
+#pragma unroll
+          for (int e = 0; e < kO; ++e) o_before[e] = acc_o[e];
+        }
+      }
+      // The overlap: the next block's S is issued now, ahead of P Vj, so that its softmax
+      // runs under P Vj.
+      take_turn();
+      if (kOverlap && more) issue_s(i + 1);
+      if (kOverlap || !v_nonfinite) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kBlockN / Cfg::kKStep; ++kk) {
+          if constexpr (kFp8) {
+            // ---- O += P Vj with Vj^T K-major (keys contiguous: d rows of 128 bytes, one box),
+            // k32 steps 32 bytes apart, 8-row atoms 1024 bytes (SBO).
+            const uint64_t bd = make_smem_desc(tV + kk * 32, 16, 1024, SmemSwizzle::k128B);
+            wgmma_rs<Cfg::kHeadDim, T, T, 0>(acc_o, p_frag[kk], bd, true);
+          } else {
+            // ---- O += P Vj: Vj N-major (head dims contiguous), k16 steps 16 rows (2 KiB)
+            // apart, 64-column boxes kBlockN x 128 bytes apart (LBO), 8-row atoms 1024 bytes
+            // (SBO).
+            const uint64_t bd = make_smem_desc(tV + kk * 16 * 128, Cfg::kBoxBytesKV, 1024,
+                                               SmemSwizzle::k128B);
+            wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
+          }
+        }
+      }
+      wgmma_commit_group();  // empty in the rare block in turn: one group per block either way
+      give_turn();
+      if constexpr (kOverlap) {
+        if (more) {
+          // S(j+1) retired (the group after it is P Vj's)
+          wgmma_wait_group<1>();
+          mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
+          softmax(n + 1);
+        }
+      }
+      wgmma_wait_group<0>();  // P Vj retired (in turn: P Vj, then S(j+1) and its softmax)
+      // The rare block's product, here when no wgmma is in flight. With the overlap its P Vj
+      // wgmma ran too (its result discarded: O restored first), so that every path leaves the
+      // same wgmma in flight on O: a path that skips them makes ptxas put a warpgroup.arrive
+      // on it and serialise every wgmma (C7520); in turn, skipping them is clean.
       if constexpr (kEdges) if (v_nonfinite) {
+        if constexpr (kOverlap) {
+#pragma unroll
+          for (int e = 0; e < kO; ++e) acc_o[e] = o_before[e];
+        }
         // The rare block: a plain product over the block's keys, P (as packed for the wgmma)
         // from the quad's lanes by shuffles, skipping excluded pairs; an included pair that
         // meets NaN or Inf makes O NaN (NaN stands for +-Inf, as in strong_zero.cuh). Unrolled
@@ -592,45 +642,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         }
       }
-      // The overlap: the next block's S is issued now, ahead of P Vj, so that its softmax
-      // runs under P Vj. (Issued only after the rare block above: its accumulators held
-      // beside O and P through the plain product would spill.)
-      take_turn();
-      if (kOverlap && more) issue_s(i + 1);
-      if (!v_nonfinite) {
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < Cfg::kBlockN / Cfg::kKStep; ++kk) {
-          if constexpr (kFp8) {
-            // ---- O += P Vj with Vj^T K-major (keys contiguous: d rows of 128 bytes, one box),
-            // k32 steps 32 bytes apart, 8-row atoms 1024 bytes (SBO).
-            const uint64_t bd = make_smem_desc(tV + kk * 32, 16, 1024, SmemSwizzle::k128B);
-            wgmma_rs<Cfg::kHeadDim, T, T, 0>(acc_o, p_frag[kk], bd, true);
-          } else {
-            // ---- O += P Vj: Vj N-major (head dims contiguous), k16 steps 16 rows (2 KiB)
-            // apart, 64-column boxes kBlockN x 128 bytes apart (LBO), 8-row atoms 1024 bytes
-            // (SBO).
-            const uint64_t bd = make_smem_desc(tV + kk * 16 * 128, Cfg::kBoxBytesKV, 1024,
-                                               SmemSwizzle::k128B);
-            wgmma_rs<Cfg::kHeadDim, T, T, 1>(acc_o, p_frag[kk], bd, true);
-          }
-        }
-      }
-      wgmma_commit_group();  // empty in the rare block: one group per block either way
-      give_turn();
-      if constexpr (kOverlap) {
-        if (more) {
-          // S(j+1) retired (the group after it is P Vj's, empty in the rare block)
-          wgmma_wait_group<1>();
-          mbarrier_arrive(&k_empty[(i + 1) % Cfg::kStages]);
-          softmax(n + 1);
-        }
-        wgmma_wait_group<0>();          // P Vj retired
-        mbarrier_arrive(&v_empty[s]);  // this thread is done with Vj's stage
-      } else {
-        // In turn: P Vj, then S(j+1) and its softmax.
-        wgmma_wait_group<0>();
-        mbarrier_arrive(&v_empty[s]);
+      mbarrier_arrive(&v_empty[s]);  // this thread is done with Vj's stage
+      if constexpr (!kOverlap) {
         if (more) {
           issue_s(i + 1);
           wgmma_wait_group<0>();
