@@ -58,15 +58,16 @@ CASES = [
     ("d32 deterministic", 1, 128, 128, 2, 32, {"deterministic": True}),
     ("d64 bias grad", 1, 128, 128, 2, 64, {"bias": True, "bias_grad": True}),
 ]
-#: The sm_90 forward, fp16 and bf16, at each head dim it takes and with a causal mask (the
-#: edge blocks' path): (label, batch, seqlen_q, seqlen_k, heads, head_dim, keywords); dtype
-#: is a keyword here.
+#: The sm_90 forward, fp16, bf16 and e4m3 (unit descales), at each head dim it takes and
+#: with a causal mask (the edge blocks' path): (label, batch, seqlen_q, seqlen_k, heads,
+#: head_dim, keywords); dtype is a keyword here.
 SM90_CASES = [
     ("sm90 d64", 1, 128, 256, 2, 64, {}),
     ("sm90 d64 causal", 1, 128, 256, 2, 64, {"causal": True}),
     ("sm90 d128", 1, 128, 256, 2, 128, {}),
     ("sm90 d128 bf16", 1, 128, 256, 2, 128, {"dtype": "bfloat16"}),
     ("sm90 d256", 1, 128, 256, 2, 256, {}),
+    ("sm90 d128 e4m3", 1, 128, 256, 2, 128, {"dtype": "float8_e4m3fn"}),
 ]
 
 #: Keywords only the backward takes.
@@ -118,10 +119,13 @@ def profile_sm90(cases=SM90_CASES):
         for label, b, sq, sk, h, d, kw in cases:
             kw = dict(kw)
             dtype = kw.pop("dtype", "float16")
-            if dtype == "bfloat16":
-                import torch  # NumPy has no bfloat16
-                q, k, v = (torch.from_numpy(aligned(rng, (b, n, h, d), np.float32)).to(torch.bfloat16)
-                           for n in (sq, sk, sk))
+            if dtype in ("bfloat16", "float8_e4m3fn"):
+                import torch  # NumPy has neither
+                q, k, v = (torch.from_numpy(aligned(rng, (b, n, h, d), np.float32))
+                           .to(getattr(torch, dtype)) for n in (sq, sk, sk))
+                if dtype == "float8_e4m3fn":
+                    ones = torch.ones((b, h), dtype=torch.float32)
+                    kw.update(descale_q=ones, descale_k=ones, descale_v=ones)
             else:
                 q = aligned(rng, (b, sq, h, d))
                 k, v = (aligned(rng, (b, sk, h, d)) for _ in range(2))

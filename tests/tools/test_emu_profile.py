@@ -13,7 +13,8 @@ kernel's take 2 where 1 would do (its rows copied in order: the paired order spi
 test pins those ratios so a change either way is seen.
 
 The sm_90 forward (FMHA_CUDA_KERNEL=sm90 under the emulator) reads its wgmma operands and
-copies its tiles by TMA through the 128-byte swizzle: no bank conflict in either (the model:
+copies its tiles by TMA through the 128-byte swizzle (fp16, bf16 and e4m3): no bank conflict
+in either (the model:
 csrc/cuda/emu/runtime.h, KernelTraffic)."""
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def test_sm90_forward_has_no_bank_conflict_in_wgmma_or_tma(sm90_rows):
         assert "flash_fwd_sm90" in r["kernel"] and r["launches"] == 1, where
         # Q, K and V arrive by TMA and every block runs its GEMMs through wgmma: the counters
         # saw them (at least Q's, K's and V's bytes).
-        _, b, sq, sk, h, d, _ = next(c for c in emu_profile.SM90_CASES if c[0] == r["case"])
-        assert 128 * r["tma_ideal_wavefronts"] >= 2 * b * h * (sq + 2 * sk) * d, where
+        _, b, sq, sk, h, d, kw = next(c for c in emu_profile.SM90_CASES if c[0] == r["case"])
+        elem = 1 if kw.get("dtype") == "float8_e4m3fn" else 2
+        assert 128 * r["tma_ideal_wavefronts"] >= elem * b * h * (sq + 2 * sk) * d, where
         assert r["wgmma_requests"] > 0 and r["wgmma_ideal_wavefronts"] > 0, where
         assert r["wgmma_wavefronts"] == r["wgmma_ideal_wavefronts"], where
         assert r["tma_wavefronts"] == r["tma_ideal_wavefronts"], where
