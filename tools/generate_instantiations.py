@@ -6,7 +6,7 @@ so that the build compiles the instantiations in parallel and a change to one he
 variant rebuilds one small file. CMake filters the files by their `_hdim{D}_` part against
 FMHA_CUDA_HEAD_DIMS, so the names follow one pattern:
 
-    {family}_hdim{D}_{fp16|bf16}[_{variant}].cu
+    {family}_hdim{D}_{fp16|bf16|e4m3}[_{variant}].cu
 
 Per family it also writes {family}_instantiations.inc: the matching `extern template`
 declarations, which the family's dispatcher includes so that it never instantiates a
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "csrc" / "cuda" / "instantiations"
 HEAD_DIMS_H = ROOT / "csrc" / "cuda" / "head_dims.h"
 
-DTYPES = {"fp16": "half_t", "bf16": "bf16_t"}
+DTYPES = {"fp16": "half_t", "bf16": "bf16_t", "e4m3": "e4m3_t"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class Family:
     variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # the head-dim tiles it is instantiated for (None: every tile of cuda/head_dims.h)
     tiles: tuple[int, ...] | None = None
+    # the input dtypes it is instantiated for (keys of DTYPES)
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
 
 
 FAMILIES = [
@@ -53,9 +55,10 @@ FAMILIES = [
     # The backward's launches (D, dK/dV/dQ or the deterministic dQ kernel, dbias): flash_bwd.cuh.
     Family("flash_bwd", "cuda/flash_bwd.cuh", "run_flash_bwd", "const BwdParams&, Stream", "void",
            variants={"": ("false",), "extras": ("true",)}),
-    # The Hopper forward (flash_fwd_sm90.cuh): TMA boxes of 64 columns, so tiles of 64, 128, 256.
+    # The Hopper forward (flash_fwd_sm90.cuh): tiles of 64, 128, 256; float8 e4m3 inputs too.
     Family("flash_fwd_sm90", "cuda/flash_fwd_sm90.cuh", "run_flash_fwd_sm90",
-           "const FwdParams&, Stream", "int", variants={"": ()}, tiles=(64, 128, 256)),
+           "const FwdParams&, Stream", "int", variants={"": ()}, tiles=(64, 128, 256),
+           dtypes=("fp16", "bf16", "e4m3")),
 ]
 
 
@@ -81,7 +84,7 @@ def generate() -> dict[str, str]:
     for fam in FAMILIES:
         externs = []
         for d in (fam.tiles or tiles):
-            for dtype in DTYPES:
+            for dtype in fam.dtypes:
                 for variant, args in fam.variants.items():
                     name = f"{fam.name}_hdim{d}_{dtype}{'_' + variant if variant else ''}.cu"
                     inst = instantiation(fam, d, dtype, args)

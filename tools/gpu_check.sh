@@ -174,7 +174,7 @@ fi
 
 # ---- tests: the GPU suite, plus the build/benchmark checks (fmha-bench --cuda on the GPU) ----
 tests=()
-for t in ${GPU_CHECK_TESTS:-tests/kernels/test_cuda_gpu.py tests/kvcache/test_kvcache_cuda.py tests/kvcache/test_kvquant_cuda.py tests/kernels/test_cuda_emu_cases.py tests/api/test_empty.py tests/native/test_build.py}; do
+for t in ${GPU_CHECK_TESTS:-tests/kernels/test_cuda_gpu.py tests/kvcache/test_kvcache_cuda.py tests/kvcache/test_kvquant_cuda.py tests/kernels/test_cuda_emu_cases.py tests/kernels/test_fp8.py tests/api/test_empty.py tests/native/test_build.py}; do
   if [[ -f $t ]]; then tests+=("$t"); else echo "gpu_check: $t not found" | tee -a "$OUT/summary.txt"; failed=1; fi
 done
 if (( ${#tests[@]} )); then
@@ -207,10 +207,11 @@ fi
 
 # ---- benchmarks: fmha (its own choice of kernel: the Hopper forward on sm_90), fmha's sm_80
 # kernel forced, torch SDPA's flash and cuDNN backends side by side (each row's max |diff|
-# against SDPA flash first), then the C++ fmha-bench --cuda ----
+# against SDPA flash first; float8_e4m3fn rows: the Hopper forward's e4m3 path against the
+# peers in bfloat16, forward only), then the C++ fmha-bench --cuda ----
 rm -f "$OUT/bench.json" "$OUT/decode.json"  # the predictions read this run's rows only
 run_phase bench 180 "$OUT/bench.log" "$PY" -m fmha.bench --cuda --peers sm80,cudnn \
-  --out "$OUT/bench.json" --save
+  --dtypes float16,bfloat16,float8_e4m3fn --out "$OUT/bench.json" --save
 # decode leaves 30 s of the budget to the predictions after it
 decode_limit=$(( BUDGET - ($(date +%s) - T0) - 30 ))
 (( decode_limit > 90 )) && decode_limit=90

@@ -17,19 +17,18 @@ and the path's HMMA, LDSM (ldmatrix), LDS/STS, LDGSTS (cp.async), BAR, MUFU, SHF
 non-HMMA instructions per HMMA, also without the local-memory traffic (LDL, STL: spill code).
 A second table gives the passes a plain call runs (no mask, window, dropout or bias, not causal,
 full blocks, finite inputs; see plain_passes): each branch of the loop is classed by where its
-predicate comes from -- the thread index (warp: both sides searched, giving the slowest and
-the fastest warp's pass, e.g. the backward's warps that load lse or D), a warp vote
-of a float compare (vote: the forward's lazy rescale, counted both ways as the rescale and the
-no-rescale pass), loaded data or call-wide values (the common side, as for `path`, or the side
-`--decide ADDR=taken|fall` names: a bounds test a full block passes, which the fewest-
-instructions rule skips). `--branches` lists the loop's branches with their class, to find the
-ones to decide:
+predicate comes from -- a row, key or column index against a sequence length or head dim, or
+a test the plain call's parameters decide (bound: the side a full block takes, e.g. the
+backward's lse and D row tests and its window key test), the thread index (warp: both sides
+searched, giving the slowest and the fastest warp's pass, e.g. the backward's warps that load
+lse or D), a warp vote of a float compare (vote: the forward's lazy rescale, counted as the
+rescale pass of every slot, the rescale of one slot, and the no-rescale pass), loaded data or
+call-wide values (the common side, as for `path`). `--decide ADDR=taken|fall` overrides the
+side of one branch; `--branches` lists the loop's branches with their class and, for bound
+tests, the side taken:
 
     python tools/sass_report.py --keep /tmp/sass --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
         --branches csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
-    python tools/sass_report.py --keep /tmp/sass --reuse --kernel 'flash_bwd_kernel.*Lb0ELb1EE' \
-        --decide 0xa1f0=fall --decide 0xa340=fall --decide 0xa680=fall \
-        csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu
  Registers from the cubin's resource usage (cuobjdump -res-usage).
 A second table gives each kernel's launch shape: threads and dynamic shared memory per CTA (the
 Cfg::kThreads and Cfg::kSmemBytes its launcher passes, read by compiling and running a small
@@ -104,8 +103,9 @@ DEFAULT_FILES = [
     "csrc/cuda/instantiations/flash_bwd_hdim128_fp16.cu",
 ]
 COUNTED = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "BAR", "MUFU", "SHFL")
-# The Hopper kernels' (sm_90a) additions: wgmma (HGMMA), mbarrier operations (SYNCS), TMA loads
-# (UTMALDG). "MMA" below counts both tensor-core kinds: the main loop is the one with the most.
+# The Hopper kernels' (sm_90a) additions: wgmma (HGMMA; the column counts QGMMA, the 8-bit
+# wgmma, too), mbarrier operations (SYNCS), TMA loads (UTMALDG). "MMA" below counts both
+# tensor-core kinds: the main loop is the one with the most.
 COUNTED_SM90 = ("HGMMA", "SYNCS", "UTMALDG")
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -133,7 +133,9 @@ class Block:
 
     def count(self, base: str) -> int:
         if base == "MMA":
-            return sum(i.base in ("HMMA", "HGMMA") for i in self.instrs)
+            return sum(i.base in ("HMMA", "HGMMA", "QGMMA") for i in self.instrs)
+        if base == "HGMMA":
+            return sum(i.base in ("HGMMA", "QGMMA") for i in self.instrs)
         return sum(i.base == base for i in self.instrs)
 
 
@@ -432,6 +434,10 @@ def natural_main_loop(blocks: list[Block], also: tuple = (), verbose: str | None
 #          a NaN lse): a plain call has finite inputs and takes the common side.
 #   call   a branch on call-wide values only (the parameters, the block index, the loop's step):
 #          the common side, unless --decide names the side a plain call takes.
+#   bound  (before the others) a branch a plain full-block call decides: an index computed from
+#          the thread index compared with a sequence length or head dim (BOUND_FIELDS: the
+#          index inside), or a compare the intervals of a plain call's values settle (thread
+#          and block indices >= 0, PLAIN_VALUES: the window -1). The side is taken as decided.
 # The common side of a data or call branch is the side the rule of thumb takes: the one whose
 # rest of the pass has the most HMMA, then LDGSTS, then the fewest instructions.
 
@@ -444,7 +450,9 @@ _TWO_DEST = {"ISETP", "FSETP", "HSETP2", "DSETP", "PSETP", "UISETP", "PLOP3", "U
              "SHFL", "FCHK"}
 _LOADS = {"LD", "LDS", "LDG", "LDL", "LDSM", "LDC", "ATOM", "ATOMS", "ATOMG", "LDGDEPBAR",
           "S2R", "CS2R", "S2UR", "REDUX", "MATCH"}
-TID, DATA, VOTE, FLOATVOTE = 1, 2, 4, 8
+TID, DATA, VOTE, FLOATVOTE, BOUND = 1, 2, 4, 8, 16
+# A kernel parameter read from the constant bank: c[0x0][0x20c].
+_CONST = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
 _THREAD_SREGS = ("SR_TID", "SR_LANEID", "SR_VIRTID", "SR_LTMASK", "SR_LEMASK", "SR_GTMASK",
                  "SR_GEMASK", "SR_EQMASK")
 
@@ -497,16 +505,247 @@ def dests_and_sources(ins: Instr) -> tuple[list[str], list[str]]:
     return dests, srcs
 
 
-def _transfer(ins: Instr, state: dict) -> None:
+def _const_taint(args: str, bounds: frozenset, width: int = 1) -> int:
+    """BOUND if an operand reads one of the constant-bank words `bounds` names (a load of
+    `width` words from c[0x0][X] reads X .. X + 4 (width - 1))."""
+    for m in _CONST.finditer(args):
+        a = int(m.group(1), 16)
+        if any(a + 4 * k in bounds for k in range(width)):
+            return BOUND
+    return 0
+
+
+_CMP_INSIDE = {  # ISETP's compare of index A with bound B, for an index inside the bound
+    "LT": True, "LE": True, "NE": True, "GT": False, "GE": False, "EQ": False}
+_CMP_SWAP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE", "EQ": "EQ"}
+
+
+def _pred_value(tok: str, state: dict) -> bool | None:
+    """The value a plain call gives a predicate operand (PT, !P0, ...), None if unknown."""
+    tok = tok.strip()
+    neg = tok.startswith("!")
+    name = tok.lstrip("!")
+    v = True if name in ("PT", "UPT") else state.get("val:" + name)
+    return None if v is None else v != neg
+
+
+def _bound_compare(ins: Instr, state: dict, bounds: frozenset) -> tuple | None:
+    """(value of the first, of the second destination) a plain full-block call gives an ISETP
+    that compares an index (a value computed from the thread index, "idx:" in _transfer: a row,
+    key or column; the block it is in may come from a bound, as the backward's query block
+    from the blocks per head) with a bound (computed from a sequence length or head dim read
+    from the parameters, not from the thread index): the index lies inside, as in every full
+    block; None for any other instruction."""
+    if ins.base != "ISETP" or (ins.pred and ins.pred.strip() != "@PT"):
+        return None
+    mods = ins.op.split(".")[1:]
+    if "EX" in mods or len(mods) < 2:
+        return None
+    cmp, bop = mods[0], mods[-1]
+    ops = _operands(ins.args)
+    if cmp not in _CMP_INSIDE or bop not in ("AND", "OR", "XOR") or len(ops) != 5:
+        return None
+
+    def kind(o: str) -> str | None:
+        if any(state.get("idx:" + r) for r in _regs(o)):
+            return "index"
+        t = _const_taint(o, bounds)
+        for r in _regs(o):
+            t |= state.get(r, 0)
+        return "bound" if t & BOUND else None
+
+    a, b = kind(ops[2]), kind(ops[3])
+    if (a, b) == ("index", "bound"):
+        value = _CMP_INSIDE[cmp]
+    elif (a, b) == ("bound", "index"):
+        value = _CMP_INSIDE[_CMP_SWAP[cmp]]
+    else:
+        return None
+    c = _pred_value(ops[4], state)
+    if c is None:
+        return None
+    op = {"AND": lambda x, y: x and y, "OR": lambda x, y: x or y, "XOR": lambda x, y: x != y}[bop]
+    return op(value, c), op(not value, c)
+
+
+INF = float("inf")
+_IMM = re.compile(r"-?(0x[0-9a-f]+|\d+)")
+
+
+def _known(bounds: frozenset) -> dict:
+    """The (address, value) pairs of `bounds`: parameters a plain call fixes."""
+    return {b[0]: b[1] for b in bounds if isinstance(b, tuple)}
+
+
+def _interval(tok: str, state: dict, known: dict) -> tuple:
+    """The values an integer operand may hold in a plain call: (lo, hi), INF-bounded."""
+    tok = tok.strip().replace(".reuse", "")
+    neg = tok.startswith("-")
+    tok = tok.lstrip("-")
+    if tok in ("RZ", "URZ"):
+        v = (0, 0)
+    elif _IMM.fullmatch(tok):
+        x = int(tok, 0)
+        v = (x, x)
+    elif (m := _CONST.fullmatch(tok)) and int(m.group(1), 16) in known:
+        x = known[int(m.group(1), 16)]
+        v = (x, x)
+    elif re.fullmatch(r"U?R\d+", tok):
+        v = state.get("iv:" + tok, (-INF, INF))
+    else:
+        return (-INF, INF)
+    return (-v[1], -v[0]) if neg else v
+
+
+def _add(*ivs) -> tuple:
+    return (sum(v[0] for v in ivs), sum(v[1] for v in ivs))
+
+
+def _mul(a: tuple, b: tuple) -> tuple:
+    if a[0] < 0 or b[0] < 0:  # keep to non-negative factors (no sign cases, no 0 * INF)
+        return (-INF, INF)
+    lo = a[0] * b[0]
+    hi = INF if INF in (a[1], b[1]) and (a[1] and b[1]) else a[1] * b[1]
+    return (lo, hi)
+
+
+def _lop3(vals: list, lut: int) -> tuple:
+    """LOP3 of three operands, bit by bit where the known ones decide it (a 32-bit constant)."""
+    out = 0
+    for bit in range(32):
+        outs = set()
+        for x in range(8):
+            ok = True
+            for k, v in enumerate(vals):
+                want = (x >> (2 - k)) & 1
+                if v[0] == v[1] and v[0] not in (-INF, INF):
+                    ok &= ((int(v[0]) >> bit) & 1) == want
+            if ok:
+                outs.add((lut >> x) & 1)
+        if len(outs) != 1:
+            return (-INF, INF)
+        out |= outs.pop() << bit
+    out = out - (1 << 32) if out >> 31 else out
+    return (out, out)
+
+
+def _int_value(ins: Instr, state: dict, known: dict) -> tuple | None:
+    """The interval an integer instruction writes to its first destination in a plain call
+    (thread and block indices >= 0, the parameters `known` fixes), None where it is not
+    followed."""
+    ops = _operands(ins.args)
+    mods = ins.op.split(".")[1:]
+    iv = lambda o: _interval(o, state, known)  # noqa: E731
+    b = ins.base
+    if b in ("S2R", "CS2R") and re.search(r"SR_(TID|CTAID|LANEID)", ins.args):
+        return (0, INF)
+    if b == "MOV" and len(ops) >= 2:
+        return iv(ops[1])
+    if b == "IMAD" and "MOV" in mods and len(ops) == 4:
+        return iv(ops[3])
+    if b == "IMAD" and "SHL" in mods and len(ops) == 4:
+        return _mul(iv(ops[1]), iv(ops[2]))
+    if b == "IMAD" and len(ops) == 4 and not ({"WIDE", "HI", "X"} & set(mods)):
+        return _add(_mul(iv(ops[1]), iv(ops[2])), iv(ops[3]))
+    if b == "IADD3" and not ({"X"} & set(mods)):
+        return _add(*(iv(o) for o in ops[-3:]))
+    if b == "LEA" and not ({"HI", "X"} & set(mods)) and len(ops) == 4 and \
+            _IMM.fullmatch(ops[3]):
+        return _add(_mul(iv(ops[1]), (1 << int(ops[3], 0),) * 2), iv(ops[2]))
+    if b == "IMNMX" and len(ops) == 4:
+        x, y = iv(ops[1]), iv(ops[2])
+        return ((min(x[0], y[0]), min(x[1], y[1])) if ops[3] == "PT"
+                else (max(x[0], y[0]), max(x[1], y[1])))
+    if b == "SEL" and len(ops) == 4:
+        c = _pred_value(ops[3], state)
+        x, y = iv(ops[1]), iv(ops[2])
+        return x if c is True else y if c is False else (min(x[0], y[0]), max(x[1], y[1]))
+    if b == "LOP3" and len(ops) == 6 and re.fullmatch(r"U?R\d+", ops[0]):
+        return _lop3([iv(o) for o in ops[1:4]], int(ops[4], 0))
+    return None
+
+
+def _interval_compare(ins: Instr, state: dict, known: dict) -> tuple | None:
+    """(first, second destination) of an ISETP whose operands' intervals decide it."""
+    if ins.base != "ISETP" or (ins.pred and ins.pred.strip() != "@PT"):
+        return None
+    mods = ins.op.split(".")[1:]
+    ops = _operands(ins.args)
+    if "EX" in mods or len(mods) < 2 or len(ops) != 5 or mods[-1] not in ("AND", "OR", "XOR"):
+        return None
+    x, y = _interval(ops[2], state, known), _interval(ops[3], state, known)
+    if "U32" in mods and (x[0] < 0 or y[0] < 0):
+        return None
+    cmp = mods[0]
+    value = {"LT": (x[1] < y[0], x[0] >= y[1]), "LE": (x[1] <= y[0], x[0] > y[1]),
+             "GT": (x[0] > y[1], x[1] <= y[0]), "GE": (x[0] >= y[1], x[1] < y[0]),
+             "EQ": (False, x[1] < y[0] or x[0] > y[1]),
+             "NE": (x[1] < y[0] or x[0] > y[1], False)}.get(cmp)
+    if value is None or value == (False, False):
+        if cmp == "EQ" and x[0] == x[1] == y[0] == y[1]:
+            value = (True, False)
+        elif cmp == "NE" and x[0] == x[1] == y[0] == y[1]:
+            value = (False, True)
+        else:
+            return None
+    v = value[0]  # decided: True if value[0], False if value[1]
+    c = _pred_value(ops[4], state)
+    if c is None:
+        return None
+    op = {"AND": lambda a, b: a and b, "OR": lambda a, b: a or b,
+          "XOR": lambda a, b: a != b}[mods[-1]]
+    return op(v, c), op(not v, c)
+
+
+def _transfer(ins: Instr, state: dict, bounds: frozenset = frozenset()) -> None:
     """Taint flow through one instruction: TID from the thread-index special registers, DATA
     from loads (shared, global, local, constant by register), VOTE from votes (FLOATVOTE: of a
-    float compare), block and warp reductions turning a thread's taint into data."""
+    float compare), block and warp reductions turning a thread's taint into data, BOUND from
+    the parameters `bounds` names (constant-bank addresses); and the value ("val:P0") a plain
+    full-block call gives a predicate set by an index-versus-bound compare (_bound_compare)."""
     dests, srcs = dests_and_sources(ins)
     if not dests:
         return
-    t = 0
+    known = _known(bounds) if bounds else {}
+    decided = _bound_compare(ins, state, bounds) if bounds else None
+    if decided is None and bounds:
+        decided = _interval_compare(ins, state, known)
+    value = _int_value(ins, state, known) if bounds else None
+    if value is not None and ins.pred and ins.pred.strip() != "@PT":
+        g = _pred_value(ins.pred.lstrip("@"), state)
+        old = state.get("iv:" + dests[0], (-INF, INF))
+        value = old if g is False else value if g is True else (
+            min(old[0], value[0]), max(old[1], value[1]))
+    for r in dests:
+        state.pop("iv:" + r, None)
+        if r.lstrip("U").startswith("P"):
+            state.pop("val:" + r, None)
+    if value is not None and value != (-INF, INF) and re.fullmatch(r"U?R\d+", dests[0]):
+        state["iv:" + dests[0]] = value
+    if ins.base in ("LDC", "ULDC") and known and not ins.pred:
+        m = _CONST.search(ins.args)  # LDC.64 R22, c[0x0][0x3a8]: R22, R23 <- words X, X + 4
+        for k, r in enumerate(dests if m else []):
+            if int(m.group(1), 16) + 4 * k in known:
+                x = known[int(m.group(1), 16) + 4 * k]
+                state["iv:" + r] = (x, x)
+    if decided is not None:
+        for r, v in zip(dests[:2], decided):
+            if r.lstrip("U").startswith("P") and r not in ("PT", "UPT"):
+                state["val:" + r] = v
+    t = _const_taint(ins.args, bounds, 2 if "64" in ins.op.split(".") else 1) if bounds else 0
     for r in srcs:
         t |= state.get(r, 0)
+    # "idx:": computed from the thread index by the operands themselves (TID also flows
+    # through a guard: a warp-uniform value written under a thread test is no index). A
+    # guarded write counts as made: ptxas reuses registers whose old value is dead there.
+    guard = set(_regs(ins.pred.lstrip("@"))) if ins.pred else set()
+    idx = (ins.base in ("S2R", "CS2R") and any(x in ins.args for x in _THREAD_SREGS)) or (
+        ins.base not in _LOADS and any(state.get("idx:" + r) for r in srcs if r not in guard))
+    for r in dests:
+        if idx:
+            state["idx:" + r] = True
+        else:
+            state.pop("idx:" + r, None)
     if ins.base == "S2R" or ins.base == "CS2R":
         t = TID if any(s in ins.args for s in _THREAD_SREGS) else (
             DATA if "CLOCK" in ins.args else 0)
@@ -535,9 +774,10 @@ def _transfer(ins: Instr, state: dict) -> None:
                 ins.base in ("ISETP", "PLOP3") and float_src)
 
 
-def taint(blocks: list[Block]) -> dict[int, dict]:
-    """Each block's register taint at entry (TID / DATA / VOTE bits), to a fixed point over the
-    control flow (the union where paths meet)."""
+def taint(blocks: list[Block], bounds: frozenset = frozenset()) -> dict[int, dict]:
+    """Each block's register taint at entry (TID / DATA / VOTE / BOUND bits), to a fixed point
+    over the control flow (the union where paths meet; a predicate's plain-call value survives
+    a meeting only where every path gives it the same)."""
     by_start = {b.start: b for b in blocks}
     entry: dict[int, dict] = {blocks[0].start: {}}
     work = [blocks[0].start]
@@ -555,8 +795,9 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
                         t |= state.get(r, 0)
                 for r in dest:
                     state[r] = DATA | (t & ~TID)
+                    state.pop("val:" + r, None)
                 continue
-            _transfer(ins, state)
+            _transfer(ins, state, bounds)
         for v in by_start[x].succ:
             if v not in by_start:
                 continue
@@ -566,8 +807,24 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
                 work.append(v)
                 continue
             changed = False
+            for r in {k for k in list(old) + list(state) if k.startswith("val:")}:
+                if r not in old or old[r] is None:
+                    continue
+                if state.get(r) != old[r]:
+                    old[r], changed = None, True
+            for r in [k for k in old if k.startswith("iv:")]:
+                a, b = old[r], state.get(r, (-INF, INF))
+                if b[0] < a[0] or b[1] > a[1]:  # widened at once: loop counters
+                    w = (a[0] if b[0] >= a[0] else -INF, a[1] if b[1] <= a[1] else INF)
+                    if w == (-INF, INF):
+                        del old[r]
+                    else:
+                        old[r] = w
+                    changed = True
             for r, t in state.items():
-                if r.startswith("float:"):
+                if r.startswith(("val:", "iv:")):
+                    continue
+                if r.startswith(("float:", "idx:")):
                     if t and not old.get(r):
                         old[r], changed = True, True
                 elif old.get(r, 0) | t != old.get(r, 0):
@@ -578,12 +835,31 @@ def taint(blocks: list[Block]) -> dict[int, dict]:
     return entry
 
 
-def branch_class(block: Block, entry_state: dict) -> str | None:
-    """The class (warp, vote, data, call) of the conditional branch ending block, None if it
-    ends in none."""
+def branch_decision(block: Block, entry_state: dict, bounds: frozenset) -> str | None:
+    """The side ("taken" or "fall") a plain full-block call takes at the conditional branch
+    ending block, where its guard is the value of an index-versus-bound compare
+    (_bound_compare: a row, key or column test every full block passes); None elsewhere."""
+    last = block.instrs[-1]
+    if not bounds or last.base != "BRA" or not _conditional(last) or not last.pred:
+        return None
+    if len(_operands(last.args)) > 1:  # `@!P0 BRA P1, target`: two predicates
+        return None
+    state = dict(entry_state)
+    for ins in block.instrs[:-1]:
+        _transfer(ins, state, bounds)
+    v = _pred_value(last.pred.lstrip("@"), state)
+    return None if v is None else ("taken" if v else "fall")
+
+
+def branch_class(block: Block, entry_state: dict, bounds: frozenset = frozenset()
+                 ) -> str | None:
+    """The class (warp, vote, data, call; bound: an index-versus-bound test, branch_decision)
+    of the conditional branch ending block, None if it ends in none."""
     last = block.instrs[-1]
     if not ((last.base == "BRA" and _conditional(last)) or _loop_exit_call(last)):
         return None
+    if branch_decision(block, entry_state, bounds):
+        return "bound"
     state = dict(entry_state)
     for ins in block.instrs[:-1]:
         _transfer(ins, state)
@@ -610,14 +886,19 @@ class PlainPass:
 
 
 def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tuple = (),
-                 decide: dict | None = None) -> list[PlainPass]:
+                 decide: dict | None = None, bounds: frozenset = frozenset()
+                 ) -> list[PlainPass]:
     """The main loop's passes as a plain call runs them (see the section's head): the slowest
     and the fastest warp's, and where the loop has a vote branch, each of them with and without
-    the rescale. decide: {a conditional branch's address: "taken" or "fall"}, the side a plain
-    call takes where the rule of thumb gets it wrong (a bounds test a full block passes)."""
+    the rescale, and with three or more votes (the forward's warp vote, then one per 8-row slot)
+    the rescale of one slot: the first two votes on their rescale side, the others not.
+    bounds: the constant-bank addresses of the sizes a full block lies inside (plain_bounds);
+    the index-versus-bound tests on them are decided as a full block takes them
+    (branch_decision). decide: {a conditional branch's address: "taken" or "fall"}, the side a
+    plain call takes where neither decides it right; it overrides both."""
     by_start = {b.start: b for b in blocks}
     topo, fwd = _forward_dag(by_start, head, body)
-    states = taint(blocks)
+    states = taint(blocks, bounds)
     weight = {x: _weight(by_start[x], also) for x in topo}
     # the rule of thumb's best rest of the pass from each block (to a latch)
     rest: dict[int, tuple] = {}
@@ -628,11 +909,16 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
             best = tuple(0 for _ in weight[x])
         if best is not None:
             rest[x] = tuple(p + q for p, q in zip(weight[x], best))
-    classes = {x: branch_class(by_start[x], states.get(x, {})) for x in topo}
-    decide = decide or {}
+    classes = {x: branch_class(by_start[x], states.get(x, {}), bounds) for x in topo}
+    auto = {by_start[x].instrs[-1].addr: branch_decision(by_start[x], states.get(x, {}), bounds)
+            for x in topo if classes[x] == "bound"}
+    decide = {**auto, **(decide or {})}
     passes = []
-    has_vote = any(c == "vote" for c in classes.values())
-    for vote_side in ((True, False) if has_vote else (None,)):
+    votes = [x for x in topo if classes[x] == "vote"]
+    sides = (True, False) if votes else (None,)
+    if len(votes) >= 3:
+        sides = (True, "one", False)
+    for vote_side in sides:
         for slowest in (True, False):
             # allowed edges: both sides of warp branches, the chosen side of vote branches,
             # the plain side of the others
@@ -654,8 +940,9 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                     succ = side[:1] or succ
                 elif cls == "vote" and len(succ) > 1:
                     longest = max(succ, key=lambda v: -rest[v][-1])
-                    succ = [longest] if vote_side else [v for v in succ if v != longest][:1]
-                    if vote_side:
+                    fires = vote_side is True or (vote_side == "one" and x in votes[:2])
+                    succ = [longest] if fires else [v for v in succ if v != longest][:1]
+                    if fires:
                         on_vote_side.add(longest)
                 elif x in on_vote_side and cls in ("data", "call") and len(succ) > 1:
                     succ = [max(succ, key=lambda v: -rest[v][-1])]
@@ -678,7 +965,8 @@ def plain_passes(blocks: list[Block], head: int, body: set, ends: set, also: tup
                               [by_start[a] for a in reversed(path)])
             label = "slowest warp" if slowest else "fastest warp"
             if vote_side is not None:
-                label += ", rescale" if vote_side else ", no rescale"
+                label += {True: ", rescale", "one": ", rescale one slot",
+                          False: ", no rescale"}[vote_side]
             passes.append(PlainPass(label, stats))
     return passes
 
@@ -694,17 +982,21 @@ def loop_region(blocks: list[Block], loop: LoopStats, natural: bool) -> tuple[se
     return body, {tail}
 
 
-def branch_listing(blocks: list[Block], head: int, body: set, on_path: set) -> list[str]:
+def branch_listing(blocks: list[Block], head: int, body: set, on_path: set,
+                   bounds: frozenset = frozenset()) -> list[str]:
     """One line per conditional branch of the loop body: address, class, the two successors
-    and the instructions of each, whether the rule-of-thumb path passes it."""
+    and the instructions of each, whether the rule-of-thumb path passes it; for a bound test,
+    the side a full block takes."""
     by_start = {b.start: b for b in blocks}
-    states = taint(blocks)
+    states = taint(blocks, bounds)
     lines = []
     for x in sorted(body):
         b = by_start[x]
-        cls = branch_class(b, states.get(x, {}))
+        cls = branch_class(b, states.get(x, {}), bounds)
         if cls is None:
             continue
+        if cls == "bound":
+            cls = "bound=" + branch_decision(b, states.get(x, {}), bounds)
         last = b.instrs[-1]
         succ = ", ".join(f"{v:#x} ({len(by_start[v].instrs)} instrs)" for v in b.succ
                          if v in by_start)
@@ -739,7 +1031,8 @@ def short_name(mangled: str) -> str:
     kind = re.search(r"(flash_\w+?kernel|flash_\w+?_o|flash_bwd_convert_dq)", mangled)
     cfg = re.search(r"Config(?:I|ILi)(\d+)(?:ELb(\d))?", mangled)
     flags = re.findall(r"Lb(\d)", mangled)
-    dtype = "bf16" if "nv_bfloat16" in mangled else "fp16"
+    dtype = ("e4m3" if "e4m3_t" in mangled else "bf16" if "nv_bfloat16" in mangled
+             else "fp16")
     label = kind.group(1) if kind else mangled[:40]
     if cfg:
         label += f" d{cfg.group(1)}"
@@ -786,6 +1079,36 @@ def launch_shapes(configs: set[str], src_root: Path, nvcc: str) -> dict[str, tup
         out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     shapes = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
     return dict(zip(order, shapes))
+
+
+# The sizes a plain full-block call's rows, keys and columns lie inside (FwdParams fields; the
+# backward's BwdParams starts with them), and where the kernel's first parameter starts in the
+# constant bank: 0x160 before sm_90, 0x210 from it.
+BOUND_FIELDS = ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v")
+# Parameters a plain call fixes (no window, not causal: fmha/params.h), whose values decide
+# tests on them (the backward's key range of a row block) by interval arithmetic.
+PLAIN_VALUES = {"window_left": -1, "window_right": -1}
+
+
+def param_base(arch: str) -> int:
+    return 0x210 if int(re.match(r"\d+", arch).group(0)) >= 90 else 0x160
+
+
+def plain_bounds(src_root: Path, nvcc: str) -> tuple[int, ...]:
+    """Byte offsets of BOUND_FIELDS, then of PLAIN_VALUES' fields, in fmha::FwdParams: a host
+    program printing them, compiled against src_root and run here (as launch_shapes)."""
+    lines = ["#include <cstddef>", "#include <cstdio>", '#include "fmha/params.h"', "int main() {"]
+    lines += [f'  std::printf("%zu\\n", offsetof(fmha::FwdParams, {f}));'
+              for f in BOUND_FIELDS + tuple(PLAIN_VALUES)]
+    lines += ["  return 0;", "}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "bounds.cu", Path(tmp) / "bounds"
+        src.write_text("\n".join(lines) + "\n")
+        subprocess.run([nvcc, "-std", "c++17", f"-I{src_root / 'csrc'}",
+                        f"-I{src_root / 'third_party'}", "-o", str(exe), str(src)],
+                       check=True, capture_output=True, text=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return tuple(int(x) for x in out.split())
 
 
 def _disasm_env() -> dict:
@@ -866,6 +1189,10 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
            ) -> list[dict]:
     rows = []
     env = _disasm_env()
+    offs = plain_bounds(src_root, nvcc)
+    bounds = frozenset([param_base(arch) + off for off in offs[:len(BOUND_FIELDS)]] +
+                       [(param_base(arch) + off, v) for off, v in
+                        zip(offs[len(BOUND_FIELDS):], PLAIN_VALUES.values())])
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             cubin = (keep or Path(tmp)) / (Path(f).stem + f".sm{arch}.cubin")
@@ -898,12 +1225,13 @@ def report(files: list[str], arch: str, src_root: Path, nvcc: str, cuobjdump: st
                 body, ends = loop_region(blocks, loop, natural=hopper)
                 row["plain"] = [] if hopper else [
                     dict(name=pp.name, **pass_counts(blocks, pp.loop, inner_trips))
-                    for pp in plain_passes(blocks, loop.header, body, ends, also, decide)]
+                    for pp in plain_passes(blocks, loop.header, body, ends, also, decide,
+                                           bounds)]
                 if show_branches:
                     print(f"  {row['kernel']} {row['arch']}: branches of the loop "
                           f"{loop.header:#x}..{loop.back_edge:#x}", file=sys.stderr)
                     for line in branch_listing(blocks, loop.header, body,
-                                               {b.start for b in loop.path}):
+                                               {b.start for b in loop.path}, bounds):
                         print("    " + line, file=sys.stderr)
                 rows.append(row)
     configs = {r["config"] for r in rows if r["config"]}
@@ -1414,12 +1742,14 @@ def main() -> int:
                          "over 32 keys, and the read rate the issue slots allow on an H200")
     ap.add_argument("--decide", action="append", default=[], metavar="ADDR=SIDE",
                     help="the side (taken or fall) a plain call takes at the conditional branch "
-                         "at ADDR (hex, as --branches lists it) of the main loop, where the rule "
-                         "of thumb takes the other: e.g. a bounds test a full block passes. "
-                         "Repeatable; addresses are one build's, so give one file and --kernel")
+                         "at ADDR (hex, as --branches lists it) of the main loop, overriding "
+                         "the rule of thumb and the bound decisions (e.g. a test no plain call "
+                         "decides). Repeatable; addresses are one build's, so give one file and "
+                         "--kernel")
     ap.add_argument("--branches", action="store_true",
                     help="list the main loop's conditional branches on stderr: address, class "
-                         "(warp, vote, data, call), the two sides, whether the path takes them")
+                         "(bound=taken|fall, warp, vote, data, call), the two sides, whether the "
+                         "path takes them")
     ap.add_argument("--loops", action="store_true",
                     help="with --flash-attn: list every loop holding HMMA on stderr")
     a = ap.parse_args()

@@ -91,8 +91,9 @@ namespace {
 thread_local const char* last_kernel = "";
 
 // FMHA_CUDA_KERNEL: unset or "auto" (the Hopper kernel where the device and the build have
-// it; never under the emulator), "sm80" (always the sm_80 kernel), "sm90" (the Hopper kernel
-// for every call it claims: how the emulator runs it). Anything else is an error.
+// it; under the emulator only for float8 inputs, which no other kernel runs), "sm80" (always
+// the sm_80 kernel), "sm90" (the Hopper kernel for every call it claims: how the emulator runs
+// it). Anything else is an error.
 bool use_sm90(const FwdParams& p) {
   const char* env = std::getenv("FMHA_CUDA_KERNEL");
   const std::string choice = env ? env : "";
@@ -113,8 +114,22 @@ bool use_sm90(const FwdParams& p) {
                  "no sm_90a kernel (it needs compute capability 9.0 and FMHA_CUDA_ARCHS with 90)");
   return hopper && flash_fwd_sm90_claims(p);
 #else
-  return choice == "sm90" && flash_fwd_sm90_claims(p);
+  return (choice == "sm90" || p.dtype == DType::kFloat8E4M3) && flash_fwd_sm90_claims(p);
 #endif
+}
+
+// Why a float8 call cannot run: only the sm_90 kernel has a float8 path.
+[[noreturn]] void refuse_float8(const FwdParams& p) {
+  const char* env = std::getenv("FMHA_CUDA_KERNEL");
+  if (env && std::string(env) == "sm80")
+    throw Unsupported("q: float8_e4m3fn inputs run only in the sm_90 kernel, and "
+                      "FMHA_CUDA_KERNEL=sm80 forces the sm_80 one");
+  const std::string why = flash_fwd_sm90_refusal(p);
+  if (!why.empty())
+    throw Unsupported(concat(why, " with float8_e4m3fn inputs on CUDA (the sm_90 kernel's "
+                             "float8 path takes plain, causal and windowed scores, GQA, varlen)"));
+  throw Unsupported("q: float8_e4m3fn inputs need the sm_90 kernel: compute capability 9.0 "
+                    "(H100/H200) and a build with 90 in FMHA_CUDA_ARCHS");
 }
 
 }  // namespace
@@ -133,6 +148,7 @@ int launch_flash_fwd(const FwdParams& p, void* stream_ptr) {
     last_kernel = "sm90";
     return launch_flash_fwd_sm90(p, stream_ptr);
   }
+  if (p.dtype == DType::kFloat8E4M3) refuse_float8(p);
   last_kernel = "sm80";
   // seqlen_k == 0: the kernel visits no key block and writes out 0, lse -inf.
   const Stream stream = static_cast<Stream>(stream_ptr);

@@ -2,6 +2,8 @@
 // so that bindings include it without CUDA or emulator headers.
 #pragma once
 
+#include <string>
+
 #include "fmha/params.h"
 
 namespace fmha {
@@ -20,8 +22,11 @@ int launch_flash_fwd(const FwdParams& p, void* stream = nullptr);
 // Which forward kernel launch_flash_fwd runs (the choice: cuda/flash_fwd.cu, kernel_choice):
 // the Hopper one (cuda/flash_fwd_sm90.cuh) takes the calls flash_fwd_sm90_claims accepts on an
 // sm_90 device of a build with sm_90a code, unless FMHA_CUDA_KERNEL=sm80; under the emulator
-// only with FMHA_CUDA_KERNEL=sm90. The rest run in the sm_80 kernel (cuda/flash_fwd.cuh).
+// with FMHA_CUDA_KERNEL=sm90, and for float8 inputs. The rest run in the sm_80 kernel
+// (cuda/flash_fwd.cuh); float8 calls the Hopper kernel does not take are refused
+// (Unsupported, naming the argument flash_fwd_sm90_refusal gives).
 bool flash_fwd_sm90_claims(const FwdParams& p);
+std::string flash_fwd_sm90_refusal(const FwdParams& p);
 int launch_flash_fwd_sm90(const FwdParams& p, void* stream);
 // "sm90" or "sm80": the kernel of this thread's last launch_flash_fwd since the previous
 // call ("": none). For tests of the routing.

@@ -136,7 +136,7 @@ inline constexpr FeatureRow kFeatures[] = {
     {Feature::kFp8Forward, "fp8_forward",
      "float8_e4m3fn q/k/v with descale_q/k/v (forward only)",
      Support::kYes, "dequantised to float32; no KV caches, dropout or sinks",
-     Support::kNo, "needs the sm_90 fp8 kernel"},
+     Support::kYes, "sm_90 only; no bias, masks, ALiBi, softcap, KV caches, dropout, sinks"},
     {Feature::kSinks, "sinks", "attention sinks (and their gradient)",
      Support::kYes, "", Support::kYes, ""},
     {Feature::kLseGrad, "lse_grad", "gradient through lse (dlse)",

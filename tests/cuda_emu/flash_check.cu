@@ -14,9 +14,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/emu/hopper_emu.h"
 #include "cuda/emu/runtime.h"
 #include "cuda/flash_bwd.h"
 #include "cuda/flash_fwd.h"
+#include "cuda/hopper.cuh"
 #include "cuda/primitives.cuh"
 #include "emu_test.h"
 
@@ -40,8 +42,30 @@ struct Case {
   bool sm90 = false;
 };
 
+// e4m3 codes (float8_e4m3fn: bias 7, no infinities, S.1111.111 NaN): the emulator's
+// conversion in, an exact decode out.
+float e4m3_value(uint8_t bits) {
+  const int e = (bits >> 3) & 15, m = bits & 7;
+  const float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return bits & 0x80 ? -mag : mag;
+}
+template <typename T>
+T input_from_float(float x) {
+  if constexpr (std::is_same<T, e4m3_t>::value) return e4m3_t{emu::f32_to_e4m3(x)};
+  else return from_float<T>(x);
+}
+template <typename T>
+float input_to_float(T x) {
+  if constexpr (std::is_same<T, e4m3_t>::value) return e4m3_value(x.bits);
+  else return to_float(x);
+}
+
+// T: q, k, v's type; e4m3 inputs write out as bfloat16 and run in the Hopper kernel, whose P
+// is rounded to e4m3 for P V.
 template <typename T>
 Result flash_case(const Case& c) {
+  constexpr bool kFp8 = std::is_same<T, e4m3_t>::value;
+  using TO = std::conditional_t<kFp8, bf16_t, T>;
   std::mt19937 rng(unsigned(c.sq * 131 + c.sk * 17 + c.d));
   std::normal_distribution<float> normal;
   const bool varlen = !c.seqlens_q.empty();
@@ -55,11 +79,12 @@ Result flash_case(const Case& c) {
   const int tq = q0[size_t(c.batch)], tk = k0[size_t(c.batch)];
   // Exactly sized, contiguous buffers: AddressSanitizer flags any read past an edge.
   const size_t nq = size_t(tq) * c.hq * c.d, nk = size_t(tk) * c.hkv * c.d;
-  std::vector<T> q(nq), k(nk), v(nk), o(nq);
+  std::vector<T> q(nq), k(nk), v(nk);
+  std::vector<TO> o(nq);
   std::vector<double> fq(nq), fk(nk), fv(nk);
-  for (size_t i = 0; i < nq; ++i) fq[i] = to_float(q[i] = from_float<T>(normal(rng)));
-  for (size_t i = 0; i < nk; ++i) fk[i] = to_float(k[i] = from_float<T>(normal(rng)));
-  for (size_t i = 0; i < nk; ++i) fv[i] = to_float(v[i] = from_float<T>(normal(rng)));
+  for (size_t i = 0; i < nq; ++i) fq[i] = input_to_float(q[i] = input_from_float<T>(normal(rng)));
+  for (size_t i = 0; i < nk; ++i) fk[i] = input_to_float(k[i] = input_from_float<T>(normal(rng)));
+  for (size_t i = 0; i < nk; ++i) fv[i] = input_to_float(v[i] = input_from_float<T>(normal(rng)));
   std::vector<float> lse(size_t(tq) * c.hq);
 
   fmha::FwdParams p;
@@ -78,7 +103,9 @@ Result flash_case(const Case& c) {
   }
   p.batch = c.batch, p.heads_q = c.hq, p.heads_kv = c.hkv;
   p.seqlen_q = c.sq, p.seqlen_k = c.sk, p.head_dim = p.head_dim_v = c.d;
-  p.dtype = std::is_same<T, half_t>::value ? fmha::DType::kFloat16 : fmha::DType::kBFloat16;
+  p.dtype = kFp8 ? fmha::DType::kFloat8E4M3
+                 : std::is_same<T, half_t>::value ? fmha::DType::kFloat16 : fmha::DType::kBFloat16;
+  p.o_dtype = fmha::DType::kBFloat16;
   p.scale = 1.0 / std::sqrt(double(c.d));
   p.window_left = c.left, p.window_right = c.right, p.bottom_right = c.bottom_right;
   p.num_splits = c.num_splits;
@@ -92,8 +119,9 @@ Result flash_case(const Case& c) {
   if (splits != c.num_splits)
     return fail("used " + std::to_string(splits) + " splits, asked for " + std::to_string(c.num_splits));
 
-  // P is rounded to T before P V (as on the GPU): allow a few units of T's precision.
-  const double eps = std::is_same<T, half_t>::value ? 1e-3 : 8e-3;
+  // P is rounded to T before P V (as on the GPU): allow a few units of T's precision (e4m3:
+  // 2^-4 of each product, then bfloat16's rounding of out).
+  const double eps = kFp8 ? 0.0625 + 8e-3 : std::is_same<T, half_t>::value ? 1e-3 : 8e-3;
   for (int b = 0; b < c.batch; ++b)
     for (int h = 0; h < c.hq; ++h) {
       const int hk = h / (c.hq / c.hkv);
@@ -133,7 +161,7 @@ Result flash_case(const Case& c) {
             ref += pj * vj;
             mag += pj * std::fabs(vj);
           }
-          const double got = to_float(o[(qrow * c.hq + h) * c.d + x]);
+          const double got = to_float(o[(qrow * c.hq + h) * c.d + x]);  // (TO)
           if (!(std::fabs(got - ref) <= eps * (mag + std::fabs(ref)) + 1e-6)) {
             char buf[160];
             std::snprintf(buf, sizeof buf, "out[%d][%d][%d][%d] = %.6g, expected %.6g", b, i, h,
@@ -195,6 +223,17 @@ EMU_TEST("flash90.f16.d128.varlen.causal", FLASH90_CITE) {
 // No window: the softmax overlapped with the next QK^T, the consumers in ping-pong.
 EMU_TEST("flash90.f16.d128.overlap.pingpong", FLASH90_CITE) {
   return flash_case<half_t>({2, 130, 300, 2, 2, 128, -1, -1, true, 1, {}, {}, true});
+}
+// e4m3 inputs: the V^T pre-pass, k32 wgmma from 64-byte (d = 64) and 128-byte rows, P rounded
+// to e4m3 in registers; causal tails, GQA, varlen, split-KV.
+EMU_TEST("flash90.e4m3.d64.causal.gqa", FLASH90_CITE) {
+  return flash_case<e4m3_t>({2, 70, 150, 2, 1, 64, -1, 0, true, 1, {}, {}, true});
+}
+EMU_TEST("flash90.e4m3.d128.varlen.split2", FLASH90_CITE) {
+  return flash_case<e4m3_t>({3, 70, 150, 2, 1, 128, -1, 0, true, 2, {17, 0, 70}, {150, 5, 33}, true});
+}
+EMU_TEST("flash90.e4m3.d256.window", FLASH90_CITE) {
+  return flash_case<e4m3_t>({1, 40, 200, 1, 1, 256, 60, 10, true, 1, {}, {}, true});
 }
 EMU_TEST("flash90.bf16.d256.split2", FLASH90_CITE) {
   return flash_case<bf16_t>({1, 9, 170, 1, 1, 256, -1, -1, true, 2, {}, {}, true});

@@ -7,7 +7,9 @@
   inputs, empty calls. tests/run_all_isas.py runs this file at every CPU level.
 * The reference's model of P rounded to e4m3 against an independent per-row computation
   (plain loops, torch's own e4m3 conversion).
-* Every refusal names its argument; the CUDA kernels (emulated here) refuse float8 inputs.
+* Every refusal names its argument.
+* The sm_90 kernel's e4m3 path (emulated: backend emu90), against the exact attention and
+  against its own P model; what it does not take is refused by name.
 """
 
 from __future__ import annotations
@@ -347,25 +349,149 @@ def test_kvcache_and_backward_are_refused():
         _C.check_forward(e5, k, k, out, lse, backend="cpu", **S)
 
 
-def test_cuda_contract_refuses_float8():
-    """The CUDA kernels have no float8 path: the contract refuses it by dtype."""
-    q = torch.ones((1, 2, 2, 8), dtype=F8)
-    out, lse = torch.zeros((1, 2, 2, 8), dtype=torch.bfloat16), torch.zeros((1, 2, 2))
-    with pytest.raises(ValueError, match="dtype float8_e4m3fn: the CUDA kernels take "
-                                         "float16/bfloat16"):
-        _C.check_forward(q, q, q, out, lse, backend="cuda", scale=1.0, softcap=0.0,
-                         window_left=-1, window_right=-1, bottom_right=True, dropout_p=0.0)
+# ---------------------------------------------------------------- the sm_90 kernel
+# The Hopper forward's e4m3 path (csrc/cuda/flash_fwd_sm90.cuh), emulated (emu90) or on an
+# sm_90 GPU: P rounded to e4m3 as FlashAttention-3 does, so each result is held to the fp8
+# rule with p_quantised against the exact attention, and to the rule without it against the
+# kernel's own model (reference.attention_fp8_forward(quantize_p=True), key tiles of 128). The
+# model has one running max from the first key, so those calls take num_splits=1: key splits
+# round each split's P against that split's max (a different, equally accurate rounding).
+
+def check_sm90(out, lse, q, k, v, out_dtype="bfloat16", model=True, **kw):
+    out, lse = out.cpu(), lse.cpu()
+    args = (codes(q.cpu().contiguous()), codes(k.cpu().contiguous()),
+            codes(v.cpu().contiguous()))
+    ref, ref_lse = reference.attention_fp8_forward(*args, **kw)
+    assert out.dtype == getattr(torch, out_dtype) and lse.dtype == torch.float32
+    assert_close("out", out, ref, "float8_e4m3fn", result_dtype=out_dtype, p_quantised=True)
+    assert_close("lse", lse, ref_lse, "float32")
+    if model:
+        p_model, _ = reference.attention_fp8_forward(*args, quantize_p=True, block_k=128, **kw)
+        assert_close("out (the P model)", out, p_model, "float8_e4m3fn", result_dtype=out_dtype)
+
+
+SM90_SHAPES = [
+    # batch, sq, sk, hq, hkv, d, dv, causal
+    (1, 70, 150, 2, 1, 64, 64, False),      # d = 64: Q and K rows of 64 bytes; GQA
+    (1, 130, 200, 2, 2, 128, 128, True),    # two query blocks, a partial key block
+    (2, 33, 129, 1, 1, 256, 256, False),    # d = 256: two 128-byte boxes a row
+    (1, 40, 90, 2, 1, 128, 96, True),       # head_dim_v < head_dim
+    (1, 20, 140, 1, 1, 64, 40, False),      # V rows not in 16-byte chunks: read by bytes
+]
+
+
+@pytest.mark.backends("emu90", "gpu")
+@pytest.mark.parametrize("batch,sq,sk,hq,hkv,d,dv,causal", SM90_SHAPES)
+def test_sm90_against_reference(backend, rng, batch, sq, sk, hq, hkv, d, dv, causal):
+    q, k, v = fp8_inputs(rng, batch, sq, sk, hq, hkv, d, dv)
+    dq, dk, dv_ = descales(rng, batch, hkv)
+    out, lse = fmha.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv_,
+                              causal=causal, return_lse=True, num_splits=1)
+    check_sm90(out, lse, q, k, v, descale_q=dq.numpy(), descale_k=dk.numpy(),
+               descale_v=dv_.numpy(), causal=causal)
+
+
+@pytest.mark.backends("emu90", "gpu")
+@pytest.mark.parametrize("feature", ["window", "top_left", "num_splits", "float16_out",
+                                     "negative_descale", "zero_descale", "sharp", "scale"])
+def test_sm90_features(backend, rng, feature):
+    B, SQ, SK, HQ, HKV, D = 1, 50, 300, 2, 1, 64
+    amp = 3.0 if feature == "sharp" else 1.0  # scores that move the running max often
+    q, k, v = fp8_inputs(rng, B, SQ, SK, HQ, HKV, D, amp=amp)
+    dq, dk, dv = descales(rng, B, HKV)
+    kw, ref_kw, out_dtype = {}, {}, "bfloat16"
+    if feature == "window":
+        kw = ref_kw = dict(window=(70, 20))
+    elif feature == "top_left":
+        kw = ref_kw = dict(causal=True, alignment="top_left")
+    elif feature == "num_splits":
+        kw = dict(num_splits=3)
+    elif feature == "float16_out":
+        kw, out_dtype = dict(out_dtype=torch.float16), "float16"
+    elif feature == "negative_descale":  # descale_q * descale_k < 0: the largest score flips
+        dq = -dq
+    elif feature == "zero_descale":  # every score 0: uniform weights over the visible keys
+        dk = torch.zeros_like(dk)
+        kw = ref_kw = dict(causal=True)
+    elif feature == "scale":
+        kw = ref_kw = dict(scale=0.37)
+    out, lse = fmha.attention(q, k, v, descale_q=dq, descale_k=dk, descale_v=dv,
+                              return_lse=True, **{"num_splits": 1, **kw})
+    check_sm90(out, lse, q, k, v, out_dtype, model="num_splits" not in kw,
+               descale_q=dq.numpy(), descale_k=dk.numpy(), descale_v=dv.numpy(), **ref_kw)
+
+
+@pytest.mark.backends("emu90", "gpu")
+def test_sm90_varlen(backend, rng):
+    """Packed sequences (one empty, one longer than a key block): sequence b's V^T and
+    descales are its own."""
+    cu_q, cu_k = [0, 3, 3, 140], [0, 5, 9, 180]
+    HQ, HKV, D = 2, 1, 64
+    q, k, v = (t[0] for t in fp8_inputs(rng, 1, cu_q[-1], cu_k[-1], HQ, HKV, D))
+    dq, dk, dv = descales(rng, 3, HKV)
+    cq, ck = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    out, lse = fmha.attention_varlen(q, k, v, cq, ck, causal=True, descale_q=dq,
+                                     descale_k=dk, descale_v=dv, return_lse=True,
+                                     num_splits=1)
+    out, lse = out.cpu(), lse.cpu()
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.start == rq.stop:
+            continue
+        check_sm90(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk],
+                   descale_q=dq[b:b + 1].numpy(), descale_k=dk[b:b + 1].numpy(),
+                   descale_v=dv[b:b + 1].numpy(), causal=True)
+
+
+@pytest.mark.backends("emu90", "gpu")
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_nan_codes(backend, rng, causal):
+    """A NaN code of v (stored as 0 in V^T, put back by the kernel) reaches exactly the
+    rows and columns whose included pairs meet it: a causal row that does not see the key
+    stays finite (the strong zero), one that does is NaN in that column only; the other
+    entries are those of the same inputs with the codes 0."""
+    q, k, v = fp8_inputs(rng, 1, 140, 140, 1, 1, 64)
+    v = v.clone()
+    nans = ((70, 5, 0x7F), (131, 9, 0xFF))  # (key, column, code): -NaN in the second block
+    for key, col, code in nans:
+        v.view(torch.uint8)[0, key, 0, col] = code
+    out = fmha.attention(q, k, v, causal=causal, num_splits=1).cpu()
+    zeroed = v.clone()
+    for key, col, _ in nans:
+        zeroed.view(torch.uint8)[0, key, 0, col] = 0
+    ref, _ = reference.attention_fp8_forward(codes(q), codes(k), codes(zeroed), causal=causal)
+    for key, col, _ in nans:
+        ref[0, key if causal else 0:, 0, col] = np.nan
+    assert_close("out", out, ref, "float8_e4m3fn", result_dtype="bfloat16", p_quantised=True,
+                 nonfinite=True)
+
+
+@pytest.mark.backends("emu90", "gpu")
+@pytest.mark.parametrize("kw,match", [
+    (dict(softcap=2.0), "softcap: not supported with float8_e4m3fn inputs on CUDA"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), "alibi_slopes: not supported"),
+    (dict(bias=torch.zeros((2, 4, 3, 5))), "bias: not supported"),
+    (dict(mask=torch.ones((2, 4, 3, 5), dtype=torch.bool)), "mask: not supported"),
+])
+def test_sm90_refusals_name_the_argument(backend, kw, match):
+    """What the sm_90 kernel's e4m3 path does not take is refused by name (no other CUDA
+    kernel runs float8 inputs, and none dequantises behind the caller's back)."""
+    with pytest.raises(NotImplementedError, match=match):
+        _call(**kw)
 
 
 @pytest.mark.backends("emu", "gpu")
-def test_cuda_kernels_refuse_float8(backend):
-    """A float8 call of the CUDA kernels (emulated: host tensors; GPU: CUDA tensors) is
-    refused naming q and its dtype, before any kernel runs."""
-    q = torch.ones((1, 2, 2, 8), dtype=F8)
-    if backend == "gpu":
-        q = q.cuda()
-    with pytest.raises(NotImplementedError, match="q: .*float8_e4m3fn"):
-        fmha.attention(q, q, q, descale_q=torch.ones((1, 2), device=q.device))
+def test_sm80_kernel_refuses_float8(backend, monkeypatch):
+    """FMHA_CUDA_KERNEL=sm80 forces the sm_80 kernel, which has no float8 path: refused,
+    naming q; and a head dim whose rows TMA cannot address, naming q."""
+    monkeypatch.setenv("FMHA_CUDA_KERNEL", "sm80")
+    with pytest.raises(NotImplementedError, match="q: float8_e4m3fn inputs run only in the "
+                                                  "sm_90 kernel"):
+        _call()
+    monkeypatch.delenv("FMHA_CUDA_KERNEL")
+    q = torch.ones((1, 3, 2, 24), dtype=F8)  # 24-byte rows
+    with pytest.raises(NotImplementedError, match="q: TMA needs"):
+        fmha.attention(q, q, q)
 
 
 def test_guide_example_runs(capsys):

@@ -228,6 +228,22 @@ def test_bench_cuda_peers_on_cpu(tmp_path):
         bench_cuda.main(["--peers", "sm100"])
 
 
+def test_bench_cuda_float8_on_cpu(tmp_path):
+    """float8_e4m3fn rows: fmha on e4m3 codes with per-(batch, head) descales, forward only
+    (a fwd+bwd pass is left out), within e4m3's rounding of SDPA on the bfloat16 tensors;
+    the sm_80 peer, which has no float8 path, is left out of them."""
+    pytest.importorskip("torch")
+    from fmha.bench import cuda as bench_cuda
+
+    case = ("tiny", 1, 2, 64, 32, False)
+    rows = bench_cuda.run([case], ["float8_e4m3fn"], ["fwd", "fwd+bwd"], 2, None,
+                          device="cpu", peers=["sm80"])
+    assert [(r.dtype, r.pass_, r.impl) for r in rows] == [
+        ("float8_e4m3fn", "fwd", "fmha"), ("float8_e4m3fn", "fwd", "torch_sdpa_flash")]
+    assert rows[0].error is None and rows[0].ratio_vs_sdpa > 0
+    assert 0 < rows[0].max_abs_diff < 0.1, rows[0]
+
+
 def test_bench_cuda_without_gpu_says_so(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

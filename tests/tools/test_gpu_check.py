@@ -64,6 +64,7 @@ def test_runs_both_forward_kernels_and_both_sdpa_backends():
     bench = SCRIPT[SCRIPT.index("run_phase bench"):]
     bench = bench[:bench.index("\n")] + bench[bench.index("\n"):].split("\n")[1]
     assert "--peers sm80,cudnn" in bench
+    assert "--dtypes float16,bfloat16,float8_e4m3fn" in bench  # the e4m3 forward timed too
     # the whole script within its budget (the device session is 15 minutes): the phases' own
     # limits are capped by what is left of it
     assert 'BUDGET="${GPU_CHECK_BUDGET_S:-530}"' in SCRIPT

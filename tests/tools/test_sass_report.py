@@ -442,3 +442,151 @@ def test_a_test_on_the_vote_side_is_passed_on_the_rescale_pass():
     # with the first-block test decided as the first block takes it: no multiply of O there
     first = _plain({0x40: "taken"}, GUARDED)[3]
     assert not {0x48, 0x50, 0x58} & _addrs(first["slowest warp, rescale"])
+
+
+# A plain full-block call's row test: row = tid + 0x40 (an index), seqlen_q read from the
+# parameters at c[0x0][0x20c] (a bound); the load of the row's lse runs when row < seqlen_q.
+# R9, written under a thread test (P6 of the thread index), is warp-uniform: no index.
+BOUNDS = frozenset({0x20c})
+
+
+def _bounded(cmp_args, guard="@P0"):
+    return [
+        (0x00, "S2R R0, SR_TID.X"),
+        (0x08, "ISETP.GT.AND P6, PT, R0, 0x1f, PT"),
+        (0x0c, "@P6 MOV R9, c[0x0][0x160]"),
+        (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+        (0x18, "IADD3 R2, R0, 0x40, RZ"),
+        (0x20, f"ISETP.{cmp_args}"),
+        (0x28, f"{guard} BRA 0x48"),
+        (0x30, "LDG.E R12, [R2.64]"),               # the row's load: runs when row < seqlen_q
+        (0x38, "STS [R3], R12"),
+        (0x40, "IADD3 R13, R13, 0x1, RZ"),
+        (0x48, "ISETP.GE.AND P1, PT, R9, c[0x0][0x20c], PT"),
+        (0x50, "@P1 BRA 0x60"),                     # R9: no index, not decided
+        (0x58, "LDS R14, [R3]"),
+        (0x60, "HMMA.16816.F32 R12, R4, R6, R12"),
+        (0x68, "@P5 BRA 0x10"),
+        (0x70, "EXIT"),
+    ]
+
+
+def _bounded_passes(lines, bounds=BOUNDS):
+    blocks = sr.blocks_of(sr.parse(_sass(lines))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    body, ends = sr.loop_region(blocks, loop, natural=False)
+    passes = {p.name: p.loop for p in sr.plain_passes(blocks, loop.header, body, ends,
+                                                      bounds=bounds)}
+    listing = sr.branch_listing(blocks, loop.header, body, set(), bounds)
+    return passes, {int(x.split()[0], 16): x.split()[1] for x in listing}
+
+
+def test_a_row_test_against_a_sequence_length_is_decided_as_a_full_block_takes_it():
+    load = {0x30, 0x38, 0x40}
+    for cmp_args, guard in (("GE.AND P0, PT, R2, c[0x0][0x20c], PT", "@P0"),   # row >= sq
+                            ("LT.AND P0, PT, R2, c[0x0][0x20c], PT", "@!P0"),  # !(row < sq)
+                            ("GT.AND P0, PT, R16, R2, PT", "@!P0")):           # !(sq > row)
+        lines = _bounded(cmp_args, guard)
+        if "R16" in cmp_args:
+            lines.insert(1, (0x04, "MOV R16, c[0x0][0x20c]"))
+        passes, cls = _bounded_passes(lines)
+        assert cls[0x28] == "bound=fall", cmp_args
+        assert cls[0x50] != "bound=fall" and not cls[0x50].startswith("bound"), cmp_args
+        assert set(passes) == {"slowest warp", "fastest warp"}
+        for p in passes.values():  # every warp's row is inside: the load is on both passes
+            assert load <= _addrs(p), cmp_args
+    # the opposite test (row < sq skips the block) is decided the other way
+    passes, cls = _bounded_passes(_bounded("LT.AND P0, PT, R2, c[0x0][0x20c], PT", "@P0"))
+    assert cls[0x28] == "bound=taken"
+    assert all(not load & _addrs(p) for p in passes.values())
+    # without the bounds (flash-attn's kernels, a planted listing) the row test is a thread
+    # test: the slowest warp loads, the fastest does not
+    passes, cls = _bounded_passes(_bounded("GE.AND P0, PT, R2, c[0x0][0x20c], PT"), frozenset())
+    assert cls[0x28] == "warp"
+    assert load <= _addrs(passes["slowest warp"]) and not load & _addrs(passes["fastest warp"])
+
+
+def test_decide_overrides_a_bound_decision():
+    lines = _bounded("GE.AND P0, PT, R2, c[0x0][0x20c], PT")
+    blocks = sr.blocks_of(sr.parse(_sass(lines))["planted_kernel"])
+    loop = sr.main_loop(blocks)
+    body, ends = sr.loop_region(blocks, loop, natural=False)
+    passes = sr.plain_passes(blocks, loop.header, body, ends, decide={0x28: "taken"},
+                             bounds=BOUNDS)
+    assert all(not {0x30, 0x38} & _addrs(p.loop) for p in passes)
+
+
+# The forward's rescale: the warp's vote, the first-block test, then one vote per 8-row slot.
+SLOTS = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "FSETP.NEU.AND P2, PT, R20, 1, PT"),
+    (0x20, "VOTE.ANY P1, P2"),
+    (0x28, "@!P1 BRA 0xb0"),                     # no row moved
+    (0x30, "LDS R30, [R3+0x8]"),
+    (0x38, "ISETP.NE.AND P1, PT, R11, R30, PT"),
+    (0x40, "@!P1 BRA 0xb0"),                     # the first block
+    (0x48, "FSETP.NEU.AND P1, PT, R20, 1, PT"),
+    (0x50, "VOTE.ANY P1, P1"),
+    (0x58, "@!P1 BRA 0x70"),                     # slot 0
+    (0x60, "FMUL R24, R24, R20"),
+    (0x68, "FMUL R25, R25, R20"),
+    (0x70, "FSETP.NEU.AND P1, PT, R21, 1, PT"),
+    (0x78, "VOTE.ANY P1, P1"),
+    (0x80, "@!P1 BRA 0x98"),                     # slot 1
+    (0x88, "FMUL R26, R26, R21"),
+    (0x90, "FMUL R27, R27, R21"),
+    (0x98, "FSETP.NEU.AND P1, PT, R22, 1, PT"),
+    (0xa0, "VOTE.ANY P1, P1"),
+    (0xa4, "@!P1 BRA 0xb0"),                     # slot 2
+    (0xa8, "FMUL R28, R28, R22"),
+    (0xb0, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0xb8, "@P6 BRA 0x10"),
+    (0xc0, "EXIT"),
+]
+
+
+def test_the_one_slot_rescale_pass_moves_the_first_slot_alone():
+    _, _, _, passes = _plain(lines=SLOTS)
+    assert set(passes) == {f"{w} warp, {r}" for w in ("slowest", "fastest")
+                           for r in ("rescale", "rescale one slot", "no rescale")}
+    slot0, others = {0x60, 0x68}, {0x88, 0x90, 0xa8}
+    one, every = passes["slowest warp, rescale one slot"], passes["slowest warp, rescale"]
+    assert slot0 <= _addrs(one) and not others & _addrs(one)
+    assert slot0 | others <= _addrs(every)
+    assert {0x30, 0x38, 0x40} <= _addrs(one)     # the first-block test is passed
+    assert not (slot0 | others | {0x30}) & _addrs(passes["slowest warp, no rescale"])
+    assert every.path_count() - one.path_count() == 3
+
+
+# The backward's key range of a row block under a window (key_hi), in a plain call: the
+# window's left edge is -1 (none), so R4 = (R5 | left) >= 0 ? R5 : 0 is 0, and 0 > n0 (the
+# CTA's first key, blockIdx.x * 128 >= 0) is false: the key test's block runs.
+WINDOW = [
+    (0x00, "S2R R27, SR_CTAID.X"),
+    (0x08, "IMAD.SHL.U32 R27, R27, 0x80, RZ"),
+    (0x0c, "LDC R20, c[0x0][0x2f8]"),
+    (0x10, "HMMA.16816.F32 R8, R4, R6, R8"),
+    (0x18, "LDS R5, [R3]"),
+    (0x20, "LOP3.LUT R4, R5, R20, RZ, 0xfc, !PT"),
+    (0x28, "ISETP.GE.AND P0, PT, R4, RZ, PT"),
+    (0x30, "SEL R4, R5, RZ, P0"),
+    (0x38, "ISETP.GT.AND P0, PT, R4, R27, PT"),
+    (0x40, "@P0 BRA 0x58"),
+    (0x48, "IADD3 R13, R13, 0x1, RZ"),           # the key test's block
+    (0x50, "IADD3 R14, R14, 0x1, RZ"),
+    (0x58, "HMMA.16816.F32 R12, R4, R6, R12"),
+    (0x60, "@P5 BRA 0x10"),
+    (0x68, "EXIT"),
+]
+
+
+def test_a_test_on_the_window_is_decided_by_the_values_of_a_plain_call():
+    passes, cls = _bounded_passes(WINDOW, frozenset({(0x2f8, -1)}))
+    assert cls[0x40] == "bound=fall"
+    assert all({0x48, 0x50} <= _addrs(p) for p in passes.values())
+    # with another left edge the test is not decided: the rule of thumb skips the block
+    for bounds in (frozenset({(0x2f8, 0)}), frozenset()):
+        passes, cls = _bounded_passes(WINDOW, bounds)
+        assert cls[0x40] == "data"
+        assert all(not {0x48, 0x50} & _addrs(p) for p in passes.values())

@@ -121,6 +121,19 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=causal).transpose(1, 2)
 
+    # float8_e4m3fn rows: fmha on e4m3 codes of q, k, v with per-(batch, head) descales
+    # (amax / 448, flash-attn 3's recipe), its peers on the bfloat16 tensors they came from.
+    f8 = {}
+
+    def quantise(x):
+        amax = x.float().abs().amax(dim=(1, 3)).clamp(min=1e-12)  # (batch, heads)
+        scale = amax / 448.0
+        return (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+    def fmha_fp8(q, k, v, causal):
+        return fmha.attention(f8["q"], f8["k"], f8["v"], descale_q=f8["dq"],
+                              descale_k=f8["dk"], descale_v=f8["dv"], causal=causal)
+
     impls = {"fmha": lambda q, k, v, causal: fmha.attention(q, k, v, causal=causal),
              "torch_sdpa_flash": sdpa}
     if "sm80" in peers:
@@ -128,14 +141,26 @@ def run(cases, dtypes, passes, reps: int, out_path: Optional[str],
     if "cudnn" in peers:
         impls["torch_sdpa_cudnn"] = sdpa_cudnn
     rows: List[Row] = []
-    total, done = len(cases) * len(dtypes) * len(passes), 0
+    fp8_name = "float8_e4m3fn"
+    total = len(cases) * sum(1 if dt == fp8_name else len(passes) for dt in dtypes)
+    done = 0
+    all_impls = impls
     for (name, b, h, s, d, causal) in cases:
         for dtype_name in dtypes:
-            dtype = getattr(torch, dtype_name)
+            fp8 = dtype_name == fp8_name
+            dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
             g = torch.Generator(device=dev).manual_seed(0)
             q, k, v, dout = (torch.randn(b, s, h, d, generator=g, device=dev, dtype=dtype)
                              for _ in range(4))
+            impls = all_impls
+            if fp8:  # forward only; fmha's sm_80 kernel has no float8 path
+                (f8["q"], f8["dq"]), (f8["k"], f8["dk"]), (f8["v"], f8["dv"]) = (
+                    quantise(x) for x in (q, k, v))
+                impls = {i: (fmha_fp8 if i == "fmha" else fn) for i, fn in all_impls.items()
+                         if i != "fmha_sm80"}
             for pass_ in passes:
+                if fp8 and pass_ != "fwd":
+                    continue
                 done += 1
                 print(f"[{done}/{total}] {name} {dtype_name} {pass_}", end="", flush=True)
                 with_bwd = pass_ == "fwd+bwd"
@@ -266,9 +291,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     set_command(["--cuda"] + argv)
     for dt in a.dtypes.split(","):
-        if dt not in ("float16", "bfloat16"):
-            ap.error(f"--dtypes: {dt!r}; expected float16 and/or bfloat16 (FlashAttention "
-                     f"kernels take half precision)")
+        if dt not in ("float16", "bfloat16", "float8_e4m3fn"):
+            ap.error(f"--dtypes: {dt!r}; expected float16, bfloat16 and/or float8_e4m3fn "
+                     f"(forward only: fmha on e4m3 codes with descales, the peers on the "
+                     f"bfloat16 tensors they came from)")
     for p in a.passes.split(","):
         if p not in ("fwd", "fwd+bwd"):
             ap.error(f"--passes: {p!r}; expected fwd and/or fwd+bwd")
