@@ -895,16 +895,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     if constexpr (kAtomicDq) {
       if constexpr (!kTiled) __syncthreads();  // dS^T of every warp is in shared memory
       // ---- dQi += dS Kj.
-      // The fragments' lanes: in the plain d = 128 kernel from the thread index read anew here.
-      // Held from the kernel's start, the addresses derived from them spilled it once Qi's and
-      // dOi's pointers were in shared memory (ptxas 13.0: 4-20 bytes, one reload a pass); the
-      // other kernels issue fewer instructions with them held (d = 64: 724 against 749 a pass).
-      constexpr bool kReread = Cfg::kPointersInSmem && Cfg::kHeadDim == 128;
-      const unsigned dq_tid = kReread ? thread_index_reread() : 0u;  // unsigned: no sign fix-ups
-      const int dq_lane = kReread ? int(dq_tid % 32) : lane;
-      const int dq_warp = kReread ? int(dq_tid / 32) : warp;
-      const int dq_g = kReread ? int(dq_tid % 32 / 4) : g;
-      const int dq_t = kReread ? int(dq_tid % 4) : t;
       // Each warp owns one 16-query row group of dQi and a run of its column chunks (kDqChunk
       // n-tiles of the head dim each; one chunk per warp where the accumulator fits). Where a
       // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row
@@ -922,8 +912,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // (A constant q0 where there is one row group: it kept d = 256 with extras free of spills
       // and spilled d = 128 with extras.)
       constexpr bool kOneGroup = kRowGroups == 1 && !Cfg::kDqHoistDs;
-      const int q0 = kOneGroup ? 0 : (dq_warp / kWarpsPerGroup) * 16 * Cfg::kDqRows;
-      const int w_in = kOneGroup ? dq_warp : dq_warp % kWarpsPerGroup;
+      const int q0 = kOneGroup ? 0 : (warp / kWarpsPerGroup) * 16 * Cfg::kDqRows;
+      const int w_in = kOneGroup ? warp : warp % kWarpsPerGroup;
       const int c_begin = kEven ? w_in * kPerWarp : w_in * kChunks / kWarpsPerGroup;
       const int c_end = kEven ? c_begin + kPerWarp : (w_in + 1) * kChunks / kWarpsPerGroup;
       // The thread's two rows: one address each, its columns at constant offsets from them.
@@ -933,7 +923,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // becomes +0: the same value). A guarded add (atomicAdd, or a predicated red) compiled
       // to a branch and a reconvergence barrier per add. (Unused, and so not computed, where
       // the chunk takes them itself.)
-      const int i_lo = m0 + q0 + dq_g;
+      const int i_lo = m0 + q0 + g;
       const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
       const bool inside = m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d;
       float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d;
@@ -941,8 +931,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // A[q][key] = dS^T[key][q] for the row group: ldmatrix.trans from dS^T (lanes address
       // its key rows).
       const T* ds_rows =
-          sdS + ((dq_lane % 8) + (dq_lane / 16) * 8) * Cfg::kDsStride + q0 +
-          ((dq_lane / 8) % 2) * 8;
+          sdS + ((lane % 8) + (lane / 16) * 8) * Cfg::kDsStride + q0 +
+          ((lane / 8) % 2) * 8;
       uint32_t a_ds[Cfg::kDqHoistDs ? Cfg::kKStepsN : 1][4];
       if constexpr (Cfg::kDqHoistDs) {
 #pragma unroll
@@ -968,14 +958,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg)
               strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
-                  acc_q[rg], sK, col0, dq_t, [&](int r, int k) {
-                    return score::included<kExtras>(p, s, b, h, m0 + q0 + 16 * rg + dq_g + 8 * r,
+                  acc_q[rg], sK, col0, t, [&](int r, int k) {
+                    return score::included<kExtras>(p, s, b, h, m0 + q0 + 16 * rg + g + 8 * r,
                                                     n0 + k);
                   });
           }
           // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
-          const T* k_chunk = sK + ((dq_lane % 8) + ((dq_lane / 8) % 2) * 8) * Cfg::kStride +
-                             col0 + (dq_lane / 16) * 8;
+          const T* k_chunk = sK + ((lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride +
+                             col0 + (lane / 16) * 8;
 #pragma unroll
           for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
             // One A fragment per row group, each B fragment shared by the kRows of them.
@@ -1001,7 +991,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
               }
             }
           }
-          const int col = col0 + 2 * dq_t;  // the thread's first column
+          const int col = col0 + 2 * t;  // the thread's first column
           // The adds from row addresses lo, hi that include col.
           auto add_all = [&](auto inside_tag, const float(&acc)[Cfg::kDqChunk][4], float* lo,
                              float* hi, bool lo_ok, bool hi_ok) {
@@ -1025,7 +1015,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           } else {
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg) {
-              const int i0 = m0 + q0 + 16 * rg + dq_g;
+              const int i0 = m0 + q0 + 16 * rg + g;
               const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
               float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
               float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;
