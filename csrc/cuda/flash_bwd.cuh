@@ -11,7 +11,7 @@
 //
 // Kernels, in launch order (flash_bwd.cu):
 //  1. flash_bwd_dot_do_o   D for every query row (float32 scratch).
-//  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 16 keys a warp, kv head, batch):
+//  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 16 keys per warp, kv head, batch):
 //                          Kj, Vj stay in shared memory, dKj and dVj in registers, while the
 //                          CTA sweeps every query block Qi of every query head of the kv
 //                          head's group (GQA: dK/dV summed on chip, never per-head copies).
@@ -28,11 +28,16 @@
 //                          (a bias constant along the keys gets zeros instead:
 //                          fmha/params.h, dbias_is_zero).
 //
-// The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does): each
-// of its warps (4 or 8: FlashBwdConfig) owns 16 keys, so its rows of dK and dV are mma
-// accumulators of its own, and the accumulator of S^T (keys x queries) is, re-packed in
-// registers, the A operand of
-// dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ.
+// The main kernel works on transposed scores, S^T = Kj Qi^T (as the CPU backward does), in one
+// of two shapes (FlashBwdConfig::kTiled):
+//  - 16 keys a warp (4 or 8 warps): its rows of dK and dV are mma accumulators of its own, and
+//    the accumulator of S^T (keys x queries) is, re-packed in registers, the A operand of
+//    dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ; but each
+//    warp reads all of Qi and dOi, each fragment feeding one mma pair.
+//  - tiled (plain d = 128, FlashAttention-2's work split): the 8 warps tile each product
+//    differently (S^T, dP^T: 4 key x 2 query groups; dV, dK: 4 key groups x 2 column halves;
+//    dQ: 2 query groups x 4 column quarters), Pd^T and dS^T going through shared memory, so
+//    that each fragment loaded feeds 2-4 mma.
 //
 // The strong zero of the NaN rule (cuda/strong_zero.cuh): a step or key block that may hold
 // zero-weight pairs and whose streamed operand -- Qi or dOi (and the resident Kj, for the main
@@ -78,13 +83,33 @@ struct FlashBwdConfig {
   static constexpr int kWarps = !kExtras_ && (kHeadDim_ == 64 || kHeadDim_ == 128) ? 8 : 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 16 * kWarps;  // keys per CTA
-  // Queries per step: S^T and dP^T cost kBlockM/2 registers each on top of dK, dV. At
-  // d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did too
-  // with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut). With
-  // 8 warps, 128 queries spilled d = 64 (36-48 bytes, sm_80 and sm_90) and 64 queries d = 128
-  // (16-124 bytes, whatever of kPointersInSmem, the dQ lanes' re-read and kDqRows was cut).
-  static constexpr int kBlockM = kHeadDim_ < 96 ? 64 : (kExtras_ || kSplits > 1) ? 16 : 32;
-  static constexpr int kStages = 2;  // Qi, dOi double-buffered
+  // The tiled pass (FlashAttention-2's work split; the plain d = 128 kernels): the 8 warps
+  // tile S^T and dP^T 4 (keys) x 2 (queries), 32 x 32 a warp, so each Kj, Vj fragment feeds
+  // two mma pairs and each Qi, dOi fragment two; P^T and dS^T go through shared memory, from
+  // which the warps, 4 (keys) x 2 (head-dim halves), take dV and dK, and 2 (queries) x 4
+  // (head-dim quarters) dQ: every fragment loaded feeds 2-4 mma. Else each warp owns 16 keys
+  // of every product and reads all of Qi and dOi (each B fragment feeds one mma pair).
+  static constexpr bool kTiled = !kExtras_ && kHeadDim_ == 128;
+  static constexpr int kWarpKeys = kTiled ? 32 : 16;          // a warp's keys of S^T, dK, dV
+  static constexpr int kKeyWarps = kBlockN / kWarpKeys;       // warps along the keys
+  static constexpr int kSideWarps = kWarps / kKeyWarps;       // along the queries (dims)
+  static constexpr int kMTiles = kWarpKeys / 16;              // m-tiles of a warp's S^T, dK
+  // Tiled: P packed to 16 bits before dP^T is formed, so that dP^T's accumulators take S^T's
+  // registers (d = 128: S^T, dP^T, dK and dV at once spilled 4-56 bytes, ptxas 13.0); at
+  // d = 64, where they fit, P stays float32 (unpacking it cost 32 instructions a pass).
+  static constexpr bool kPackP = kTiled && kHeadDim_ >= 128;
+  // Queries per step. 16-key warps: S^T and dP^T cost kBlockM/2 registers each on top of dK,
+  // dV. At d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did
+  // too with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut).
+  // With 8 warps, 128 queries spilled d = 64 (36-48 bytes, sm_80 and sm_90) and 64 queries
+  // d = 128 (16-124 bytes, whatever of kPointersInSmem, the dQ lanes' re-read and kDqRows was
+  // cut). Tiled: 64 (a warp's 32 x 32 of S^T is 32 registers).
+  static constexpr int kBlockM =
+      kHeadDim_ < 96 || kTiled ? 64 : (kExtras_ || kSplits > 1) ? 16 : 32;
+  static constexpr int kStages = 2;  // Qi double-buffered
+  // dOi, lse and D: double-buffered too, but in the tiled pass loaded once dV has read dOi,
+  // during dQ (one stage: two did not fit an sm_80 SM's shared memory beside P^T).
+  static constexpr int kDoStages = kTiled ? 1 : kStages;
   // Rows padded by 8 elements (16 bytes): 16-byte aligned row starts for ldmatrix and
   // cp.async, and the 8 rows one ldmatrix reads fall in distinct banks.
   static constexpr int kPad = 8;
@@ -92,6 +117,7 @@ struct FlashBwdConfig {
   using Layout = tile::Padded<kStride>;
   static constexpr int kDsStride = kBlockM + kPad;
   static constexpr int kTileQ = kBlockM * kStride, kTileKV = kBlockN * kStride;
+  static constexpr int kTileDs = kBlockN * kDsStride;  // dS^T (and P^T when tiled)
   // The plain kernels keep each thread's pointers into the next step's Qi and dOi in shared
   // memory (2 per thread), moved on by a block per step: computed afresh per step, with the
   // step's head and block, they cost ~120 instructions a pass (d = 128, ptxas 13.0). Behind
@@ -101,15 +127,18 @@ struct FlashBwdConfig {
       !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
   static constexpr int kPointerBytes =
       kPointersInSmem ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t)) : 0;
-  // Kj, Vj; kStages x (Qi, dOi); dS^T; the pointers; kStages x (lse, D) of the query block;
-  // kStages ints (the step whose lse holds a NaN).
+  // Kj, Vj; kStages x Qi; kDoStages x dOi; dS^T (and P^T); the pointers; kDoStages x (lse,
+  // D) of the query block; kDoStages ints (the step whose lse holds a NaN).
   static constexpr size_t kSmemBytes =
-      size_t(2 * kTileKV + 2 * kStages * kTileQ + kBlockN * kDsStride) * 2 + kPointerBytes +
-      size_t(2 * kStages * kBlockM) * sizeof(float) + kStages * sizeof(int);
+      size_t(2 * kTileKV + (kStages + kDoStages) * kTileQ + (kTiled ? 2 : 1) * kTileDs) * 2 +
+      kPointerBytes + size_t(2 * kDoStages * kBlockM) * sizeof(float) +
+      kDoStages * sizeof(int);
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
+  static constexpr int kWarpNTiles = kNTilesS / kSideWarps;  // ... of a warp's S^T
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
+  static constexpr int kWarpNTilesD = kNTilesD / kSideWarps;  // ... of a warp's dK, dV
   static constexpr int kKStepsM = kBlockM / 16;   // k-steps over queries (dV, dK)
   static constexpr int kKStepsN = kBlockN / 16;   // k-steps over keys (dQ)
   // dQ's work units: 16 queries x kDqChunk n-tiles of the head dim. A warp takes one row
@@ -121,6 +150,7 @@ struct FlashBwdConfig {
   // With 8 warps at d = 128 a warp takes kDqRows = 2 row groups instead (all 32 queries) and
   // 2 n-tiles: each Kj fragment it loads feeds 2 mma pairs, where one row group a warp reads
   // twice the Kj fragments or holds the row group's dS^T fragments (kDqHoistDs).
+  // (Tiled: 2 row groups of 32 queries x 4 warps of 4 n-tiles each.)
   static constexpr int kDqRows = kWarps == 8 && kHeadDim_ == 128 ? 2 : 1;
   static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / (16 * kDqRows)) / kWarps;
   static constexpr int kDqChunk =
@@ -137,7 +167,10 @@ struct FlashBwdConfig {
   static constexpr bool kDqHoistDs = kDqUnits > kWarps && !(kExtras_ && kSplits > 1);
   static_assert(!kDqHoistDs || kDqRows == 1, "hoisted dS^T fragments: one row group");
 
-  static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
+  static_assert(kBlockN == 16 * kWarps, "16 keys a warp");
+  static_assert(kKeyWarps * kSideWarps == kWarps && kWarpNTiles % 2 == 0 &&
+                    kWarpNTilesD % 2 == 0,
+                "whole warp tiles");
   static_assert(kHeadDim % 16 == 0 && kBlockM % 16 == 0, "whole mma k-steps");
   static_assert(kNTilesS % 2 == 0 && kNTilesD % 2 == 0, "B fragments load two n-tiles per x4");
   static_assert(kNTilesD % kDqChunk == 0 && kDqChunk % 2 == 0, "whole dQ chunks");
@@ -248,29 +281,47 @@ FMHA_DEVICE bool inner_step(const score::Seq& s, bool in_window, int m0, int n0)
 // over the head dim -- B's rows are its mma columns, so both load with plain ldmatrix. The
 // main kernel passes (Kj, Vj) and (Qi, dOi) for S^T, dP^T; the dQ and dbias kernels the
 // reverse for S, dP.
-template <typename T, typename Cfg>
-FMHA_DEVICE void s_and_dp(float (&acc_s)[Cfg::kNTilesS][4], float (&acc_dp)[Cfg::kNTilesS][4],
-                          const T* a_s, const T* a_dp, const T* b_s, const T* b_dp, int warp,
-                          int lane) {
+// A warp's tile is kMTiles x 16 rows from A row a_row0 by kNTiles x 8 from B row b_row0;
+// acc[mt * kNTiles + j] is m-tile mt, n-tile j. With two m-tiles every B fragment feeds two
+// mma pairs. kProducts: 1 S, 2 dP, 3 both.
+template <typename T, typename Cfg, int kMTiles = 1, int kNTiles = Cfg::kNTilesS,
+          int kProducts = 3>
+FMHA_DEVICE void s_and_dp(float (&acc_s)[kMTiles * kNTiles][4],
+                          float (&acc_dp)[kMTiles * kNTiles][4], const T* a_s, const T* a_dp,
+                          const T* b_s, const T* b_dp, int a_row0, int b_row0, int lane) {
 #pragma unroll
-  for (int j = 0; j < Cfg::kNTilesS; ++j)
+  for (int j = 0; j < kMTiles * kNTiles; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_s[j][e] = acc_dp[j][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) {
+      if (kProducts & 1) acc_s[j][e] = 0.0f;
+      if (kProducts & 2) acc_dp[j][e] = 0.0f;
+    }
 #pragma unroll
   for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
-    uint32_t fa_s[4], fa_dp[4];
-    const int a_off = (warp * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
-    ldmatrix<4>(fa_s, a_s + a_off);
-    ldmatrix<4>(fa_dp, a_dp + a_off);
+    uint32_t fa_s[kMTiles][4], fa_dp[kMTiles][4];
 #pragma unroll
-    for (int j = 0; j < Cfg::kNTilesS; j += 2) {
-      const int row = j * 8 + (lane % 8) + (lane / 16) * 8;
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const int a_off = (a_row0 + mt * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
+      if (kProducts & 1) ldmatrix<4>(fa_s[mt], a_s + a_off);
+      if (kProducts & 2) ldmatrix<4>(fa_dp[mt], a_dp + a_off);
+    }
+#pragma unroll
+    for (int j = 0; j < kNTiles; j += 2) {
+      const int row = b_row0 + j * 8 + (lane % 8) + (lane / 16) * 8;
       const int dim = kk * 16 + ((lane / 8) % 2) * 8;
       uint32_t b4[4];
-      ldmatrix<4>(b4, b_s + row * Cfg::kStride + dim);
-      mma_pair<T>(acc_s[j], acc_s[j + 1], fa_s, b4);
-      ldmatrix<4>(b4, b_dp + row * Cfg::kStride + dim);
-      mma_pair<T>(acc_dp[j], acc_dp[j + 1], fa_dp, b4);
+      if (kProducts & 1) {
+        ldmatrix<4>(b4, b_s + row * Cfg::kStride + dim);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          mma_pair<T>(acc_s[mt * kNTiles + j], acc_s[mt * kNTiles + j + 1], fa_s[mt], b4);
+      }
+      if (kProducts & 2) {
+        ldmatrix<4>(b4, b_dp + row * Cfg::kStride + dim);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          mma_pair<T>(acc_dp[mt * kNTiles + j], acc_dp[mt * kNTiles + j + 1], fa_dp[mt], b4);
+      }
     }
   }
 }
@@ -327,15 +378,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   FMHA_DYNAMIC_SHARED(T, smem);
   T* sK = smem;                                // [kBlockN][kStride]
   T* sV = sK + Cfg::kTileKV;                   // [kBlockN][kStride]
-  T* sQ = sV + Cfg::kTileKV;                   // [kStages][kBlockM][kStride]
-  T* sdO = sQ + Cfg::kStages * Cfg::kTileQ;    // [kStages][kBlockM][kStride]
-  T* sdS = sdO + Cfg::kStages * Cfg::kTileQ;   // [kBlockN][kDsStride]: dS^T
-  char* sPointers = reinterpret_cast<char*>(sdS + Cfg::kBlockN * Cfg::kDsStride);  // load_step
-  float* sLse = reinterpret_cast<float*>(sPointers + Cfg::kPointerBytes);  // [kStages][kBlockM]
-  float* sD = sLse + Cfg::kStages * Cfg::kBlockM;                          // [kStages][kBlockM]
-  // [kStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
+  constexpr bool kTiled = Cfg::kTiled;
+  T* sQ = sV + Cfg::kTileKV;                    // [kStages][kBlockM][kStride]
+  T* sdO = sQ + Cfg::kStages * Cfg::kTileQ;     // [kDoStages][kBlockM][kStride]
+  T* sdS = sdO + Cfg::kDoStages * Cfg::kTileQ;  // [kBlockN][kDsStride]: dS^T
+  T* sP = sdS + Cfg::kTileDs;                   // [kBlockN][kDsStride]: P^T (tiled)
+  char* sPointers = reinterpret_cast<char*>(sdS + (kTiled ? 2 : 1) * Cfg::kTileDs);
+  float* sLse = reinterpret_cast<float*>(sPointers + Cfg::kPointerBytes);  // [kDoStages][kBlockM]
+  float* sD = sLse + Cfg::kDoStages * Cfg::kBlockM;                        // [kDoStages][kBlockM]
+  // [kDoStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
   // other steps', so nothing needs clearing.
-  int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kStages * Cfg::kBlockM);
+  int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kDoStages * Cfg::kBlockM);
 
   // (t from the unsigned index: taken from the signed lane, with its sign fix-up, it spilled
   // 4 bytes of the d = 128 atomic-dQ kernel, ptxas 13.0.)
@@ -367,15 +420,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     return x - head * (kExtras ? blocks_per_head : int(per_head.d));
   };
 
-  // The two key rows of this thread in the accumulator layout of S^T: key_lo, key_lo + 8
-  // (computed, not an array: a runtime-indexed array would live in local memory).
-  const int key_lo = n0 + warp * 16 + g;
+  // The two key rows of this thread in the accumulator layout of S^T, dK and dV: key_lo,
+  // key_lo + 8, and 16 below them for a second m-tile (computed, not an array: a
+  // runtime-indexed array would live in local memory). A tiled warp's queries of S^T start
+  // at row q_off of the step's block, its columns of dK and dV at c_base + dim0.
+  const int key_row0 = (warp % Cfg::kKeyWarps) * Cfg::kWarpKeys;  // in the key block
+  const int key_lo = n0 + key_row0 + g;
+  const int q_off = (warp / Cfg::kKeyWarps) * Cfg::kWarpNTiles * 8;
+  const int dim0 = (warp / Cfg::kKeyWarps) * Cfg::kWarpNTilesD * 8;
 
-  float acc_dk[Cfg::kNTilesD][4], acc_dv[Cfg::kNTilesD][4];
+  float acc_dk[Cfg::kMTiles][Cfg::kWarpNTilesD][4], acc_dv[Cfg::kMTiles][Cfg::kWarpNTilesD][4];
 #pragma unroll
-  for (int j = 0; j < Cfg::kNTilesD; ++j)
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.0f;
+    for (int j = 0; j < Cfg::kWarpNTilesD; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[mt][j][e] = acc_dv[mt][j][e] = 0.0f;
 
   tile::load<T, Cfg::kBlockN, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
       sK, K, p.k_row_stride, s.sk, d, n0, vec, tid);
@@ -429,39 +489,52 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   }
 
   // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
-  // block m_begin + step % blocks_per_head. Loads its Qi, dOi (cp.async) and lse, D (plain).
-  auto load_step = [&](int step, int stage) {
+  // block m_begin + step % blocks_per_head. Loads the parts kParts names (1: Qi into stage
+  // q_stage; 2: dOi into do_stage, with lse and D, plain loads) with cp.async. The untiled
+  // kernels load both at once (load_step); the tiled one loads dOi once dV has read the step
+  // before's.
+  auto load_parts = [&](auto parts, int step, int q_stage, int do_stage) {
+    constexpr int kParts = decltype(parts)::value;
     const int hq = head_of(step);
     const int h = h_kv * group + hq;
     const int blk = block_of(step, hq);
     const int m0 = (m_begin + blk) * Cfg::kBlockM;
-    T* const q_dst = sQ + stage * Cfg::kTileQ;
-    T* const do_dst = sdO + stage * Cfg::kTileQ;
+    T* const q_dst = sQ + q_stage * Cfg::kTileQ;
+    T* const do_dst = sdO + do_stage * Cfg::kTileQ;
     if constexpr (kSlots) {
       const T* q_src = slots[0];
       const T* do_src = slots[1];
+      // (The edge copies' chunks from the thread index read anew where the two copies lie
+      // apart: ptxas held them through the pass and spilled, ptxas 13.0.)
+      const int tid_e = kParts != 3 ? int(thread_index_reread()) : tid;
       if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
         const int chunk = FullQ::smem_offset(tid);
-        FullQ::load_stepping(q_dst + chunk, q_src, moves[4]);
-        FullQ::load_stepping(do_dst + chunk, do_src, moves[5]);
+        if constexpr ((kParts & 1) != 0) FullQ::load_stepping(q_dst + chunk, q_src, moves[4]);
+        if constexpr ((kParts & 2) != 0) FullQ::load_stepping(do_dst + chunk, do_src, moves[5]);
       } else {  // (also both when only one of head_dim, head_dim_v fills the tile: a test
                 // each cost 10-16 instructions a pass, and spilled d = 128 on sm_90)
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
-            q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
-            do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
+        if constexpr ((kParts & 1) != 0)
+          tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+              q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid_e);
+        if constexpr ((kParts & 2) != 0)
+          tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+              do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid_e);
       }
       // On to the next step: the head's next block, or the next head's first. (After the
       // last step they point past the tensors; nothing reads them there.)
       const int to = blk + 1 < int(moves[6]) ? 0 : 2;
-      slots[0] = q_src + moves[to];
-      slots[1] = do_src + moves[to + 1];
+      if constexpr ((kParts & 1) != 0) slots[0] = q_src + moves[to];
+      if constexpr ((kParts & 2) != 0) slots[1] = do_src + moves[to + 1];
     } else {
-      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-          q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
-      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-          do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
+      if constexpr ((kParts & 1) != 0)
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+            q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
+      if constexpr ((kParts & 2) != 0)
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+            do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
     }
+    if constexpr ((kParts & 2) == 0) return;
+    const int stage = do_stage;  // lse and D go with dOi
     // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows past
     // the sequence, so that exp2(x - lse) is exactly 0 there, never NaN.
     auto load_lse = [&](int r) {
@@ -474,7 +547,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
         // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
         // not give the rule's 0 for S = -inf there.
-        if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;
+        if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;  // (stage: dOi's)
       }
       sLse[stage * Cfg::kBlockM + r] = lse_l2;
     };
@@ -495,6 +568,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       load_lse(tid);
       load_d(tid);
     }
+  };
+  auto load_step = [&](int step, int stage) {
+    load_parts(std::integral_constant<int, 3>{}, step, stage, stage % Cfg::kDoStages);
   };
 
   // The block-sparse mask (params.h): steps whose tile (query block, this key block) it
@@ -518,7 +594,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     return x;
   };
-  if (tid < Cfg::kStages) sNanLse[tid] = -1;
+  if (tid < Cfg::kDoStages) sNanLse[tid] = -1;
   __syncthreads();  // before any load_step marks a stage (or reads the moves)
   const int first = next_step(0, -1);
   if (first < steps) load_step(first, first % Cfg::kStages);
@@ -543,16 +619,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // Prefetch the next step into the other stage; its last readers (the previous step)
     // finished at the trailing __syncthreads of the previous iteration. (The next step is
     // found again at the end: held through the body, it cost registers.)
-    if (const int next = next_step(step + 1, step); next < steps)
-      load_step(next, (stage + 1) % Cfg::kStages);
+    // (Tiled: Qi only; dOi, lse and D at the end of dV and dK.)
+    if (const int next = next_step(step + 1, step); next < steps) {
+      if constexpr (kTiled)
+        load_parts(std::integral_constant<int, 1>{}, next, (stage + 1) % Cfg::kStages, 0);
+      else
+        load_step(next, (stage + 1) % Cfg::kStages);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
 
     const int hq = head_of(step);
     const int h = h_kv * group + hq;
     const int m0 = (m_begin + block_of(step, hq)) * Cfg::kBlockM;
+    const int do_stage = stage % Cfg::kDoStages;
     T* tQ = sQ + stage * Cfg::kTileQ;
-    T* tdO = sdO + stage * Cfg::kTileQ;
+    T* tdO = sdO + do_stage * Cfg::kTileQ;
     const bool in_window = score::block_inside_window(s, p.window_left, p.window_right, m0,
                                                       m0 + Cfg::kBlockM - 1, n0,
                                                       n0 + Cfg::kBlockN - 1);
@@ -566,14 +648,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                                     Cfg::kThreads>(tQ, vec, tid) ||
          strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
                                     Cfg::kThreads>(tdO, vec, tid)));
-    const float* tLse = sLse + stage * Cfg::kBlockM;
-    const float* tD = sD + stage * Cfg::kBlockM;
+    const float* tLse = sLse + do_stage * Cfg::kBlockM;
+    const float* tD = sD + do_stage * Cfg::kBlockM;
 
     // ---- S^T = Kj Qi^T and dP^T = Vj dOi^T (keys x queries). A: the warp's 16 rows of Kj
     // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
     // plain ldmatrix, two n-tiles (8 queries each) x two k-halves per x4.
-    float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
-    bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sK, sV, tQ, tdO, warp, lane);
+    // (Tiled: the warp's 32 keys x 32 queries, element [mt * kWarpNTiles + j]; S^T alone
+    // here, dP^T once P is packed, below: both at once, with dK and dV, spilled.)
+    constexpr int kNT = Cfg::kWarpNTiles;
+    float acc_s[Cfg::kMTiles * kNT][4], acc_dp[Cfg::kMTiles * kNT][4];
+    bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, Cfg::kPackP ? 1 : 3>(
+        acc_s, acc_dp, sK, sV, tQ, tdO, key_row0, q_off, lane);
 
     // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
     // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
@@ -583,21 +669,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
     // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
     // adjacent, so their lse and D are read as one pair each.
+    // (Element (mt * kNT + j, e) of a tiled warp: key key_lo + 16 mt + 8 (e / 2), query m0 +
+    // q_off + 8 j + 2t + e % 2; the pairs are read once for both m-tiles.)
     auto for_each_score = [&](auto&& f) {
 #pragma unroll
-      for (int j = 0; j < Cfg::kNTilesS; ++j) {
-        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + j * 8 + 2 * t);
-        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + j * 8 + 2 * t);
+      for (int j = 0; j < kNT; ++j) {
+        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t);
+        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) f(j, e, e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2), m0 + q_off + j * 8 + 2 * t + e % 2,
+              e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
       }
     };
     // kInner: a plain step whose rows and keys all lie inside the sequences and the window
     // (bwd_detail::inner_step): no pair to test.
     auto scores = [&](auto inner) {
       constexpr bool kInner = decltype(inner)::value;
-      for_each_score([&](int j, int e, float lse_i, float d_i) {
-        const int key = key_lo + 8 * (e / 2), i = m0 + j * 8 + 2 * t + (e % 2);
+      for_each_score([&](int j, int e, int key, int i, float lse_i, float d_i) {
         bool visible = kInner || score::visible(p, s, i, key);
         float x;
         [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
@@ -626,19 +717,78 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
     // (lse is finite or +inf: a row with no visible key).
     auto scores_fast = [&] {
-      for_each_score([&](int j, int e, float lse_i, float d_i) {
+      for_each_score([&](int j, int e, int, int, float lse_i, float d_i) {
         const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
         const float ds = prob * (acc_dp[j][e] - d_i);
         acc_s[j][e] = prob;
         acc_dp[j][e] = prob == 0.0f ? 0.0f : ds;
       });
     };
-    if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
-      scores(std::false_type{});
-    else if (kExtras || sNanLse[stage] == step)
-      scores(std::true_type{});
-    else
-      scores_fast();
+    // Element (j, e) of P^T (dS^T): half e % 2 of word e / 2 of packed row pair j; rows
+    // key_row0 + 16 mt + g (+ 8) of the tile, columns q_off + 8 j + 2t (+ 1).
+    auto store_t = [&](T* tile, int jj, uint32_t lo, uint32_t hi) {
+      const int mt = jj / kNT, j = jj % kNT;
+      T* at = tile + (key_row0 + mt * 16 + g) * Cfg::kDsStride + q_off + j * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(at) = lo;
+      *reinterpret_cast<uint32_t*>(at + 8 * Cfg::kDsStride) = hi;
+    };
+    if constexpr (Cfg::kPackP) {
+      // P (the plain rules of `scores`), packed to 16-bit pairs -- the A operand of dV as it
+      // goes to shared memory, and the P of dS = P o (dP - D) below -- so that dP^T's
+      // accumulators replace S^T's. (dS from the rounded P, as a low-precision softmax
+      // backward takes it.) kTest: the pair tests of a step that needs them.
+      auto probs = [&](auto test_visible, auto test_inf) {
+        constexpr bool kVisible = decltype(test_visible)::value;
+        constexpr bool kInf = decltype(test_inf)::value;
+        for_each_score([&](int j, int e, int key, int i, float lse_i, float) {
+          const bool visible = !kVisible || score::visible(p, s, i, key);
+          const bool finite = !kInf || acc_s[j][e] * scale_log2 != -INFINITY;
+          const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
+          acc_s[j][e] = visible && finite ? prob : 0.0f;
+        });
+      };
+      if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+        probs(std::true_type{}, std::true_type{});
+      else if (sNanLse[do_stage] == step)
+        probs(std::false_type{}, std::true_type{});
+      else
+        probs(std::false_type{}, std::false_type{});
+      uint32_t p_pack[Cfg::kMTiles * kNT][2];
+#pragma unroll
+      for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
+        p_pack[jj][0] = pack2<T>(acc_s[jj][0], acc_s[jj][1]);
+        p_pack[jj][1] = pack2<T>(acc_s[jj][2], acc_s[jj][3]);
+        store_t(sP, jj, p_pack[jj][0], p_pack[jj][1]);
+      }
+      bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
+                                                         key_row0, q_off, lane);
+      // dS = P (dP - D), 0 where P is (also against a non-finite dP or D).
+      for_each_score([&](int j, int e, int, int, float, float d_i) {
+        const uint32_t pair = p_pack[j][e / 2];
+        const float prob =
+            to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
+        acc_dp[j][e] = prob == 0.0f ? 0.0f : prob * (acc_dp[j][e] - d_i);
+      });
+#pragma unroll
+      for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
+        store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
+                pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+    } else {
+      if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+        scores(std::false_type{});
+      else if (kExtras || sNanLse[do_stage] == step)
+        scores(std::true_type{});
+      else
+        scores_fast();
+      if constexpr (kTiled) {  // Pd^T and dS^T to shared memory
+#pragma unroll
+        for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
+          store_t(sP, jj, pack2<T>(acc_s[jj][0], acc_s[jj][1]), pack2<T>(acc_s[jj][2], acc_s[jj][3]));
+          store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
+                  pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+        }
+      }
+    }
 
     // ---- the strong zero, in a step whose operands hold NaN or Inf: dV (dK) becomes NaN where
     // a pair that takes part meets one in dOi (Qi); dropped pairs take part in dK and dQ, not
@@ -651,11 +801,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         return score::included<kExtras>(p, s, b, h, i, key) &&
                !(dropout && !score::dropout_keep(p, threshold, b, h, i, key));
       };
-      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
-          acc_dv, tdO, c_base, t,
-          [&](int r, int k) { return takes_part(r, k, kExtras && p.dropout_p > 0.0); });
-      strong_zero::poison<T, Cfg::kNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
-          acc_dk, tQ, c_base, t, [&](int r, int k) { return takes_part(r, k, false); });
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+        strong_zero::poison<T, Cfg::kWarpNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
+            acc_dv[mt], tdO, c_base + dim0, t, [&](int r, int k) {
+              return takes_part(r + 2 * mt, k, kExtras && p.dropout_p > 0.0);
+            });
+        strong_zero::poison<T, Cfg::kWarpNTilesD, Cfg::kBlockM, typename Cfg::Layout>(
+            acc_dk[mt], tQ, c_base + dim0, t,
+            [&](int r, int k) { return takes_part(r + 2 * mt, k, false); });
+      }
       __syncthreads();  // every warp has read the raw Qi, dOi
       strong_zero::sanitise<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
                             Cfg::kThreads>(tQ, tid);
@@ -664,48 +819,82 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       __syncthreads();
     }
 
-    // ---- dV += Pd^T dOi, dK += dS^T Qi. The accumulators of n-tiles 2k, 2k+1 are the A
-    // fragment of k-step k (keys g / g+8, queries 2t.. / 2t+8..): converted in registers.
-    // B[k][n] = dOi[k][n] (Qi): row-major queries x dims, ldmatrix.trans.
+    // ---- dV += Pd^T dOi, dK += dS^T Qi.
+    if constexpr (kTiled) {
+      // The warp's kWarpKeys keys x kWarpNTilesD n-tiles from column dim0: A = P^T (dS^T)
+      // from shared memory, plain ldmatrix (keys are its rows); B[k][n] = dOi[k][n] (Qi):
+      // row-major queries x dims, ldmatrix.trans. Each B fragment feeds kMTiles mma pairs.
+      __syncthreads();  // P^T, dS^T of every warp (and the strong zero's Qi, dOi) in place
+      // The lanes' rows and columns from the thread index read anew: derived from the
+      // kernel's first read, ptxas held them through the pass and spilled (ptxas 13.0).
+      const unsigned kv_tid = thread_index_reread();
+      const int kv_lane = int(kv_tid % 32), kv_warp = int(kv_tid / 32);
+      const int kv_row0 = (kv_warp % Cfg::kKeyWarps) * Cfg::kWarpKeys;
+      const int kv_dim0 = (kv_warp / Cfg::kKeyWarps) * Cfg::kWarpNTilesD * 8;
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kKStepsM; ++kk) {
-      uint32_t p_frag[4], ds_frag[4];
-      a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
-      a_frag_from_acc<T>(ds_frag, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
-      if constexpr (kAtomicDq) {
-        // dS^T for the dQ product below, in the same packed form.
-        T* row_lo = sdS + (warp * 16 + g) * Cfg::kDsStride + kk * 16 + 2 * t;
-        T* row_hi = row_lo + 8 * Cfg::kDsStride;
-        *reinterpret_cast<uint32_t*>(row_lo) = ds_frag[0];
-        *reinterpret_cast<uint32_t*>(row_hi) = ds_frag[1];
-        *reinterpret_cast<uint32_t*>(row_lo + 8) = ds_frag[2];
-        *reinterpret_cast<uint32_t*>(row_hi + 8) = ds_frag[3];
+      for (int kk = 0; kk < Cfg::kKStepsM; ++kk) {
+        uint32_t p_frag[Cfg::kMTiles][4], ds_frag[Cfg::kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+          const int at = (kv_row0 + mt * 16 + kv_lane % 16) * Cfg::kDsStride + kk * 16 +
+                         (kv_lane / 16) * 8;
+          ldmatrix<4>(p_frag[mt], sP + at);
+          ldmatrix<4>(ds_frag[mt], sdS + at);
+        }
+#pragma unroll
+        for (int j = 0; j < Cfg::kWarpNTilesD; j += 2) {
+          const int q = kk * 16 + (kv_lane % 8) + ((kv_lane / 8) % 2) * 8;
+          const int dim = c_base + kv_dim0 + j * 8 + (kv_lane / 16) * 8;
+          uint32_t b4[4];
+          ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+            mma_pair<T>(acc_dv[mt][j], acc_dv[mt][j + 1], p_frag[mt], b4);
+          ldmatrix<4, true>(b4, tQ + q * Cfg::kStride + dim);
+#pragma unroll
+          for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+            mma_pair<T>(acc_dk[mt][j], acc_dk[mt][j + 1], ds_frag[mt], b4);
+        }
       }
+      // Every warp is done with dOi (and Qi): the next step's dOi, lse and D load during dQ.
+      __syncthreads();
+      if (const int next = next_step(step + 1, step); next < steps)
+        load_parts(std::integral_constant<int, 2>{}, next, 0, (stage + 1) % Cfg::kDoStages);
+      cp_async_commit();
+    } else {
+      // The accumulators of n-tiles 2k, 2k+1 are the A fragment of k-step k (keys g / g+8,
+      // queries 2t.. / 2t+8..): converted in registers. B[k][n] = dOi[k][n] (Qi): row-major
+      // queries x dims, ldmatrix.trans.
 #pragma unroll
-      for (int j = 0; j < Cfg::kNTilesD; j += 2) {
-        const int q = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int dim = c_base + j * 8 + (lane / 16) * 8;
-        uint32_t b4[4];
-        ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
-        mma_pair<T>(acc_dv[j], acc_dv[j + 1], p_frag, b4);
-        ldmatrix<4, true>(b4, tQ + q * Cfg::kStride + dim);
-        mma_pair<T>(acc_dk[j], acc_dk[j + 1], ds_frag, b4);
+      for (int kk = 0; kk < Cfg::kKStepsM; ++kk) {
+        uint32_t p_frag[4], ds_frag[4];
+        a_frag_from_acc<T>(p_frag, acc_s[2 * kk], acc_s[2 * kk + 1]);
+        a_frag_from_acc<T>(ds_frag, acc_dp[2 * kk], acc_dp[2 * kk + 1]);
+        if constexpr (kAtomicDq) {
+          // dS^T for the dQ product below, in the same packed form.
+          T* row_lo = sdS + (warp * 16 + g) * Cfg::kDsStride + kk * 16 + 2 * t;
+          T* row_hi = row_lo + 8 * Cfg::kDsStride;
+          *reinterpret_cast<uint32_t*>(row_lo) = ds_frag[0];
+          *reinterpret_cast<uint32_t*>(row_hi) = ds_frag[1];
+          *reinterpret_cast<uint32_t*>(row_lo + 8) = ds_frag[2];
+          *reinterpret_cast<uint32_t*>(row_hi + 8) = ds_frag[3];
+        }
+#pragma unroll
+        for (int j = 0; j < Cfg::kNTilesD; j += 2) {
+          const int q = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+          const int dim = c_base + j * 8 + (lane / 16) * 8;
+          uint32_t b4[4];
+          ldmatrix<4, true>(b4, tdO + q * Cfg::kStride + dim);
+          mma_pair<T>(acc_dv[0][j], acc_dv[0][j + 1], p_frag, b4);
+          ldmatrix<4, true>(b4, tQ + q * Cfg::kStride + dim);
+          mma_pair<T>(acc_dk[0][j], acc_dk[0][j + 1], ds_frag, b4);
+        }
       }
     }
 
     if constexpr (kAtomicDq) {
-      __syncthreads();  // dS^T of every warp is in shared memory
+      if constexpr (!kTiled) __syncthreads();  // dS^T of every warp is in shared memory
       // ---- dQi += dS Kj.
-      // The fragments' lanes: in the plain d = 128 kernel from the thread index read anew here.
-      // Held from the kernel's start, the addresses derived from them spilled it once Qi's and
-      // dOi's pointers were in shared memory (ptxas 13.0: 4-20 bytes, one reload a pass); the
-      // other kernels issue fewer instructions with them held (d = 64: 724 against 749 a pass).
-      constexpr bool kReread = Cfg::kPointersInSmem && Cfg::kHeadDim == 128;
-      const unsigned dq_tid = kReread ? thread_index_reread() : 0u;  // unsigned: no sign fix-ups
-      const int dq_lane = kReread ? int(dq_tid % 32) : lane;
-      const int dq_warp = kReread ? int(dq_tid / 32) : warp;
-      const int dq_g = kReread ? int(dq_tid % 32 / 4) : g;
-      const int dq_t = kReread ? int(dq_tid % 4) : t;
       // Each warp owns one 16-query row group of dQi and a run of its column chunks (kDqChunk
       // n-tiles of the head dim each; one chunk per warp where the accumulator fits). Where a
       // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row
@@ -723,8 +912,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // (A constant q0 where there is one row group: it kept d = 256 with extras free of spills
       // and spilled d = 128 with extras.)
       constexpr bool kOneGroup = kRowGroups == 1 && !Cfg::kDqHoistDs;
-      const int q0 = kOneGroup ? 0 : (dq_warp / kWarpsPerGroup) * 16 * Cfg::kDqRows;
-      const int w_in = kOneGroup ? dq_warp : dq_warp % kWarpsPerGroup;
+      const int q0 = kOneGroup ? 0 : (warp / kWarpsPerGroup) * 16 * Cfg::kDqRows;
+      const int w_in = kOneGroup ? warp : warp % kWarpsPerGroup;
       const int c_begin = kEven ? w_in * kPerWarp : w_in * kChunks / kWarpsPerGroup;
       const int c_end = kEven ? c_begin + kPerWarp : (w_in + 1) * kChunks / kWarpsPerGroup;
       // The thread's two rows: one address each, its columns at constant offsets from them.
@@ -734,7 +923,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // becomes +0: the same value). A guarded add (atomicAdd, or a predicated red) compiled
       // to a branch and a reconvergence barrier per add. (Unused, and so not computed, where
       // the chunk takes them itself.)
-      const int i_lo = m0 + q0 + dq_g;
+      const int i_lo = m0 + q0 + g;
       const bool lo_in = i_lo < s.sq, hi_in = i_lo + 8 < s.sq;
       const bool inside = m0 + Cfg::kBlockM <= s.sq && c_base + Cfg::kOutDim <= d;
       float* const dq_lo = dq_rows + int64_t(lo_in ? i_lo : s.sq - 1) * d;
@@ -742,8 +931,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // A[q][key] = dS^T[key][q] for the row group: ldmatrix.trans from dS^T (lanes address
       // its key rows).
       const T* ds_rows =
-          sdS + ((dq_lane % 8) + (dq_lane / 16) * 8) * Cfg::kDsStride + q0 +
-          ((dq_lane / 8) % 2) * 8;
+          sdS + ((lane % 8) + (lane / 16) * 8) * Cfg::kDsStride + q0 +
+          ((lane / 8) % 2) * 8;
       uint32_t a_ds[Cfg::kDqHoistDs ? Cfg::kKStepsN : 1][4];
       if constexpr (Cfg::kDqHoistDs) {
 #pragma unroll
@@ -769,14 +958,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg)
               strong_zero::poison<T, Cfg::kDqChunk, Cfg::kBlockN, typename Cfg::Layout>(
-                  acc_q[rg], sK, col0, dq_t, [&](int r, int k) {
-                    return score::included<kExtras>(p, s, b, h, m0 + q0 + 16 * rg + dq_g + 8 * r,
+                  acc_q[rg], sK, col0, t, [&](int r, int k) {
+                    return score::included<kExtras>(p, s, b, h, m0 + q0 + 16 * rg + g + 8 * r,
                                                     n0 + k);
                   });
           }
           // B[key][dim] = Kj[key][dim]: row-major, ldmatrix.trans.
-          const T* k_chunk = sK + ((dq_lane % 8) + ((dq_lane / 8) % 2) * 8) * Cfg::kStride +
-                             col0 + (dq_lane / 16) * 8;
+          const T* k_chunk = sK + ((lane % 8) + ((lane / 8) % 2) * 8) * Cfg::kStride +
+                             col0 + (lane / 16) * 8;
 #pragma unroll
           for (int kk = 0; kk < Cfg::kKStepsN; ++kk) {
             // One A fragment per row group, each B fragment shared by the kRows of them.
@@ -802,7 +991,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
               }
             }
           }
-          const int col = col0 + 2 * dq_t;  // the thread's first column
+          const int col = col0 + 2 * t;  // the thread's first column
           // The adds from row addresses lo, hi that include col.
           auto add_all = [&](auto inside_tag, const float(&acc)[Cfg::kDqChunk][4], float* lo,
                              float* hi, bool lo_ok, bool hi_ok) {
@@ -826,7 +1015,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           } else {
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg) {
-              const int i0 = m0 + q0 + 16 * rg + dq_g;
+              const int i0 = m0 + q0 + 16 * rg + g;
               const bool lo_ok = i0 < s.sq, hi_ok = i0 + 8 < s.sq;
               float* const lo = dq_rows + int64_t(lo_ok ? i0 : s.sq - 1) * d + col;
               float* const hi = dq_rows + int64_t(hi_ok ? i0 + 8 : s.sq - 1) * d + col;
@@ -850,18 +1039,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         dq_units(std::false_type{});
     }
     // Every warp is done with this stage (and dS^T) before the next prefetch overwrites it.
-    __syncthreads();
+    // (Tiled: the barrier after dV and dK saw to the stage; dS^T is next written after the
+    // next step's first barrier.)
+    if constexpr (!kTiled) __syncthreads();
     step = next_step(step + 1, step);
   }
   cp_async_wait<0>();  // Kj, Vj when there was no step; the trailing empty group otherwise
 
   // ---- dK = scale dS^T Q, dV: this thread's rows key_lo, key_lo + 8.
-  T* dK = static_cast<T*>(p.dk) + score::k_base(p, s, b, p.dk_batch_stride, p.dk_row_stride) +
+  // (Tiled: the sequence found again -- its first key row, held through the sweep, spilled.)
+  const score::Seq se = kTiled ? score::seq_of(p, int(blockIdx.z)) : s;
+  T* dK = static_cast<T*>(p.dk) + score::k_base(p, se, b, p.dk_batch_stride, p.dk_row_stride) +
           h_kv * p.dk_head_stride;
-  T* dV = static_cast<T*>(p.dv) + score::k_base(p, s, b, p.dv_batch_stride, p.dv_row_stride) +
+  T* dV = static_cast<T*>(p.dv) + score::k_base(p, se, b, p.dv_batch_stride, p.dv_row_stride) +
           h_kv * p.dv_head_stride;
-  tile::store_acc<T>(dK, p.dk_row_stride, acc_dk, key_lo, s.sk, c_base, d, t, float(p.scale));
-  tile::store_acc<T>(dV, p.dv_row_stride, acc_dv, key_lo, s.sk, c_base, dv, t, 1.0f);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+    tile::store_acc<T>(dK, p.dk_row_stride, acc_dk[mt], key_lo + 16 * mt, s.sk, c_base + dim0, d,
+                       t, float(p.scale));
+    tile::store_acc<T>(dV, p.dv_row_stride, acc_dv[mt], key_lo + 16 * mt, s.sk, c_base + dim0,
+                       dv, t, 1.0f);
+  }
 }
 
 // ---------------------------------------------------------------------------- 3. dQ
@@ -966,7 +1164,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, kExtras || Cfg::kHeadDim >= 96 
 
     // S = Qi Kj^T, dP = dOi Vj^T (queries x keys).
     float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
-    bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp, lane);
+    bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp * 16, 0, lane);
 
     // dS = P o (dP o Z - D), element (j, e): query row_lo + 8 (e / 2), key n0 + j * 8 + 2t +
     // e % 2. Each element takes its own dropout draw: sharing one per key pair, as the
@@ -1201,7 +1399,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 2)
         __syncthreads();
 
         float acc_s[Cfg::kNTilesS][4], acc_dp[Cfg::kNTilesS][4];
-        bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp, lane);
+        bwd_detail::s_and_dp<T, Cfg>(acc_s, acc_dp, sQ, sdO, sK, sV, warp * 16, 0, lane);
 
         // dS = P o (dP o Z - D), as the dQ kernel forms it but before the softcap factor.
         // P = 0 (hidden, dropped-out or -inf pairs, rows without keys) gives dS = 0 even

@@ -128,6 +128,14 @@ def test_gqa_batch(hq, hkv):
     run_case(batch=2, sq=17, sk=70, hq=hq, hkv=hkv, causal=True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gqa_several_query_blocks(deterministic):
+    # Each CTA sweeps several query blocks of each query head of its group: the copies move
+    # from block to block and from one head's last block to the next head's first, whole
+    # blocks and the sequence's partial last one (d = 128: the plain kernel's tiled pass).
+    run_case(batch=2, sq=150, sk=140, hq=4, hkv=2, d=128, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("d", [8, 40, 59, 111, 200])
 def test_odd_head_dims(d):
     run_case(sq=17, sk=70, d=d, causal=True, alignment="top_left")
