@@ -75,7 +75,9 @@ std::string flash_fwd_sm90_refusal(const FwdParams& p) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   if (rows_q < 1) return "q: no rows";
-  if (rows_k < 1) return "k: no keys (seqlen_k = 0)";
+  // No key at all: the sm_80 kernel writes 16-bit calls' zeros; float8 calls run here with
+  // stand-in maps (flash_fwd_sm90_maps) that no load reads.
+  if (rows_k < 1 && !fp8) return "k: no keys (seqlen_k = 0)";
   const int batch = varlen ? 1 : p.batch;
   const int elem = fp8 ? 1 : 2;
   auto aligned = [&](const void* ptr, int64_t row, int64_t head, int64_t bat, int heads) {
@@ -120,15 +122,22 @@ Sm90Maps flash_fwd_sm90_maps(const FwdParams& p, int block_n, int box_cols, cons
   Sm90Maps maps;
   maps.q = map(p.dtype, p.q, p.head_dim, rows_q, p.heads_q, p.q_row_stride, p.q_head_stride,
                p.q_batch_stride, 64, box_cols);
-  maps.k = map(p.dtype, p.k, p.head_dim, rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride,
-               p.k_batch_stride, block_n, box_cols);
+  // A call without keys (float8 only: flash_fwd_sm90_refusal) visits no key block, so its K
+  // and V^T maps are never read: they describe one row of Q's memory, a valid address.
+  const bool no_keys = rows_k < 1;
+  maps.k = no_keys ? map(p.dtype, p.q, p.head_dim, 1, p.heads_q, p.q_row_stride,
+                         p.q_head_stride, p.q_batch_stride, block_n, box_cols)
+                   : map(p.dtype, p.k, p.head_dim, rows_k, p.heads_kv, p.k_row_stride,
+                         p.k_head_stride, p.k_batch_stride, block_n, box_cols);
   if (fp8) {
     // V^T (fp8_v_transpose_kernel): (keys, head_dim_v rows, kv heads, batch entries), one box
     // of block_n keys (128 bytes) x the tile's rows; rows past head_dim_v read as zero.
-    const uint64_t dims[4] = {uint64_t(vt_row), uint64_t(p.head_dim_v), uint64_t(p.heads_kv),
+    const int64_t row = no_keys ? block_n : vt_row;
+    if (no_keys) vt = static_cast<const uint8_t*>(p.q);
+    const uint64_t dims[4] = {uint64_t(row), uint64_t(p.head_dim_v), uint64_t(p.heads_kv),
                               uint64_t(p.batch)};
-    const uint64_t strides[3] = {uint64_t(vt_row), uint64_t(p.head_dim_v) * vt_row,
-                                 uint64_t(p.heads_kv) * p.head_dim_v * vt_row};
+    const uint64_t strides[3] = {uint64_t(row), uint64_t(p.head_dim_v) * row,
+                                 uint64_t(p.heads_kv) * p.head_dim_v * row};
     const uint32_t box[4] = {uint32_t(block_n), uint32_t(tile), 1, 1};
     const uint32_t element_strides[4] = {1, 1, 1, 1};
     maps.vt = encode_tensor_map(TmaDtype::kU8, 4, vt, dims, strides, box, element_strides,

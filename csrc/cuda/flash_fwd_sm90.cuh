@@ -768,7 +768,8 @@ __global__ void __launch_bounds__(kBlockN)
       const int key = c / chunks, x = c % chunks;
       struct alignas(16) Chunk { uint32_t w[4]; };  // one 16-byte load / store
       Chunk w = {{0, 0, 0, 0}};
-      if (key < keys) w = *reinterpret_cast<const Chunk*>(in + int64_t(key) * p.v_row_stride + 16 * x);
+      if (key < keys)
+        w = *reinterpret_cast<const Chunk*>(in + int64_t(key) * p.v_row_stride + 16 * x);
       *reinterpret_cast<Chunk*>(tile + key * kPitch + 16 * x) = w;
     }
   } else {
@@ -782,7 +783,8 @@ __global__ void __launch_bounds__(kBlockN)
   int key_of[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) key_of[j] = (lane / 8) * 32 + v_t_key((4 * lane + j) % 32);
-  uint8_t* out = vt + (int64_t(b) * p.heads_kv + hk) * dv * vt_row + int64_t(n) * kBlockN + 4 * lane;
+  uint8_t* out =
+      vt + (int64_t(b) * p.heads_kv + hk) * dv * vt_row + int64_t(n) * kBlockN + 4 * lane;
   bool nan = false;
   for (int col = warp; col < dv; col += kBlockN / 32) {
     uint32_t word = 0;
@@ -834,13 +836,15 @@ int run_flash_fwd_sm90(const FwdParams& p, Stream stream) {
   int* const v_nan = reinterpret_cast<int*>(vt + vt_bytes);  // vt_bytes: a multiple of 128
   Sm90Maps maps = flash_fwd_sm90_maps(p, Cfg::kBlockN, Cfg::kBoxCols, vt, vt_row, kHeadDim);
   if constexpr (kFp8) {
-    maps.v_nan = v_nan;
-    maps.v_blocks = n_blocks;
-    const bool vec16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 && p.v_row_stride % 16 == 0 &&
-                       p.v_head_stride % 16 == 0 && p.v_batch_stride % 16 == 0 &&
-                       p.head_dim_v % 16 == 0;
-    FMHA_LAUNCH(fp8_v_transpose_kernel<Cfg::kBlockN>, dim3(n_blocks, p.heads_kv, p.batch),
-                dim3(Cfg::kBlockN), 0, stream, p, vt, v_nan, vt_row, n_blocks, vec16);
+    if (n_blocks > 0) {
+      maps.v_nan = v_nan;
+      maps.v_blocks = n_blocks;
+      const bool vec16 = reinterpret_cast<uintptr_t>(p.v) % 16 == 0 &&
+                         p.v_row_stride % 16 == 0 && p.v_head_stride % 16 == 0 &&
+                         p.v_batch_stride % 16 == 0 && p.head_dim_v % 16 == 0;
+      FMHA_LAUNCH(fp8_v_transpose_kernel<Cfg::kBlockN>, dim3(n_blocks, p.heads_kv, p.batch),
+                  dim3(Cfg::kBlockN), 0, stream, p, vt, v_nan, vt_row, n_blocks, vec16);
+    }
   }
   const dim3 grid(launch.m_blocks * launch.num_splits, p.heads_q, p.batch);
   auto go = [&](auto kernel) {

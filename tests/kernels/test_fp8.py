@@ -467,6 +467,17 @@ def test_sm90_nan_codes(backend, rng, causal):
 
 
 @pytest.mark.backends("emu90", "gpu")
+def test_sm90_without_keys(backend):
+    """No key at all: out 0 (bfloat16), lse -inf, as on the CPU (the kernel visits no key
+    block; its K and V^T maps are stand-ins no load reads)."""
+    q = torch.ones((2, 3, 2, 64), dtype=F8)
+    k = torch.ones((2, 0, 1, 64), dtype=F8)
+    out, lse = fmha.attention(q, k, k, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == torch.bfloat16 and (out == 0).all() and (lse == -math.inf).all()
+
+
+@pytest.mark.backends("emu90", "gpu")
 @pytest.mark.parametrize("kw,match", [
     (dict(softcap=2.0), "softcap: not supported with float8_e4m3fn inputs on CUDA"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), "alibi_slopes: not supported"),
