@@ -184,12 +184,14 @@ int current_cpu() {
 // the one the caller left.
 void keep_off_cpu(int caller_cpu) {
 #if defined(__linux__)
-  if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
+  // Read on every thread's first region, not its first collision: by then an outside pin
+  // may have narrowed the set to the caller's CPU alone.
   thread_local const std::pair<bool, cpu_set_t> allowed = [] {
     std::pair<bool, cpu_set_t> a;
     a.first = sched_getaffinity(0, sizeof(a.second), &a.second) == 0;
     return a;
   }();
+  if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return;
   if (!allowed.first) return;
   cpu_set_t set = allowed.second;
   CPU_CLR(caller_cpu, &set);
