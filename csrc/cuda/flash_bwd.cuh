@@ -89,7 +89,10 @@ struct FlashBwdConfig {
   // which the warps, 4 (keys) x 2 (head-dim halves), take dV and dK, and 2 (queries) x 4
   // (head-dim quarters) dQ: every fragment loaded feeds 2-4 mma. Else each warp owns 16 keys
   // of every product and reads all of Qi and dOi (each B fragment feeds one mma pair).
-  static constexpr bool kTiled = !kExtras_ && kHeadDim_ == 128;
+  // Plain d = 64 takes 128 queries a step in two sub-passes of 64 (kSubPasses): the step's
+  // 320 mma a warp carry its fixed work (copies, barriers, dQ's atomics) as at d = 128,
+  // while S^T and dP^T of one sub-pass at a time (32 registers each) leave P in float32.
+  static constexpr bool kTiled = !kExtras_ && (kHeadDim_ == 64 || kHeadDim_ == 128);
   static constexpr int kWarpKeys = kTiled ? 32 : 16;          // a warp's keys of S^T, dK, dV
   static constexpr int kKeyWarps = kBlockN / kWarpKeys;       // warps along the keys
   static constexpr int kSideWarps = kWarps / kKeyWarps;       // along the queries (dims)
@@ -104,9 +107,16 @@ struct FlashBwdConfig {
   // With 8 warps, 128 queries spilled d = 64 (36-48 bytes, sm_80 and sm_90) and 64 queries
   // d = 128 (16-124 bytes, whatever of kPointersInSmem, the dQ lanes' re-read and kDqRows was
   // cut). Tiled: 64 (a warp's 32 x 32 of S^T is 32 registers).
-  static constexpr int kBlockM =
-      kHeadDim_ < 96 || kTiled ? 64 : (kExtras_ || kSplits > 1) ? 16 : 32;
-  static constexpr int kStages = 2;  // Qi double-buffered
+  static constexpr int kBlockM = kTiled && kHeadDim_ == 64 ? 128
+                                 : kHeadDim_ < 96 || kTiled ? 64
+                                 : (kExtras_ || kSplits > 1) ? 16
+                                                             : 32;
+  static constexpr int kSubPasses = kTiled ? kBlockM / 64 : 1;  // of S^T, dP^T, P, dS a step
+  // Qi double-buffered; but where a tiled step takes 128 queries, Qi has one stage and loads
+  // with dOi during dQ (two stages of Qi beside P^T and dS^T of 128 queries: ~167 KiB, over
+  // an sm_80 SM's 163 KiB).
+  static constexpr bool kQWithDo = kTiled && kBlockM > 64;
+  static constexpr int kStages = kQWithDo ? 1 : 2;
   // dOi, lse and D: double-buffered too, but in the tiled pass loaded once dV has read dOi,
   // during dQ (one stage: two did not fit an sm_80 SM's shared memory beside P^T).
   static constexpr int kDoStages = kTiled ? 1 : kStages;
@@ -134,8 +144,10 @@ struct FlashBwdConfig {
       kPointerBytes + size_t(2 * kDoStages * kBlockM) * sizeof(float) +
       kDoStages * sizeof(int);
 
+  static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 CTA's shared memory");
+
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
-  static constexpr int kWarpNTiles = kNTilesS / kSideWarps;  // ... of a warp's S^T
+  static constexpr int kWarpNTiles = kNTilesS / (kSideWarps * kSubPasses);  // ... a warp's S^T
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
   static constexpr int kWarpNTilesD = kNTilesD / kSideWarps;  // ... of a warp's dK, dV
@@ -150,8 +162,9 @@ struct FlashBwdConfig {
   // With 8 warps at d = 128 a warp takes kDqRows = 2 row groups instead (all 32 queries) and
   // 2 n-tiles: each Kj fragment it loads feeds 2 mma pairs, where one row group a warp reads
   // twice the Kj fragments or holds the row group's dS^T fragments (kDqHoistDs).
-  // (Tiled: 2 row groups of 32 queries x 4 warps of 4 n-tiles each.)
-  static constexpr int kDqRows = kWarps == 8 && kHeadDim_ == 128 ? 2 : 1;
+  // (Tiled: row groups of 32 queries x warps of 4 n-tiles each, 2 x 4 at d = 128, 4 x 2 at
+  // d = 64.)
+  static constexpr int kDqRows = kWarps == 8 && (kHeadDim_ == 128 || kTiled) ? 2 : 1;
   static constexpr int kDqUnitsWide = kNTilesD * (kBlockM / (16 * kDqRows)) / kWarps;
   static constexpr int kDqChunk =
       kDqRows > 1 ||
@@ -423,10 +436,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // The two key rows of this thread in the accumulator layout of S^T, dK and dV: key_lo,
   // key_lo + 8, and 16 below them for a second m-tile (computed, not an array: a
   // runtime-indexed array would live in local memory). A tiled warp's queries of S^T start
-  // at row q_off of the step's block, its columns of dK and dV at c_base + dim0.
+  // at row q_warp of the step's block (of each sub-pass's 64), its columns of dK and dV at
+  // c_base + dim0.
   const int key_row0 = (warp % Cfg::kKeyWarps) * Cfg::kWarpKeys;  // in the key block
   const int key_lo = n0 + key_row0 + g;
-  const int q_off = (warp / Cfg::kKeyWarps) * Cfg::kWarpNTiles * 8;
+  const int q_warp = (warp / Cfg::kKeyWarps) * Cfg::kWarpNTiles * 8;
   const int dim0 = (warp / Cfg::kKeyWarps) * Cfg::kWarpNTilesD * 8;
 
   float acc_dk[Cfg::kMTiles][Cfg::kWarpNTilesD][4], acc_dv[Cfg::kMTiles][Cfg::kWarpNTilesD][4];
@@ -580,7 +594,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // taken, kept through the loop, cost the kernels at ptxas's register cap a spill. (An
   // empty step taken adds exact zeros.)
   // (Batch, heads and keys are re-read from blockIdx and the params, for the same reason.)
-  static_assert(Cfg::kStages == 2, "steps taken alternate between two stages");
+  static_assert(Cfg::kStages == 2 || !kExtras, "steps taken alternate between two stages");
   auto next_step = [&](int x, int after) {
     if (kExtras && p.block_mask.index) {
       const int bz = int(blockIdx.z), q_head0 = int(blockIdx.y) * (p.heads_q / p.heads_kv);
@@ -620,14 +634,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // finished at the trailing __syncthreads of the previous iteration. (The next step is
     // found again at the end: held through the body, it cost registers.)
     // (Tiled: Qi only; dOi, lse and D at the end of dV and dK.)
-    if (const int next = next_step(step + 1, step); next < steps) {
-      if constexpr (kTiled)
-        load_parts(std::integral_constant<int, 1>{}, next, (stage + 1) % Cfg::kStages, 0);
-      else
-        load_step(next, (stage + 1) % Cfg::kStages);
+    // (kQWithDo: nothing; Qi loads with dOi.)
+    if constexpr (Cfg::kQWithDo) {
+      cp_async_wait<0>();  // Kj, Vj and this step's Qi, dOi landed
+    } else {
+      if (const int next = next_step(step + 1, step); next < steps) {
+        if constexpr (kTiled)
+          load_parts(std::integral_constant<int, 1>{}, next, (stage + 1) % Cfg::kStages, 0);
+        else
+          load_step(next, (stage + 1) % Cfg::kStages);
+      }
+      cp_async_commit();
+      cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
     }
-    cp_async_commit();
-    cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
 
     const int hq = head_of(step);
     const int h = h_kv * group + hq;
@@ -651,141 +670,158 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const float* tLse = sLse + do_stage * Cfg::kBlockM;
     const float* tD = sD + do_stage * Cfg::kBlockM;
 
-    // ---- S^T = Kj Qi^T and dP^T = Vj dOi^T (keys x queries). A: the warp's 16 rows of Kj
-    // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
-    // plain ldmatrix, two n-tiles (8 queries each) x two k-halves per x4.
-    // (Tiled: the warp's 32 keys x 32 queries, element [mt * kWarpNTiles + j]; S^T alone
-    // here, dP^T once P is packed, below: both at once, with dK and dV, spilled.)
+    // (Untiled: the accumulators of S^T and dP^T are dV's and dK's A operands, after the loop.)
     constexpr int kNT = Cfg::kWarpNTiles;
     float acc_s[Cfg::kMTiles * kNT][4], acc_dp[Cfg::kMTiles * kNT][4];
-    bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, Cfg::kPackP ? 1 : 3>(
-        acc_s, acc_dp, sK, sV, tQ, tdO, key_row0, q_off, lane);
+    // Sub-pass sp: queries [q_off, q_off + 8 kWarpNTiles) of the step's block for this warp.
+#pragma unroll
+    for (int sp = 0; sp < Cfg::kSubPasses; ++sp) {
+      const int q_off = q_warp + sp * (Cfg::kBlockM / Cfg::kSubPasses);
+      // ---- S^T = Kj Qi^T and dP^T = Vj dOi^T (keys x queries). A: the warp's 16 rows of Kj
+      // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
+      // plain ldmatrix, two n-tiles (8 queries each) x two k-halves per x4.
+      // (Tiled: the warp's 32 keys x 32 queries, element [mt * kWarpNTiles + j]; S^T alone
+      // here, dP^T once P is packed, below: both at once, with dK and dV, spilled.)
+      bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, Cfg::kPackP ? 1 : 3>(
+          acc_s, acc_dp, sK, sV, tQ, tdO, key_row0, q_off, lane);
 
-    // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
-    // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
-    // (Each element has its own dropout draw: the two keys of a thread are 8 apart, in
-    // different draws of four.)
-    const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
-    // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
-    // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
-    // adjacent, so their lse and D are read as one pair each.
-    // (Element (mt * kNT + j, e) of a tiled warp: key key_lo + 16 mt + 8 (e / 2), query m0 +
-    // q_off + 8 j + 2t + e % 2; the pairs are read once for both m-tiles.)
-    auto for_each_score = [&](auto&& f) {
+      // ---- P, then dS = P o (dP o Z - D) into acc_dp and Pd = P o Z into acc_s. Element
+      // (j, e) is key keys[e / 2], query m0 + j * 8 + 2t + e % 2.
+      // (Each element has its own dropout draw: the two keys of a thread are 8 apart, in
+      // different draws of four.)
+      const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
+      // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
+      // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
+      // adjacent, so their lse and D are read as one pair each.
+      // (Element (mt * kNT + j, e) of a tiled warp: key key_lo + 16 mt + 8 (e / 2), query m0 +
+      // q_off + 8 j + 2t + e % 2; the pairs are read once for both m-tiles.)
+      auto for_each_score = [&](auto&& f) {
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t);
-        const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t);
+        for (int j = 0; j < kNT; ++j) {
+          const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t);
+          const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t);
 #pragma unroll
-        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+          for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2), m0 + q_off + j * 8 + 2 * t + e % 2,
-              e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
-      }
-    };
-    // kInner: a plain step whose rows and keys all lie inside the sequences and the window
-    // (bwd_detail::inner_step): no pair to test.
-    auto scores = [&](auto inner) {
-      constexpr bool kInner = decltype(inner)::value;
-      for_each_score([&](int j, int e, int key, int i, float lse_i, float d_i) {
-        bool visible = kInner || score::visible(p, s, i, key);
-        float x;
-        [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
-        if constexpr (kExtras)
-          x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
-        else
-          x = acc_s[j][e] * scale_log2;
-        // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
-        // Plain: the exponent as one FFMA, as scores_fast takes it.
-        const float arg = kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i);
-        const float prob = visible && x != -INFINITY ? exp2_approx(arg) : 0.0f;
-        float dp = acc_dp[j][e], pd = prob;
-        if (kExtras && p.dropout_p > 0.0) {
-          const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
-          dp = keep ? dp * keep_scale : 0.0f;
-          pd = keep ? prob * keep_scale : 0.0f;
+            for (int e = 0; e < 4; ++e)
+              f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2), m0 + q_off + j * 8 + 2 * t + e % 2,
+                e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
         }
-        float ds = prob == 0.0f ? 0.0f : prob * (dp - d_i);
-        if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
-        acc_s[j][e] = pd;
-        acc_dp[j][e] = ds;
-      });
-    };
-    // A plain step with no pair to test and no NaN lse, as FlashAttention-2 computes it: P =
-    // exp2(S scale - lse) in one FFMA, dS = P (dP - D) but 0 where P is -- the rule above
-    // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
-    // (lse is finite or +inf: a row with no visible key).
-    auto scores_fast = [&] {
-      for_each_score([&](int j, int e, int, int, float lse_i, float d_i) {
-        const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
-        const float ds = prob * (acc_dp[j][e] - d_i);
-        acc_s[j][e] = prob;
-        acc_dp[j][e] = prob == 0.0f ? 0.0f : ds;
-      });
-    };
-    // Element (j, e) of P^T (dS^T): half e % 2 of word e / 2 of packed row pair j; rows
-    // key_row0 + 16 mt + g (+ 8) of the tile, columns q_off + 8 j + 2t (+ 1).
-    auto store_t = [&](T* tile, int jj, uint32_t lo, uint32_t hi) {
-      const int mt = jj / kNT, j = jj % kNT;
-      T* at = tile + (key_row0 + mt * 16 + g) * Cfg::kDsStride + q_off + j * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(at) = lo;
-      *reinterpret_cast<uint32_t*>(at + 8 * Cfg::kDsStride) = hi;
-    };
-    if constexpr (Cfg::kPackP) {
-      // P (the plain rules of `scores`), packed to 16-bit pairs -- the A operand of dV as it
-      // goes to shared memory, and the P of dS = P o (dP - D) below -- so that dP^T's
-      // accumulators replace S^T's. (dS from the rounded P, as a low-precision softmax
-      // backward takes it.) kTest: the pair tests of a step that needs them.
-      auto probs = [&](auto test_visible, auto test_inf) {
-        constexpr bool kVisible = decltype(test_visible)::value;
-        constexpr bool kInf = decltype(test_inf)::value;
-        for_each_score([&](int j, int e, int key, int i, float lse_i, float) {
-          const bool visible = !kVisible || score::visible(p, s, i, key);
-          const bool finite = !kInf || acc_s[j][e] * scale_log2 != -INFINITY;
-          const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
-          acc_s[j][e] = visible && finite ? prob : 0.0f;
+      };
+      // kInner: a plain step whose rows and keys all lie inside the sequences and the window
+      // (bwd_detail::inner_step): no pair to test.
+      auto scores = [&](auto inner) {
+        constexpr bool kInner = decltype(inner)::value;
+        for_each_score([&](int j, int e, int key, int i, float lse_i, float d_i) {
+          bool visible = kInner || score::visible(p, s, i, key);
+          float x;
+          [[maybe_unused]] float dcap = 1.0f;  // read only by the extras
+          if constexpr (kExtras)
+            x = score::logit_log2(p, s, acc_s[j][e], b, h, i, key, slope, visible, dcap);
+          else
+            x = acc_s[j][e] * scale_log2;
+          // P = 0 where S = -inf, also in a NaN row; dS = 0 where P = 0 (docs/semantics.md).
+          // Plain: the exponent as one FFMA, as scores_fast takes it.
+          const float arg = kExtras ? x - lse_i : fmaf(acc_s[j][e], scale_log2, -lse_i);
+          const float prob = visible && x != -INFINITY ? exp2_approx(arg) : 0.0f;
+          float dp = acc_dp[j][e], pd = prob;
+          if (kExtras && p.dropout_p > 0.0) {
+            const bool keep = visible && score::dropout_keep(p, threshold, b, h, i, key);
+            dp = keep ? dp * keep_scale : 0.0f;
+            pd = keep ? prob * keep_scale : 0.0f;
+          }
+          float ds = prob == 0.0f ? 0.0f : prob * (dp - d_i);
+          if constexpr (kExtras) ds = prob == 0.0f ? 0.0f : ds * dcap;
+          acc_s[j][e] = pd;
+          acc_dp[j][e] = ds;
         });
       };
-      if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
-        probs(std::true_type{}, std::true_type{});
-      else if (sNanLse[do_stage] == step)
-        probs(std::false_type{}, std::true_type{});
-      else
-        probs(std::false_type{}, std::false_type{});
-      uint32_t p_pack[Cfg::kMTiles * kNT][2];
+      // A plain step with no pair to test and no NaN lse, as FlashAttention-2 computes it: P =
+      // exp2(S scale - lse) in one FFMA, dS = P (dP - D) but 0 where P is -- the rule above
+      // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
+      // (lse is finite or +inf: a row with no visible key).
+      // The test of P = 0 is left to the rare thread that needs it: P (dP - D) differs from
+      // the rule's 0 where P = 0 only when dP - D is not finite, and is NaN there; one
+      // unordered compare finds a NaN in two scores (64 instructions a pass fewer than a
+      // test and select per score at d = 64).
+      auto scores_fast = [&] {
+        bool nan_ds = false;
+        for_each_score([&](int j, int e, int, int, float lse_i, float d_i) {
+          const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
+          acc_s[j][e] = prob;
+          acc_dp[j][e] = prob * (acc_dp[j][e] - d_i);
+          if (e % 2) nan_ds |= acc_dp[j][e - 1] != acc_dp[j][e - 1] || acc_dp[j][e] != acc_dp[j][e];
+        });
+        if (nan_ds) {
 #pragma unroll
-      for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
-        p_pack[jj][0] = pack2<T>(acc_s[jj][0], acc_s[jj][1]);
-        p_pack[jj][1] = pack2<T>(acc_s[jj][2], acc_s[jj][3]);
-        store_t(sP, jj, p_pack[jj][0], p_pack[jj][1]);
-      }
-      bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
-                                                         key_row0, q_off, lane);
-      // dS = P (dP - D), 0 where P is (also against a non-finite dP or D).
-      for_each_score([&](int j, int e, int, int, float, float d_i) {
-        const uint32_t pair = p_pack[j][e / 2];
-        const float prob =
-            to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
-        acc_dp[j][e] = prob == 0.0f ? 0.0f : prob * (acc_dp[j][e] - d_i);
-      });
+          for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
 #pragma unroll
-      for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
-        store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
-                pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
-    } else {
-      if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
-        scores(std::false_type{});
-      else if (kExtras || sNanLse[do_stage] == step)
-        scores(std::true_type{});
-      else
-        scores_fast();
-      if constexpr (kTiled) {  // Pd^T and dS^T to shared memory
+            for (int e = 0; e < 4; ++e) acc_dp[jj][e] = acc_s[jj][e] == 0.0f ? 0.0f : acc_dp[jj][e];
+        }
+      };
+      // Element (j, e) of P^T (dS^T): half e % 2 of word e / 2 of packed row pair j; rows
+      // key_row0 + 16 mt + g (+ 8) of the tile, columns q_off + 8 j + 2t (+ 1).
+      auto store_t = [&](T* tile, int jj, uint32_t lo, uint32_t hi) {
+        const int mt = jj / kNT, j = jj % kNT;
+        T* at = tile + (key_row0 + mt * 16 + g) * Cfg::kDsStride + q_off + j * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(at) = lo;
+        *reinterpret_cast<uint32_t*>(at + 8 * Cfg::kDsStride) = hi;
+      };
+      if constexpr (Cfg::kPackP) {
+        // P (the plain rules of `scores`), packed to 16-bit pairs -- the A operand of dV as it
+        // goes to shared memory, and the P of dS = P o (dP - D) below -- so that dP^T's
+        // accumulators replace S^T's. (dS from the rounded P, as a low-precision softmax
+        // backward takes it.) kTest: the pair tests of a step that needs them.
+        auto probs = [&](auto test_visible, auto test_inf) {
+          constexpr bool kVisible = decltype(test_visible)::value;
+          constexpr bool kInf = decltype(test_inf)::value;
+          for_each_score([&](int j, int e, int key, int i, float lse_i, float) {
+            const bool visible = !kVisible || score::visible(p, s, i, key);
+            const bool finite = !kInf || acc_s[j][e] * scale_log2 != -INFINITY;
+            const float prob = exp2_approx(fmaf(acc_s[j][e], scale_log2, -lse_i));
+            acc_s[j][e] = visible && finite ? prob : 0.0f;
+          });
+        };
+        if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+          probs(std::true_type{}, std::true_type{});
+        else if (sNanLse[do_stage] == step)
+          probs(std::false_type{}, std::true_type{});
+        else
+          probs(std::false_type{}, std::false_type{});
+        uint32_t p_pack[Cfg::kMTiles * kNT][2];
 #pragma unroll
         for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
-          store_t(sP, jj, pack2<T>(acc_s[jj][0], acc_s[jj][1]), pack2<T>(acc_s[jj][2], acc_s[jj][3]));
+          p_pack[jj][0] = pack2<T>(acc_s[jj][0], acc_s[jj][1]);
+          p_pack[jj][1] = pack2<T>(acc_s[jj][2], acc_s[jj][3]);
+          store_t(sP, jj, p_pack[jj][0], p_pack[jj][1]);
+        }
+        bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
+                                                           key_row0, q_off, lane);
+        // dS = P (dP - D), 0 where P is (also against a non-finite dP or D).
+        for_each_score([&](int j, int e, int, int, float, float d_i) {
+          const uint32_t pair = p_pack[j][e / 2];
+          const float prob =
+              to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
+          acc_dp[j][e] = prob == 0.0f ? 0.0f : prob * (acc_dp[j][e] - d_i);
+        });
+#pragma unroll
+        for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
           store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
                   pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+      } else {
+        if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+          scores(std::false_type{});
+        else if (kExtras || sNanLse[do_stage] == step)
+          scores(std::true_type{});
+        else
+          scores_fast();
+        if constexpr (kTiled) {  // Pd^T and dS^T to shared memory
+#pragma unroll
+          for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
+            store_t(sP, jj, pack2<T>(acc_s[jj][0], acc_s[jj][1]), pack2<T>(acc_s[jj][2], acc_s[jj][3]));
+            store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
+                    pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+          }
         }
       }
     }
@@ -856,10 +892,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             mma_pair<T>(acc_dk[mt][j], acc_dk[mt][j + 1], ds_frag[mt], b4);
         }
       }
-      // Every warp is done with dOi (and Qi): the next step's dOi, lse and D load during dQ.
+      // Every warp is done with dOi (and Qi): the next step's dOi, lse and D (kQWithDo: and
+      // Qi) load during dQ.
       __syncthreads();
       if (const int next = next_step(step + 1, step); next < steps)
-        load_parts(std::integral_constant<int, 2>{}, next, 0, (stage + 1) % Cfg::kDoStages);
+        load_parts(std::integral_constant<int, Cfg::kQWithDo ? 3 : 2>{}, next,
+                   (stage + 1) % Cfg::kStages, (stage + 1) % Cfg::kDoStages);
       cp_async_commit();
     } else {
       // The accumulators of n-tiles 2k, 2k+1 are the A fragment of k-step k (keys g / g+8,
