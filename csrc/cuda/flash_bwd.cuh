@@ -10,7 +10,8 @@
 //   dK = scale dS^T Q,  dQ = scale dS K
 //
 // Kernels, in launch order (flash_bwd.cu):
-//  1. flash_bwd_dot_do_o   D for every query row (float32 scratch).
+//  1. flash_bwd_dot_do_o   D and lse in the log2 domain for every query row (float32
+//                          scratch).
 //  2. flash_bwd_kernel     one CTA per (key block Kj of kBlockN = 16 keys per warp, kv head, batch):
 //                          Kj, Vj stay in shared memory, dKj and dVj in registers, while the
 //                          CTA sweeps every query block Qi of every query head of the kv
@@ -135,8 +136,10 @@ struct FlashBwdConfig {
   // steps, the blocks per head). Where the threads copy whole blocks (not 96-wide rows).
   static constexpr bool kPointersInSmem =
       !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
-  static constexpr int kPointerBytes =
-      kPointersInSmem ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t)) : 0;
+  // (kQWithDo: the pointers and moves stay in registers, flash_bwd_kernel.)
+  static constexpr int kPointerBytes = kPointersInSmem && !kQWithDo
+                                           ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t))
+                                           : 0;
   // Kj, Vj; kStages x Qi; kDoStages x dOi; dS^T (and P^T); the pointers; kDoStages x (lse,
   // D) of the query block; kDoStages ints (the step whose lse holds a NaN).
   static constexpr size_t kSmemBytes =
@@ -240,6 +243,11 @@ struct FlashBwdDbiasConfig {
 // indexed b * seqlen_q + i (seqlen_q the maximum when varlen).
 struct BwdWork {
   float* d = nullptr;         // (heads_q, batch * seqlen_q): rowsum(dO o O)
+  // (heads_q, batch * seqlen_q): lse in the log2 domain, +inf for rows with no visible key
+  // (lse = -inf) and rows past a varlen sequence, so that exp2(x - lse) is exactly 0 there,
+  // never NaN. Read by the main kernel as D is: from lse's own strides, its row address cost
+  // the warps that load it ~40 instructions a pass more than D's (d = 64, sm_90).
+  float* lse2 = nullptr;
   float* dq_accum = nullptr;  // (heads_q, batch * seqlen_q, head_dim), unscaled; atomics mode
 };
 
@@ -344,7 +352,7 @@ FMHA_DEVICE void s_and_dp(float (&acc_s)[kMTiles * kNTiles][4],
 // ---------------------------------------------------------------------------- 1. D
 
 // D[i] = sum_c dO[i][c] O[i][c], in float32: one warp per row at a time, lanes across the
-// head dim, a butterfly sum.
+// head dim, a butterfly sum. Also lse2[i] (BwdWork).
 template <typename T>
 __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -370,6 +378,8 @@ __global__ void __launch_bounds__(128) flash_bwd_dot_do_o(BwdParams p, BwdWork w
                              int64_t(i) * p.lse_row_stride;
       if (p.dlse && i < s.sq) sum -= static_cast<const float*>(p.dlse)[lse_at];
       w.d[bwd_detail::work_row(p, h, b, i)] = sum;
+      const float l = i < s.sq ? static_cast<const float*>(p.lse)[lse_at] : -INFINITY;
+      w.lse2[bwd_detail::work_row(p, h, b, i)] = l == -INFINITY ? INFINITY : l * score::kLog2e;
       // dbias of a bias constant along the keys is 0 (run_flash_bwd fills it), except that a
       // row whose lse is NaN, or that sees keys and has a non-finite D, sums to NaN.
       if (p.dbias && p.dbias_cols == 1 && i < s.sq) {  // dbias_is_zero(p), host-only
@@ -467,13 +477,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   constexpr bool kSlots = Cfg::kPointersInSmem;
   using FullQ =
       tile::FullBlock<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>;
+  // Where one copy takes Qi and dOi at once (kQWithDo), the pointers stay in registers
+  // (pointers_in_regs) and the moves come from the params, a constant-bank operand: 13 shared
+  // loads and stores a pass fewer (~3,000 bytes).
+  constexpr bool kRegs = Cfg::kQWithDo;
   const T* volatile* const slots =
-      kSlots ? reinterpret_cast<const T* volatile*>(sPointers) + 2 * tid : nullptr;
+      kSlots && !kRegs ? reinterpret_cast<const T* volatile*>(sPointers) + 2 * tid : nullptr;
+  const T* pointers_in_regs[2] = {nullptr, nullptr};
+  auto slot = [&](int k) -> const T* { return kRegs ? pointers_in_regs[k] : slots[k]; };
+  auto set_slot = [&](int k, const T* x) {
+    if constexpr (kRegs)
+      pointers_in_regs[k] = x;
+    else
+      slots[k] = x;
+  };
   // In elements, Qi's then dOi's: [0, 1] to the head's next block, [2, 3] to the next head's
   // first, [4, 5] the row step of a copy (FullBlock::kRowsPerPass rows); [6] blocks per head.
   volatile int64_t* const moves =
-      kSlots ? reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads)
-             : nullptr;
+      kSlots && !kRegs
+          ? reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads)
+          : nullptr;
+  auto move = [&](int k) -> int64_t {
+    if constexpr (kRegs) {
+      const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
+      switch (k) {
+        case 0: return int64_t(Cfg::kBlockM) * p.q_row_stride;
+        case 1: return int64_t(Cfg::kBlockM) * p.do_row_stride;
+        case 2: return p.q_head_stride - back * p.q_row_stride;
+        case 3: return p.do_head_stride - back * p.do_row_stride;
+        case 4: return FullQ::kRowsPerPass * p.q_row_stride;
+        case 5: return FullQ::kRowsPerPass * p.do_row_stride;
+        default: return blocks_per_head;
+      }
+    }
+    return moves[k];
+  };
   // Row 0 of query head h in Q (dO).
   auto q_head = [&](int h) {
     return static_cast<const T*>(p.q) + score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) +
@@ -486,11 +524,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   if constexpr (kSlots) {
     // Step 0: the group's first query head, block m_begin.
     const int64_t row0 = int64_t(m_begin) * Cfg::kBlockM;
-    slots[0] = q_head(h_kv * group) + row0 * p.q_row_stride +
-               FullQ::thread_offset(p.q_row_stride, tid);
-    slots[1] = do_head(h_kv * group) + row0 * p.do_row_stride +
-               FullQ::thread_offset(p.do_row_stride, tid);
-    if (tid == 0) {
+    set_slot(0, q_head(h_kv * group) + row0 * p.q_row_stride +
+                    FullQ::thread_offset(p.q_row_stride, tid));
+    set_slot(1, do_head(h_kv * group) + row0 * p.do_row_stride +
+                    FullQ::thread_offset(p.do_row_stride, tid));
+    if (!kRegs && tid == 0) {
       const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
       moves[0] = int64_t(Cfg::kBlockM) * p.q_row_stride;
       moves[1] = int64_t(Cfg::kBlockM) * p.do_row_stride;
@@ -516,15 +554,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     T* const q_dst = sQ + q_stage * Cfg::kTileQ;
     T* const do_dst = sdO + do_stage * Cfg::kTileQ;
     if constexpr (kSlots) {
-      const T* q_src = slots[0];
-      const T* do_src = slots[1];
+      const T* q_src = slot(0);
+      const T* do_src = slot(1);
       // (The edge copies' chunks from the thread index read anew where the two copies lie
       // apart: ptxas held them through the pass and spilled, ptxas 13.0.)
       const int tid_e = kParts != 3 ? int(thread_index_reread()) : tid;
       if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
         const int chunk = FullQ::smem_offset(tid);
-        if constexpr ((kParts & 1) != 0) FullQ::load_stepping(q_dst + chunk, q_src, moves[4]);
-        if constexpr ((kParts & 2) != 0) FullQ::load_stepping(do_dst + chunk, do_src, moves[5]);
+        if constexpr ((kParts & 1) != 0) FullQ::load_stepping(q_dst + chunk, q_src, move(4));
+        if constexpr ((kParts & 2) != 0) FullQ::load_stepping(do_dst + chunk, do_src, move(5));
       } else {  // (also both when only one of head_dim, head_dim_v fills the tile: a test
                 // each cost 10-16 instructions a pass, and spilled d = 128 on sm_90)
         if constexpr ((kParts & 1) != 0)
@@ -536,9 +574,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       }
       // On to the next step: the head's next block, or the next head's first. (After the
       // last step they point past the tensors; nothing reads them there.)
-      const int to = blk + 1 < int(moves[6]) ? 0 : 2;
-      if constexpr ((kParts & 1) != 0) slots[0] = q_src + moves[to];
-      if constexpr ((kParts & 2) != 0) slots[1] = do_src + moves[to + 1];
+      const bool next_block = blk + 1 < int(move(6));
+      if constexpr ((kParts & 1) != 0) set_slot(0, q_src + (next_block ? move(0) : move(2)));
+      if constexpr ((kParts & 2) != 0) set_slot(1, do_src + (next_block ? move(1) : move(3)));
     } else {
       if constexpr ((kParts & 1) != 0)
         tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
@@ -549,25 +587,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     if constexpr ((kParts & 2) == 0) return;
     const int stage = do_stage;  // lse and D go with dOi
-    // lse in the log2 domain; +inf for rows with no visible key (lse = -inf) and rows past
-    // the sequence, so that exp2(x - lse) is exactly 0 there, never NaN.
+    // Where row r's lse and D sit in their stage: within each warp's kWarpNTiles * 8 queries
+    // of S^T, query 8 j + 2t + e at 2 kWarpNTiles t + 2 j + e, so that a thread's values of
+    // n-tiles j, j + 1 (j even) are adjacent (for_each_score).
+    auto lse_slot = [](int r) {
+      constexpr int kRun = Cfg::kWarpNTiles * 8;
+      return r / kRun * kRun + 2 * Cfg::kWarpNTiles * (r % 8 / 2) + 2 * (r % kRun / 8) + r % 2;
+    };
+    // lse in the log2 domain (BwdWork::lse2); +inf for rows past the block's sequence.
     auto load_lse = [&](int r) {
       const int i = m0 + r;
       float lse_l2 = INFINITY;
       if (i < s.sq) {
-        const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                           score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
-        const float l = lse[int64_t(i) * p.lse_row_stride];
-        lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
+        lse_l2 = w.lse2[bwd_detail::work_row(p, h, b, i)];
         // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
         // not give the rule's 0 for S = -inf there.
         if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;  // (stage: dOi's)
       }
-      sLse[stage * Cfg::kBlockM + r] = lse_l2;
+      sLse[stage * Cfg::kBlockM + lse_slot(r)] = lse_l2;
     };
     auto load_d = [&](int r) {
       const int i = m0 + r;
-      sD[stage * Cfg::kBlockM + r] = i < s.sq ? w.d[bwd_detail::work_row(p, h, b, i)] : 0.0f;
+      sD[stage * Cfg::kBlockM + lse_slot(r)] =
+          i < s.sq ? w.d[bwd_detail::work_row(p, h, b, i)] : 0.0f;
     };
     // With 8 warps, lse and D by different warps: each warp's pass issues one of the two
     // address computations at most (the slowest warp's pass, d = 128: 57 instructions above
@@ -654,9 +696,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const int do_stage = stage % Cfg::kDoStages;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + do_stage * Cfg::kTileQ;
-    const bool in_window = score::block_inside_window(s, p.window_left, p.window_right, m0,
-                                                      m0 + Cfg::kBlockM - 1, n0,
-                                                      n0 + Cfg::kBlockN - 1);
+    // (Without a window every block is inside it: its test cost ~15 instructions a pass.)
+    const bool in_window =
+        (p.window_left < 0 && p.window_right < 0) ||
+        score::block_inside_window(s, p.window_left, p.window_right, m0, m0 + Cfg::kBlockM - 1,
+                                   n0, n0 + Cfg::kBlockN - 1);
     const bool may_zero = zeros_anywhere || !in_window;
     // ... for every thread, and lse / D too; and whether an operand of the step's products
     // holds a NaN or Inf that a zero-weight pair must not pass on (rare).
@@ -670,6 +714,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const float* tLse = sLse + do_stage * Cfg::kBlockM;
     const float* tD = sD + do_stage * Cfg::kBlockM;
 
+    // Which score rules the step takes (the same in every sub-pass): the pair tests unless it is
+    // an inner step (bwd_detail::inner_step), the test of S = -inf where its lse holds a NaN.
+    const bool inner = bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0);
+    const bool nan_lse = sNanLse[do_stage] == step;
     // (Untiled: the accumulators of S^T and dP^T are dV's and dK's A operands, after the loop.)
     constexpr int kNT = Cfg::kWarpNTiles;
     float acc_s[Cfg::kMTiles * kNT][4], acc_dp[Cfg::kMTiles * kNT][4];
@@ -691,21 +739,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // different draws of four.)
       const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
       // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
-      // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
-      // adjacent, so their lse and D are read as one pair each.
+      // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's lse and D of two n-tiles are
+      // adjacent in shared memory (lse_slot), so that they are read as one 16-byte access
+      // each.
       // (Element (mt * kNT + j, e) of a tiled warp: key key_lo + 16 mt + 8 (e / 2), query m0 +
-      // q_off + 8 j + 2t + e % 2; the pairs are read once for both m-tiles.)
+      // q_off + 8 j + 2t + e % 2; lse and D are read once for both m-tiles.)
       auto for_each_score = [&](auto&& f) {
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          const FloatPair lse2 = *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t);
-          const FloatPair d2 = *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t);
+        for (int j2 = 0; j2 < kNT; j2 += 2) {
+          const int at = q_off + 2 * kNT * t + 2 * j2;  // lse_slot(q_off + 8 j2 + 2t)
+          const FloatPairs lse4 = *reinterpret_cast<const FloatPairs*>(tLse + at);
+          const FloatPairs d4 = *reinterpret_cast<const FloatPairs*>(tD + at);
 #pragma unroll
-          for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+          for (int j = j2; j < j2 + 2; ++j) {
+            const FloatPair lse2 = j == j2 ? lse4.lo : lse4.hi, d2 = j == j2 ? d4.lo : d4.hi;
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2), m0 + q_off + j * 8 + 2 * t + e % 2,
-                e % 2 ? lse2.y : lse2.x, e % 2 ? d2.y : d2.x);
+            for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2),
+                  m0 + q_off + j * 8 + 2 * t + e % 2, e % 2 ? lse2.y : lse2.x,
+                  e % 2 ? d2.y : d2.x);
+          }
         }
       };
       // kInner: a plain step whose rows and keys all lie inside the sequences and the window
@@ -782,9 +837,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             acc_s[j][e] = visible && finite ? prob : 0.0f;
           });
         };
-        if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+        if (!inner)
           probs(std::true_type{}, std::true_type{});
-        else if (sNanLse[do_stage] == step)
+        else if (nan_lse)
           probs(std::false_type{}, std::true_type{});
         else
           probs(std::false_type{}, std::false_type{});
@@ -809,9 +864,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
                   pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
       } else {
-        if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
+        if (!inner)
           scores(std::false_type{});
-        else if (kExtras || sNanLse[do_stage] == step)
+        else if (kExtras || nan_lse)
           scores(std::true_type{});
         else
           scores_fast();
@@ -1510,8 +1565,9 @@ void run_flash_bwd(const BwdParams& p, Stream stream) {
   const bool vec = flash_bwd_rows_aligned(p);
   const int64_t rows = int64_t(p.batch) * p.seqlen_q;  // per query head
   BwdWork w;
-  Scratch d_buf(size_t(p.heads_q) * rows * sizeof(float), stream);
+  Scratch d_buf(2 * size_t(p.heads_q) * rows * sizeof(float), stream);  // D, then lse2
   w.d = d_buf.as<float>();
+  w.lse2 = w.d + size_t(p.heads_q) * rows;
   Scratch dq_buf(p.deterministic ? 0 : size_t(p.heads_q) * rows * p.head_dim * sizeof(float),
                  stream, /*zero=*/true);
   w.dq_accum = dq_buf.as<float>();

@@ -323,6 +323,11 @@ struct alignas(8) FloatPair {
   float x, y;
 };
 
+// Two such pairs as one 16-byte access (LDS.128).
+struct alignas(16) FloatPairs {
+  FloatPair lo, hi;
+};
+
 // 2^x: ex2.approx.ftz.f32 (PTX ISA 9.0 §9.7.3.21): subnormal inputs and results flush to
 // zero; maximum relative error about 2^-22. The emulator computes exp2f and flushes the same.
 FMHA_DEVICE float exp2_approx(float x) {
