@@ -35,10 +35,11 @@
 //    the accumulator of S^T (keys x queries) is, re-packed in registers, the A operand of
 //    dV += Pd^T dO and dK += dS^T Q -- no shared-memory round trip except dS for dQ; but each
 //    warp reads all of Qi and dOi, each fragment feeding one mma pair.
-//  - tiled (plain d = 128, FlashAttention-2's work split): the 8 warps tile each product
-//    differently (S^T, dP^T: 4 key x 2 query groups; dV, dK: 4 key groups x 2 column halves;
-//    dQ: 2 query groups x 4 column quarters), Pd^T and dS^T going through shared memory, so
-//    that each fragment loaded feeds 2-4 mma.
+//  - tiled (plain d = 64 and 128, FlashAttention-2's work split): the 8 warps tile each
+//    product differently (S^T, dP^T: 4 key x 2 query groups; dV, dK: 4 key groups x 2 column
+//    halves; dQ: query groups x column quarters or halves), Pd^T and dS^T going through shared
+//    memory, so that each fragment loaded feeds 2-4 mma. d = 64 takes 128 queries a step, S^T
+//    to dS^T in two sub-passes of 64.
 //
 // The strong zero of the NaN rule (cuda/strong_zero.cuh): a step or key block that may hold
 // zero-weight pairs and whose streamed operand -- Qi or dOi (and the resident Kj, for the main
@@ -137,9 +138,9 @@ struct FlashBwdConfig {
   static constexpr bool kPointersInSmem =
       !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
   // (kQWithDo: the pointers and moves stay in registers, flash_bwd_kernel.)
-  static constexpr int kPointerBytes = kPointersInSmem && !kQWithDo
-                                           ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t))
-                                           : 0;
+  static constexpr int kPointerBytes =
+      kPointersInSmem && !kQWithDo ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t))
+                                   : 0;
   // Kj, Vj; kStages x Qi; kDoStages x dOi; dS^T (and P^T); the pointers; kDoStages x (lse,
   // D) of the query block; kDoStages ints (the step whose lse holds a NaN).
   static constexpr size_t kSmemBytes =
@@ -150,6 +151,10 @@ struct FlashBwdConfig {
   static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 CTA's shared memory");
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
+  // Tiled: a thread's lse and D of two n-tiles read as one 16-byte access each (lse_slot);
+  // untiled, a pair per n-tile (at d = 256 the four more registers live at once spilled 4-8
+  // bytes, ptxas 13.0).
+  static constexpr bool kLseQuads = kTiled;
   static constexpr int kWarpNTiles = kNTilesS / (kSideWarps * kSubPasses);  // ... a warp's S^T
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
@@ -587,12 +592,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     }
     if constexpr ((kParts & 2) == 0) return;
     const int stage = do_stage;  // lse and D go with dOi
-    // Where row r's lse and D sit in their stage: within each warp's kWarpNTiles * 8 queries
-    // of S^T, query 8 j + 2t + e at 2 kWarpNTiles t + 2 j + e, so that a thread's values of
-    // n-tiles j, j + 1 (j even) are adjacent (for_each_score).
+    // Where row r's lse and D sit in their stage (Cfg::kLseQuads): within each warp's
+    // kWarpNTiles * 8 queries of S^T, query 8 j + 2t + e at 2 kWarpNTiles t + 2 j + e, so that
+    // a thread's values of n-tiles j, j + 1 (j even) are adjacent (for_each_score).
     auto lse_slot = [](int r) {
       constexpr int kRun = Cfg::kWarpNTiles * 8;
-      return r / kRun * kRun + 2 * Cfg::kWarpNTiles * (r % 8 / 2) + 2 * (r % kRun / 8) + r % 2;
+      return Cfg::kLseQuads ? r / kRun * kRun + 2 * Cfg::kWarpNTiles * (r % 8 / 2) +
+                                  2 * (r % kRun / 8) + r % 2
+                            : r;
     };
     // lse in the log2 domain (BwdWork::lse2); +inf for rows past the block's sequence.
     auto load_lse = [&](int r) {
@@ -722,8 +729,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     constexpr int kNT = Cfg::kWarpNTiles;
     float acc_s[Cfg::kMTiles * kNT][4], acc_dp[Cfg::kMTiles * kNT][4];
     // Sub-pass sp: queries [q_off, q_off + 8 kWarpNTiles) of the step's block for this warp.
-#pragma unroll
-    for (int sp = 0; sp < Cfg::kSubPasses; ++sp) {
+    // (Called once per sub-pass: as a loop of one trip it spilled the d = 256 kernel with
+    // extras, 4 bytes on sm_80, ptxas 13.0.)
+    auto sub_pass = [&](int sp) {
       const int q_off = q_warp + sp * (Cfg::kBlockM / Cfg::kSubPasses);
       // ---- S^T = Kj Qi^T and dP^T = Vj dOi^T (keys x queries). A: the warp's 16 rows of Kj
       // (Vj), k-major as stored; B[k][n] = Qi[n][k]: Qi's rows as stored are the B columns,
@@ -739,28 +747,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // different draws of four.)
       const float slope = kExtras ? float(score::alibi_slope(p, b, h)) : 0.0f;
       // f(j, e, lse, D) for each of the thread's scores (element e of n-tile j, key key_lo + 8
-      // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's lse and D of two n-tiles are
-      // adjacent in shared memory (lse_slot), so that they are read as one 16-byte access
-      // each.
+      // (e / 2), query m0 + 8 j + 2t + e % 2): the thread's two queries of an n-tile are
+      // adjacent, so their lse and D are read as one pair each (tiled: those of two n-tiles
+      // as one 16-byte access, Cfg::kLseQuads).
       // (Element (mt * kNT + j, e) of a tiled warp: key key_lo + 16 mt + 8 (e / 2), query m0 +
       // q_off + 8 j + 2t + e % 2; lse and D are read once for both m-tiles.)
       auto for_each_score = [&](auto&& f) {
+        auto for_tile = [&](int j, FloatPair lse2, FloatPair d2) {
 #pragma unroll
-        for (int j2 = 0; j2 < kNT; j2 += 2) {
-          const int at = q_off + 2 * kNT * t + 2 * j2;  // lse_slot(q_off + 8 j2 + 2t)
-          const FloatPairs lse4 = *reinterpret_cast<const FloatPairs*>(tLse + at);
-          const FloatPairs d4 = *reinterpret_cast<const FloatPairs*>(tD + at);
+          for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-          for (int j = j2; j < j2 + 2; ++j) {
-            const FloatPair lse2 = j == j2 ? lse4.lo : lse4.hi, d2 = j == j2 ? d4.lo : d4.hi;
+            for (int e = 0; e < 4; ++e)
+              f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2),
+                m0 + q_off + j * 8 + 2 * t + e % 2, e % 2 ? lse2.y : lse2.x,
+                e % 2 ? d2.y : d2.x);
+        };
+        if constexpr (Cfg::kLseQuads) {
 #pragma unroll
-            for (int mt = 0; mt < Cfg::kMTiles; ++mt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                f(mt * kNT + j, e, key_lo + 16 * mt + 8 * (e / 2),
-                  m0 + q_off + j * 8 + 2 * t + e % 2, e % 2 ? lse2.y : lse2.x,
-                  e % 2 ? d2.y : d2.x);
+          for (int j = 0; j < kNT; j += 2) {
+            const int at = q_off + 2 * kNT * t + 2 * j;  // lse_slot(q_off + 8 j + 2t)
+            const FloatPairs lse4 = *reinterpret_cast<const FloatPairs*>(tLse + at);
+            const FloatPairs d4 = *reinterpret_cast<const FloatPairs*>(tD + at);
+            for_tile(j, lse4.lo, d4.lo);
+            for_tile(j + 1, lse4.hi, d4.hi);
           }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+            for_tile(j, *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t),
+                     *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t));
         }
       };
       // kInner: a plain step whose rows and keys all lie inside the sequences and the window
@@ -796,9 +811,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // without its test of S = -inf, which exp2(-inf - lse) already makes 0 when lse is not NaN
       // (lse is finite or +inf: a row with no visible key).
       // The test of P = 0 is left to the rare thread that needs it: P (dP - D) differs from
-      // the rule's 0 where P = 0 only when dP - D is not finite, and is NaN there; one
-      // unordered compare finds a NaN in two scores (64 instructions a pass fewer than a
-      // test and select per score at d = 64).
+      // the rule's 0 where P = 0 only when dP - D is not finite, and is NaN there (else it is
+      // +-0: the same value); one unordered compare finds a NaN in two scores (96 instructions
+      // a pass fewer than a test and select per score at d = 64).
       auto scores_fast = [&] {
         bool nan_ds = false;
         for_each_score([&](int j, int e, int, int, float lse_i, float d_i) {
@@ -873,13 +888,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         if constexpr (kTiled) {  // Pd^T and dS^T to shared memory
 #pragma unroll
           for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
-            store_t(sP, jj, pack2<T>(acc_s[jj][0], acc_s[jj][1]), pack2<T>(acc_s[jj][2], acc_s[jj][3]));
+            store_t(sP, jj, pack2<T>(acc_s[jj][0], acc_s[jj][1]),
+                    pack2<T>(acc_s[jj][2], acc_s[jj][3]));
             store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
                     pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
           }
         }
       }
-    }
+    };
+    static_assert(Cfg::kSubPasses <= 2, "one or two sub-passes");
+    sub_pass(0);
+    if constexpr (Cfg::kSubPasses > 1) sub_pass(1);
 
     // ---- the strong zero, in a step whose operands hold NaN or Inf: dV (dK) becomes NaN where
     // a pair that takes part meets one in dOi (Qi); dropped pairs take part in dK and dQ, not

@@ -192,6 +192,11 @@ EMU_TEST("flash_bwd.f16.d64.gqa.blocks.atomic", FLASH_BWD_CITE) {
 EMU_TEST("flash_bwd.bf16.d64.gqa.blocks.deterministic", FLASH_BWD_CITE) {
   return flash_bwd_case<bf16_t>({1, 130, 260, 4, 2, 64, -1, -1, true});
 }
+// d = 64 plain in whole blocks: the tiled pass's inner steps (its fast score path, Qi and dOi
+// copied from pointers held in registers, moved on block by block and head by head).
+EMU_TEST("flash_bwd.f16.d64.whole.gqa.atomic", FLASH_BWD_CITE) {
+  return flash_bwd_case<half_t>({1, 256, 256, 4, 2, 64, -1, -1, false});
+}
 EMU_TEST("flash_bwd.f16.d128.gqa.blocks.atomic", FLASH_BWD_CITE) {
   return flash_bwd_case<half_t>({1, 70, 200, 4, 2, 128, -1, -1, false});
 }

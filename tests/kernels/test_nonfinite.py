@@ -184,6 +184,21 @@ def _inf_q_row_inner(rng):
     return q, k, v, do, {}
 
 
+def _inf_dout_row_inner(rng):
+    # dS = P (dP - D) is 0 where P is, also where dP - D is not finite: an Inf in dout makes
+    # its row's dP - D non-finite, and the keys that row scores 1500 below its others get
+    # P = 0 exactly, in float64 as in float32, so their dK stays finite (two score levels:
+    # no key of the row underflows in one precision only). 128 queries and keys at d = 64
+    # without a mask: one inner backward step, the CUDA fast path, which applies the P = 0
+    # rule only in a thread whose dS holds a NaN.
+    q, k, v, do = _inputs(rng, sq=128, sk=128, d=64)
+    k[0, :, 0, 3] = np.where(np.arange(128) % 3 == 0, -1.0, 1.0)
+    q[0, 70, 0, :] = 0.0
+    q[0, 70, 0, 3] = 6000.0  # scores +-750 (+-752 in bfloat16)
+    do[0, 70, 0, 5] = INF
+    return q, k, v, do, {}
+
+
 SCENARIOS = {
     "nan_q_row": _nan_q_row,
     "inf_q_causal": _inf_q_causal,
@@ -203,6 +218,7 @@ SCENARIOS = {
     "nan_causal_d32": _nan_causal_d32,
     "inf_q_nan_v": _inf_q_nan_v,
     "inf_q_row_inner": _inf_q_row_inner,
+    "inf_dout_row_inner": _inf_dout_row_inner,
 }
 
 
