@@ -635,9 +635,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const int do_stage = stage % Cfg::kDoStages;
     T* tQ = sQ + stage * Cfg::kTileQ;
     T* tdO = sdO + do_stage * Cfg::kTileQ;
-    const bool in_window = score::block_inside_window(s, p.window_left, p.window_right, m0,
-                                                      m0 + Cfg::kBlockM - 1, n0,
-                                                      n0 + Cfg::kBlockN - 1);
+    // (Tiled: without a window every block is inside it, found by one uniform test of the
+    // params rather than the ~30 instructions of the bounds a step.)
+    const bool in_window =
+        (kTiled && p.window_left < 0 && p.window_right < 0) ||
+        score::block_inside_window(s, p.window_left, p.window_right, m0, m0 + Cfg::kBlockM - 1,
+                                   n0, n0 + Cfg::kBlockN - 1);
     const bool may_zero = zeros_anywhere || !in_window;
     // ... for every thread, and lse / D too; and whether an operand of the step's products
     // holds a NaN or Inf that a zero-weight pair must not pass on (rare).
@@ -762,17 +765,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       }
       bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
                                                          key_row0, q_off, lane);
-      // dS = P (dP - D), 0 where P is (also against a non-finite dP or D).
+      // dS = P (dP - D), 0 where P is (also against a non-finite dP or D). Taken without the
+      // test, it differs from the rule only where P = 0 meets a non-finite dP - D, and there
+      // it is NaN: one max.NaN a packed pair finds whether any of the thread's is, and only
+      // then (rare) are the P = 0 entries set to 0 -- a test and a select per score saved.
+      // (An exact 0 from P = 0 may be -0 here: the same value in every sum it enters.)
       for_each_score([&](int j, int e, int, int, float, float d_i) {
         const uint32_t pair = p_pack[j][e / 2];
         const float prob =
             to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
-        acc_dp[j][e] = prob == 0.0f ? 0.0f : prob * (acc_dp[j][e] - d_i);
+        acc_dp[j][e] = prob * (acc_dp[j][e] - d_i);
       });
+      uint32_t ds_pack[Cfg::kMTiles * kNT][2];
+      uint32_t any_nan = 0;
+#pragma unroll
+      for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
+        ds_pack[jj][0] = pack2<T>(acc_dp[jj][0], acc_dp[jj][1]);
+        ds_pack[jj][1] = pack2<T>(acc_dp[jj][2], acc_dp[jj][3]);
+        any_nan = jj == 0 ? max_nan2<T>(ds_pack[0][0], ds_pack[0][1])
+                          : max_nan2<T>(any_nan, max_nan2<T>(ds_pack[jj][0], ds_pack[jj][1]));
+      }
+      if (strong_zero::nonfinite_bits<T>(any_nan) != 0) {
+#pragma unroll
+        for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const uint32_t pw = p_pack[jj][k];
+            ds_pack[jj][k] &= ((pw & 0x7FFFu) == 0 ? 0xFFFF0000u : 0xFFFFFFFFu) &
+                              ((pw & 0x7FFF0000u) == 0 ? 0x0000FFFFu : 0xFFFFFFFFu);
+          }
+      }
 #pragma unroll
       for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
-        store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
-                pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+        store_t(sdS, jj, ds_pack[jj][0], ds_pack[jj][1]);
     } else {
       if (!bwd_detail::inner_step<kExtras, Cfg>(s, in_window, m0, n0))
         scores(std::false_type{});
@@ -1007,7 +1032,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                 atomic_add(col_in ? row + dc : row - col + (d - 1), in ? acc[j][e] : 0.0f);
               }
           };
-          if constexpr (Cfg::kDqHoistDs) {
+          // Tiled, a block inside the sequence and a head dim filling the tile (d = kOutDim):
+          // the thread's rows lie a constant number of floats apart, so that every add
+          // takes a constant offset from one address (the generic adds cost ~60 address
+          // instructions a pass, 4 rows each found and clamped).
+          constexpr bool kOneAddress = kTiled && Cfg::kSplits == 1;
+          if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d) {
+            float* const at = dq_rows + (m0 + q0 + g) * Cfg::kOutDim + col;
+#pragma unroll
+            for (int rg = 0; rg < kRows; ++rg)
+#pragma unroll
+              for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                  atomic_add(at + (16 * rg + 8 * (e / 2)) * Cfg::kOutDim + j * 8 + e % 2,
+                             acc_q[rg][j][e]);
+          } else if constexpr (Cfg::kDqHoistDs) {
             if (inside)
               add_all(std::true_type{}, acc_q[0], dq_lo + col, dq_hi + col, lo_in, hi_in);
             else

@@ -20,6 +20,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -301,6 +302,31 @@ FMHA_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
   return uint32_t(::emu::f32_to_bf16_bits(lo)) | (uint32_t(::emu::f32_to_bf16_bits(hi)) << 16);
 #else
   return 0;
+#endif
+}
+
+// The larger of each half of two packed 16-bit pairs, NaN where either half is NaN (the
+// canonical 0x7FFF): max.NaN.{f16x2,bf16x2}, sm_80+ (PTX ISA 9.0 §9.7.4, half precision "max").
+// A chain of them over packed values finds whether any of them is NaN in one instruction a
+// word.
+template <typename T>
+FMHA_DEVICE uint32_t max_nan2(uint32_t a, uint32_t b) {
+#if defined(FMHA_GPU_DEVICE_PATH)
+  uint32_t d;
+  if constexpr (std::is_same<T, half_t>::value)
+    asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#elif defined(FMHA_GPU_EMU_PATH)
+  auto half = [](uint16_t x, uint16_t y) -> uint32_t {
+    const float fx = to_float(from_bits<T>(x)), fy = to_float(from_bits<T>(y));
+    if (fx != fx || fy != fy) return 0x7FFFu;
+    return fx > fy || (fx == fy && !(x & 0x8000u)) ? x : y;  // max(+0, -0) = +0
+  };
+  return half(uint16_t(a), uint16_t(b)) | (half(uint16_t(a >> 16), uint16_t(b >> 16)) << 16);
+#else
+  return a | b;
 #endif
 }
 
