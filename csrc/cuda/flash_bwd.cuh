@@ -460,6 +460,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   volatile int64_t* const moves =
       kSlots ? reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads)
              : nullptr;
+  // Tiled: [7] the address of row 0 of the group's first query head in lse: a step's lse
+  // rows then cost two multiply-adds (found afresh, ~25 instructions of the slowest warp's
+  // pass, d = 128, ptxas 13.0).
+  constexpr bool kLseBase = kSlots && kTiled;
   // Row 0 of query head h in Q (dO).
   auto q_head = [&](int h) {
     return static_cast<const T*>(p.q) + score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) +
@@ -485,6 +489,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       moves[4] = FullQ::kRowsPerPass * p.q_row_stride;
       moves[5] = FullQ::kRowsPerPass * p.do_row_stride;
       moves[6] = blocks_per_head;
+      if constexpr (kLseBase)
+        moves[7] = reinterpret_cast<int64_t>(
+            static_cast<const float*>(p.lse) + (h_kv * group) * p.lse_head_stride +
+            score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride));
     }
   }
 
@@ -541,9 +549,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       const int i = m0 + r;
       float lse_l2 = INFINITY;
       if (i < s.sq) {
-        const float* lse = static_cast<const float*>(p.lse) + h * p.lse_head_stride +
-                           score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride);
-        const float l = lse[int64_t(i) * p.lse_row_stride];
+        const float* const lse_i =
+            (kLseBase ? reinterpret_cast<const float*>(moves[kLseBase ? 7 : 0]) +
+                            hq * p.lse_head_stride
+                      : static_cast<const float*>(p.lse) + h * p.lse_head_stride +
+                            score::q_base(p, s, b, p.lse_batch_stride, p.lse_row_stride)) +
+            int64_t(i) * p.lse_row_stride;
+        const float l = *lse_i;
         lse_l2 = l == -INFINITY ? INFINITY : l * score::kLog2e;
         // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
         // not give the rule's 0 for S = -inf there.
