@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/primitives.cuh"
@@ -630,6 +631,46 @@ EMU_TEST("kat.ex2", "PTX ISA 9.0 §9.7.3.21 ex2 (.approx.ftz.f32)") {
       return fail(fmt("ex2(%g) relative error %g > 2^-22", in[i], std::fabs(out[i] - want) / want));
   }
   return pass();
+}
+
+// ------------------------------------------------------------------------------ max.NaN
+// PTX ISA 9.0 §9.7.4, half precision max (.NaN, .f16x2 / .bf16x2): per half, the larger
+// value, but the canonical NaN (0x7FFF) when either input half is NaN.
+template <typename T>
+__global__ void max_nan2_kernel(const uint32_t* a, const uint32_t* b, uint32_t* out, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = max_nan2<T>(a[i], b[i]);
+}
+template <typename T>
+Result max_nan2_kat() {
+  const float inf = std::numeric_limits<float>::infinity();
+  const uint16_t nan = std::is_same<T, half_t>::value ? 0x7E00u : 0x7FC0u, canon = 0x7FFFu;
+  auto h = [](float x) { return bits16<T>(x); };
+  struct Case {
+    uint32_t a, b, want;
+  };
+  const std::vector<Case> cases = {
+      {pack(h(1), h(-3)), pack(h(2), h(-1)), pack(h(2), h(-1))},
+      {pack(h(-inf), h(inf)), pack(h(5), h(7)), pack(h(5), h(inf))},
+      {pack(nan, h(1)), pack(h(2), h(3)), pack(canon, h(3))},
+      {pack(h(4), h(1)), pack(h(2), uint16_t(nan | 0x8000u)), pack(h(4), canon)},
+      {pack(nan, nan), pack(h(-inf), h(0)), pack(canon, canon)},
+  };
+  std::vector<uint32_t> a, b, out(cases.size());
+  for (const Case& c : cases) a.push_back(c.a), b.push_back(c.b);
+  FMHA_LAUNCH(max_nan2_kernel<T>, dim3(1), dim3(32), 0, nullptr, a.data(), b.data(), out.data(),
+              int(cases.size()));
+  for (size_t i = 0; i < cases.size(); ++i)
+    if (out[i] != cases[i].want) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "max_nan2(0x%08x, 0x%08x) = 0x%08x, expected 0x%08x",
+                    cases[i].a, cases[i].b, out[i], cases[i].want);
+      return fail(buf);
+    }
+  return pass();
+}
+EMU_TEST("kat.max_nan_f16", "PTX ISA 9.0 §9.7.4 max (.NaN.f16x2)") { return max_nan2_kat<half_t>(); }
+EMU_TEST("kat.max_nan_bf16", "PTX ISA 9.0 §9.7.4 max (.NaN.bf16x2)") {
+  return max_nan2_kat<bf16_t>();
 }
 
 // ------------------------------------------------------------------------------ atomics
