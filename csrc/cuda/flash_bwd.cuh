@@ -1055,9 +1055,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           // Tiled, a block inside the sequence and a head dim filling the tile (d = kOutDim):
           // the thread's rows lie a constant number of floats apart, so that every add
           // takes a constant offset from one address (the generic adds cost ~60 address
-          // instructions a pass, 4 rows each found and clamped).
+          // instructions a pass, 4 rows each found and clamped). The row's offset from the
+          // head's first in 32 bits, up to 2^24 rows (the 64-bit product spilled the fp16 sm_90 or
+          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds.
           constexpr bool kOneAddress = kTiled && Cfg::kSplits == 1;
-          if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d) {
+          if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d &&
+              p.seqlen_q <= (1 << 24)) {
             float* const at = dq_rows + (m0 + q0 + g) * Cfg::kOutDim + col;
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg)
