@@ -151,10 +151,11 @@ struct FlashBwdConfig {
   static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 CTA's shared memory");
 
   static constexpr int kNTilesS = kBlockM / 8;    // n-tiles of S^T (queries)
-  // Tiled: a thread's lse and D of two n-tiles read as one 16-byte access each (lse_slot);
-  // untiled, a pair per n-tile (at d = 256 the four more registers live at once spilled 4-8
-  // bytes, ptxas 13.0).
-  static constexpr bool kLseQuads = kTiled;
+  // Tiled d = 64: a thread's lse and D of two n-tiles read as one 16-byte access each
+  // (lse_slot); elsewhere a pair per n-tile (at d = 256 the four more registers live at once
+  // spilled 4-8 bytes; at d = 128 the pairs' pass counts 22 instructions fewer on sm_90 fp16,
+  // ptxas 13.0).
+  static constexpr bool kLseQuads = kTiled && kHeadDim_ == 64;
   static constexpr int kWarpNTiles = kNTilesS / (kSideWarps * kSubPasses);  // ... a warp's S^T
   static constexpr int kKStepsD = kHeadDim / 16;  // k-steps over the head dim
   static constexpr int kNTilesD = kOutDim / 8;    // n-tiles of dK, dV, dQ (this CTA's columns)
@@ -322,19 +323,26 @@ FMHA_DEVICE void s_and_dp(float (&acc_s)[kMTiles * kNTiles][4],
       if (kProducts & 1) acc_s[j][e] = 0.0f;
       if (kProducts & 2) acc_dp[j][e] = 0.0f;
     }
+  // The lane's row and column offsets. (With two m-tiles, the tiled pass, as bit fields: ptxas
+  // re-derives them from the thread index there and, from the signed lane, adds the signed
+  // remainder's fix-ups, ~13 instructions a pass on sm_90, ptxas 13.0.)
+  constexpr bool kBits = kMTiles > 1;
+  const int l16 = kBits ? lane & 15 : lane % 16, l8 = kBits ? lane & 7 : lane % 8;
+  const int hi16 = kBits ? (lane >> 4) & 1 : lane / 16;
+  const int hi8 = kBits ? (lane >> 3) & 1 : (lane / 8) % 2;
 #pragma unroll
   for (int kk = 0; kk < Cfg::kKStepsD; ++kk) {
     uint32_t fa_s[kMTiles][4], fa_dp[kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      const int a_off = (a_row0 + mt * 16 + lane % 16) * Cfg::kStride + kk * 16 + (lane / 16) * 8;
+      const int a_off = (a_row0 + mt * 16 + l16) * Cfg::kStride + kk * 16 + hi16 * 8;
       if (kProducts & 1) ldmatrix<4>(fa_s[mt], a_s + a_off);
       if (kProducts & 2) ldmatrix<4>(fa_dp[mt], a_dp + a_off);
     }
 #pragma unroll
     for (int j = 0; j < kNTiles; j += 2) {
-      const int row = b_row0 + j * 8 + (lane % 8) + (lane / 16) * 8;
-      const int dim = kk * 16 + ((lane / 8) % 2) * 8;
+      const int row = b_row0 + j * 8 + l8 + hi16 * 8;
+      const int dim = kk * 16 + hi8 * 8;
       uint32_t b4[4];
       if (kProducts & 1) {
         ldmatrix<4>(b4, b_s + row * Cfg::kStride + dim);
@@ -559,8 +567,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     T* const q_dst = sQ + q_stage * Cfg::kTileQ;
     T* const do_dst = sdO + do_stage * Cfg::kTileQ;
     if constexpr (kSlots) {
-      const T* q_src = slot(0);
-      const T* do_src = slot(1);
+      // (Slots volatile: read only the ones this copy moves.)
+      const T* q_src = (kParts & 1) != 0 ? slot(0) : nullptr;
+      const T* do_src = (kParts & 2) != 0 ? slot(1) : nullptr;
       // (The edge copies' chunks from the thread index read anew where the two copies lie
       // apart: ptxas held them through the pass and spilled, ptxas 13.0.)
       const int tid_e = kParts != 3 ? int(thread_index_reread()) : tid;
@@ -867,17 +876,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
         }
         bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
                                                            key_row0, q_off, lane);
-        // dS = P (dP - D), 0 where P is (also against a non-finite dP or D).
+        // dS = P (dP - D), 0 where P is (also against a non-finite dP or D), as scores_fast
+        // takes it: without the per-score test, NaN only where P = 0 meets a non-finite
+        // dP - D; one unordered compare per two scores finds it, and only then (rare) are the
+        // P = 0 entries of the packed dS set to 0. (An exact 0 from P = 0 may be -0 here: the
+        // same value in every sum it enters.)
+        bool nan_ds = false;
         for_each_score([&](int j, int e, int, int, float, float d_i) {
           const uint32_t pair = p_pack[j][e / 2];
           const float prob =
               to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
-          acc_dp[j][e] = prob == 0.0f ? 0.0f : prob * (acc_dp[j][e] - d_i);
+          acc_dp[j][e] = prob * (acc_dp[j][e] - d_i);
+          if (e % 2) nan_ds |= acc_dp[j][e - 1] != acc_dp[j][e - 1] || acc_dp[j][e] != acc_dp[j][e];
         });
+        uint32_t ds_pack[Cfg::kMTiles * kNT][2];
+#pragma unroll
+        for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
+          ds_pack[jj][0] = pack2<T>(acc_dp[jj][0], acc_dp[jj][1]);
+          ds_pack[jj][1] = pack2<T>(acc_dp[jj][2], acc_dp[jj][3]);
+        }
+        if (nan_ds) {
+#pragma unroll
+          for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const uint32_t pw = p_pack[jj][k];
+              ds_pack[jj][k] &= ((pw & 0x7FFFu) == 0 ? 0xFFFF0000u : 0xFFFFFFFFu) &
+                                ((pw & 0x7FFF0000u) == 0 ? 0x0000FFFFu : 0xFFFFFFFFu);
+            }
+        }
 #pragma unroll
         for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj)
-          store_t(sdS, jj, pack2<T>(acc_dp[jj][0], acc_dp[jj][1]),
-                  pack2<T>(acc_dp[jj][2], acc_dp[jj][3]));
+          store_t(sdS, jj, ds_pack[jj][0], ds_pack[jj][1]);
       } else {
         if (!inner)
           scores(std::false_type{});
@@ -1119,7 +1149,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                 atomic_add(col_in ? row + dc : row - col + (d - 1), in ? acc[j][e] : 0.0f);
               }
           };
-          if constexpr (Cfg::kDqHoistDs) {
+          // Tiled, a block inside the sequence and a head dim filling the tile (d = kOutDim):
+          // the thread's rows lie a constant number of floats apart, so that every add
+          // takes a constant offset from one address (the generic adds cost ~60 address
+          // instructions a pass, 4 rows each found and clamped). The row's offset from the
+          // head's first in 32 bits, up to 2^24 rows (the 64-bit product spilled the fp16 sm_90 or
+          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds.
+          constexpr bool kOneAddress = kTiled && Cfg::kSplits == 1;
+          if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d &&
+              p.seqlen_q <= (1 << 24)) {
+            float* const at = dq_rows + (m0 + q0 + g) * Cfg::kOutDim + col;
+#pragma unroll
+            for (int rg = 0; rg < kRows; ++rg)
+#pragma unroll
+              for (int j = 0; j < Cfg::kDqChunk; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                  atomic_add(at + (16 * rg + 8 * (e / 2)) * Cfg::kOutDim + j * 8 + e % 2,
+                             acc_q[rg][j][e]);
+          } else if constexpr (Cfg::kDqHoistDs) {
             if (inside)
               add_all(std::true_type{}, acc_q[0], dq_lo + col, dq_hi + col, lo_in, hi_in);
             else
