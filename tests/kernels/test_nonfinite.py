@@ -184,17 +184,17 @@ def _inf_q_row_inner(rng):
     return q, k, v, do, {}
 
 
-def _inf_dout_row_inner(rng):
+def _inf_dout_row_inner(rng, d=64):
     # dS = P (dP - D) is 0 where P is, also where dP - D is not finite: an Inf in dout makes
     # its row's dP - D non-finite, and the keys that row scores 1500 below its others get
     # P = 0 exactly, in float64 as in float32, so their dK stays finite (two score levels:
-    # no key of the row underflows in one precision only). 128 queries and keys at d = 64
-    # without a mask: one inner backward step, the CUDA fast path, which applies the P = 0
-    # rule only in a thread whose dS holds a NaN.
-    q, k, v, do = _inputs(rng, sq=128, sk=128, d=64)
+    # no key of the row underflows in one precision only). 128 queries and keys without a
+    # mask: inner backward steps, the CUDA fast path, which applies the P = 0 rule only in a
+    # thread whose dS holds a NaN (d = 64: P in float32; d = 128: P packed to 16 bits).
+    q, k, v, do = _inputs(rng, sq=128, sk=128, d=d)
     k[0, :, 0, 3] = np.where(np.arange(128) % 3 == 0, -1.0, 1.0)
     q[0, 70, 0, :] = 0.0
-    q[0, 70, 0, 3] = 6000.0  # scores +-750 (+-752 in bfloat16)
+    q[0, 70, 0, 3] = 750.0 * np.sqrt(d)  # scores +-750 (+-752 in bfloat16 at d = 64)
     do[0, 70, 0, 5] = INF
     return q, k, v, do, {}
 
@@ -219,6 +219,7 @@ SCENARIOS = {
     "inf_q_nan_v": _inf_q_nan_v,
     "inf_q_row_inner": _inf_q_row_inner,
     "inf_dout_row_inner": _inf_dout_row_inner,
+    "inf_dout_row_inner_d128": lambda rng: _inf_dout_row_inner(rng, d=128),
 }
 
 
