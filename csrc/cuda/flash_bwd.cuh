@@ -114,11 +114,15 @@ struct FlashBwdConfig {
                                  : (kExtras_ || kSplits > 1) ? 16
                                                              : 32;
   static constexpr int kSubPasses = kTiled ? kBlockM / 64 : 1;  // of S^T, dP^T, P, dS a step
-  // Qi double-buffered; but where a tiled step takes 128 queries, Qi has one stage and loads
-  // with dOi during dQ (two stages of Qi beside P^T and dS^T of 128 queries: ~167 KiB, over
-  // an sm_80 SM's 163 KiB).
-  static constexpr bool kQWithDo = kTiled && kBlockM > 64;
+  // Qi double-buffered; but in the tiled pass Qi has one stage and loads with dOi during dQ,
+  // when no warp reads either (at d = 64, two stages of Qi beside P^T and dS^T of 128 queries:
+  // ~167 KiB, over an sm_80 SM's 163 KiB). The two copies then split over the warp halves
+  // (kCopyThreads): the first copies Qi, the second dOi, by one code path whose source,
+  // strides and destination are selected by the half (the tiles have one shape), so that each
+  // warp issues one copy's pointer, edge and step work a step, not two.
+  static constexpr bool kQWithDo = kTiled;
   static constexpr int kStages = kQWithDo ? 1 : 2;
+  static constexpr int kCopyThreads = kQWithDo ? kThreads / 2 : kThreads;  // of each copy
   // dOi, lse and D: double-buffered too, but in the tiled pass loaded once dV has read dOi,
   // during dQ (one stage: two did not fit an sm_80 SM's shared memory beside P^T).
   static constexpr int kDoStages = kTiled ? 1 : kStages;
@@ -136,7 +140,7 @@ struct FlashBwdConfig {
   // them, what every thread reads the same (7 int64 in 8: the moves of a step, the copy's row
   // steps, the blocks per head). Where the threads copy whole blocks (not 96-wide rows).
   static constexpr bool kPointersInSmem =
-      !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kThreads>::kUsable;
+      !kExtras_ && tile::FullBlock<uint16_t, kBlockM, kHeadDim, Layout, kCopyThreads>::kUsable;
   // (kQWithDo: the pointers and moves stay in registers, flash_bwd_kernel.)
   static constexpr int kPointerBytes =
       kPointersInSmem && !kQWithDo ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t))
@@ -489,42 +493,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // it before the first barrier below).
   constexpr bool kSlots = Cfg::kPointersInSmem;
   using FullQ =
-      tile::FullBlock<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>;
+      tile::FullBlock<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kCopyThreads>;
   // Where one copy takes Qi and dOi at once (kQWithDo), the pointers stay in registers
-  // (pointers_in_regs) and the moves come from the params, a constant-bank operand: 13 shared
-  // loads and stores a pass fewer (~3,000 bytes).
+  // (copy_src) and the moves come from the params, a constant-bank operand: 13 shared
+  // loads and stores a pass fewer (~3,000 bytes). There each warp half copies one tile
+  // (Cfg::kCopyThreads): CopyHalf selects dOi's source, strides and destination over Qi's,
+  // and the thread holds one pointer. (The half from the thread index read where it is used:
+  // held from the kernel's start, it spilled the d = 128 kernel on sm_80, 14 bytes, ptxas 13.0.)
   constexpr bool kRegs = Cfg::kQWithDo;
+  struct CopyHalf {
+    bool is_do;         // the half that copies dOi
+    int tid;            // the thread's index in its half
+    int64_t row_stride;  // of its tensor
+  };
+  auto copy_half = [&](unsigned t) {
+    const bool is_do = t >= unsigned(Cfg::kCopyThreads);
+    return CopyHalf{is_do, int(t % Cfg::kCopyThreads), is_do ? p.do_row_stride : p.q_row_stride};
+  };
   const T* volatile* const slots =
       kSlots && !kRegs ? reinterpret_cast<const T* volatile*>(sPointers) + 2 * tid : nullptr;
-  const T* pointers_in_regs[2] = {nullptr, nullptr};
-  auto slot = [&](int k) -> const T* { return kRegs ? pointers_in_regs[k] : slots[k]; };
-  auto set_slot = [&](int k, const T* x) {
-    if constexpr (kRegs)
-      pointers_in_regs[k] = x;
-    else
-      slots[k] = x;
-  };
+  const T* copy_src = nullptr;  // kRegs: this thread's first chunk of the next step's tile
   // In elements, Qi's then dOi's: [0, 1] to the head's next block, [2, 3] to the next head's
   // first, [4, 5] the row step of a copy (FullBlock::kRowsPerPass rows); [6] blocks per head.
   volatile int64_t* const moves =
       kSlots && !kRegs
           ? reinterpret_cast<volatile int64_t*>(sPointers + 2 * sizeof(void*) * Cfg::kThreads)
           : nullptr;
-  auto move = [&](int k) -> int64_t {
-    if constexpr (kRegs) {
-      const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
-      switch (k) {
-        case 0: return int64_t(Cfg::kBlockM) * p.q_row_stride;
-        case 1: return int64_t(Cfg::kBlockM) * p.do_row_stride;
-        case 2: return p.q_head_stride - back * p.q_row_stride;
-        case 3: return p.do_head_stride - back * p.do_row_stride;
-        case 4: return FullQ::kRowsPerPass * p.q_row_stride;
-        case 5: return FullQ::kRowsPerPass * p.do_row_stride;
-        default: return blocks_per_head;
-      }
-    }
-    return moves[k];
-  };
+  auto move = [&](int k) -> int64_t { return moves[k]; };
   // Row 0 of query head h in Q (dO).
   auto q_head = [&](int h) {
     return static_cast<const T*>(p.q) + score::q_base(p, s, b, p.q_batch_stride, p.q_row_stride) +
@@ -537,10 +532,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   if constexpr (kSlots) {
     // Step 0: the group's first query head, block m_begin.
     const int64_t row0 = int64_t(m_begin) * Cfg::kBlockM;
-    set_slot(0, q_head(h_kv * group) + row0 * p.q_row_stride +
-                    FullQ::thread_offset(p.q_row_stride, tid));
-    set_slot(1, do_head(h_kv * group) + row0 * p.do_row_stride +
-                    FullQ::thread_offset(p.do_row_stride, tid));
+    if constexpr (kRegs) {
+      const CopyHalf c = copy_half(unsigned(tid));
+      copy_src = (c.is_do ? do_head(h_kv * group) : q_head(h_kv * group)) + row0 * c.row_stride +
+                 FullQ::thread_offset(c.row_stride, c.tid);
+    } else {
+      slots[0] = q_head(h_kv * group) + row0 * p.q_row_stride +
+                 FullQ::thread_offset(p.q_row_stride, tid);
+      slots[1] = do_head(h_kv * group) + row0 * p.do_row_stride +
+                 FullQ::thread_offset(p.do_row_stride, tid);
+    }
     if (!kRegs && tid == 0) {
       const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
       moves[0] = int64_t(Cfg::kBlockM) * p.q_row_stride;
@@ -554,52 +555,59 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   }
 
   // Step `step` of the sweep: query head h = h_kv * group + step / blocks_per_head, query
-  // block m_begin + step % blocks_per_head. Loads the parts kParts names (1: Qi into stage
-  // q_stage; 2: dOi into do_stage, with lse and D, plain loads) with cp.async. The untiled
-  // kernels load both at once (load_step); the tiled one loads dOi once dV has read the step
-  // before's.
-  auto load_parts = [&](auto parts, int step, int q_stage, int do_stage) {
-    constexpr int kParts = decltype(parts)::value;
+  // block m_begin + step % blocks_per_head. Loads Qi into stage q_stage and dOi into do_stage
+  // with cp.async, lse and D with plain loads. (The tiled pass: once dV and dK have read the
+  // step before's, during dQ.)
+  auto load_step = [&](int step, int q_stage, int do_stage) {
     const int hq = head_of(step);
     const int h = h_kv * group + hq;
     const int blk = block_of(step, hq);
     const int m0 = (m_begin + blk) * Cfg::kBlockM;
     T* const q_dst = sQ + q_stage * Cfg::kTileQ;
     T* const do_dst = sdO + do_stage * Cfg::kTileQ;
-    if constexpr (kSlots) {
-      // (Slots volatile: read only the ones this copy moves.)
-      const T* q_src = (kParts & 1) != 0 ? slot(0) : nullptr;
-      const T* do_src = (kParts & 2) != 0 ? slot(1) : nullptr;
-      // (The edge copies' chunks from the thread index read anew where the two copies lie
-      // apart: ptxas held them through the pass and spilled, ptxas 13.0.)
-      const int tid_e = kParts != 3 ? int(thread_index_reread()) : tid;
+    if constexpr (kRegs) {
+      const CopyHalf c = copy_half(thread_index_reread());
+      T* const dst = c.is_do ? do_dst : q_dst;
+      const T* const src = copy_src;
+      if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
+        FullQ::load_stepping(dst + FullQ::smem_offset(c.tid), src,
+                             FullQ::kRowsPerPass * c.row_stride);
+      } else {  // (head_dim and head_dim_v both: see below)
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kCopyThreads,
+                   false>(dst, c.is_do ? do_head(h) : q_head(h), c.row_stride, s.sq,
+                          c.is_do ? dv : d, m0, vec, c.tid);
+      }
+      // On to the next step: the head's next block, or the next head's first.
+      const int64_t back = int64_t(blocks_per_head - 1) * Cfg::kBlockM;
+      copy_src = src + (blk + 1 < blocks_per_head
+                            ? Cfg::kBlockM * c.row_stride
+                            : (c.is_do ? p.do_head_stride : p.q_head_stride) -
+                                  back * c.row_stride);
+    } else if constexpr (kSlots) {
+      const T* q_src = slots[0];
+      const T* do_src = slots[1];
       if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
         const int chunk = FullQ::smem_offset(tid);
-        if constexpr ((kParts & 1) != 0) FullQ::load_stepping(q_dst + chunk, q_src, move(4));
-        if constexpr ((kParts & 2) != 0) FullQ::load_stepping(do_dst + chunk, do_src, move(5));
+        FullQ::load_stepping(q_dst + chunk, q_src, move(4));
+        FullQ::load_stepping(do_dst + chunk, do_src, move(5));
       } else {  // (also both when only one of head_dim, head_dim_v fills the tile: a test
                 // each cost 10-16 instructions a pass, and spilled d = 128 on sm_90)
-        if constexpr ((kParts & 1) != 0)
-          tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
-              q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid_e);
-        if constexpr ((kParts & 2) != 0)
-          tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
-              do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid_e);
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+            q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
+        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads, false>(
+            do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
       }
       // On to the next step: the head's next block, or the next head's first. (After the
       // last step they point past the tensors; nothing reads them there.)
       const bool next_block = blk + 1 < int(move(6));
-      if constexpr ((kParts & 1) != 0) set_slot(0, q_src + (next_block ? move(0) : move(2)));
-      if constexpr ((kParts & 2) != 0) set_slot(1, do_src + (next_block ? move(1) : move(3)));
+      slots[0] = q_src + (next_block ? move(0) : move(2));
+      slots[1] = do_src + (next_block ? move(1) : move(3));
     } else {
-      if constexpr ((kParts & 1) != 0)
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-            q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
-      if constexpr ((kParts & 2) != 0)
-        tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
-            do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
+      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+          q_dst, q_head(h), p.q_row_stride, s.sq, d, m0, vec, tid);
+      tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kThreads>(
+          do_dst, do_head(h), p.do_row_stride, s.sq, dv, m0, vec, tid);
     }
-    if constexpr ((kParts & 2) == 0) return;
     const int stage = do_stage;  // lse and D go with dOi
     // Where row r's lse and D sit in their stage (Cfg::kLseQuads): within each warp's
     // kWarpNTiles * 8 queries of S^T, query 8 j + 2t + e at 2 kWarpNTiles t + 2 j + e, so that
@@ -641,9 +649,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       load_d(tid);
     }
   };
-  auto load_step = [&](int step, int stage) {
-    load_parts(std::integral_constant<int, 3>{}, step, stage, stage % Cfg::kDoStages);
-  };
 
   // The block-sparse mask (params.h): steps whose tile (query block, this key block) it
   // leaves empty are neither loaded nor computed. next_step(x): the first step from x on
@@ -669,7 +674,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   if (tid < Cfg::kDoStages) sNanLse[tid] = -1;
   __syncthreads();  // before any load_step marks a stage (or reads the moves)
   const int first = next_step(0, -1);
-  if (first < steps) load_step(first, first % Cfg::kStages);
+  if (first < steps) load_step(first, first % Cfg::kStages, first % Cfg::kDoStages);
   cp_async_commit();
 
   const float scale_log2 = float(p.scale) * score::kLog2e;
@@ -691,17 +696,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     // Prefetch the next step into the other stage; its last readers (the previous step)
     // finished at the trailing __syncthreads of the previous iteration. (The next step is
     // found again at the end: held through the body, it cost registers.)
-    // (Tiled: Qi only; dOi, lse and D at the end of dV and dK.)
-    // (kQWithDo: nothing; Qi loads with dOi.)
+    // (Tiled, kQWithDo: nothing; Qi, dOi, lse and D load at the end of dV and dK.)
     if constexpr (Cfg::kQWithDo) {
       cp_async_wait<0>();  // Kj, Vj and this step's Qi, dOi landed
     } else {
-      if (const int next = next_step(step + 1, step); next < steps) {
-        if constexpr (kTiled)
-          load_parts(std::integral_constant<int, 1>{}, next, (stage + 1) % Cfg::kStages, 0);
-        else
-          load_step(next, (stage + 1) % Cfg::kStages);
-      }
+      if (const int next = next_step(step + 1, step); next < steps)
+        load_step(next, (stage + 1) % Cfg::kStages, (stage + 1) % Cfg::kDoStages);
       cp_async_commit();
       cp_async_wait<1>();  // all but the newest group: Kj, Vj and this step's Qi, dOi landed
     }
@@ -720,13 +720,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const bool may_zero = zeros_anywhere || !in_window;
     // ... for every thread, and lse / D too; and whether an operand of the step's products
     // holds a NaN or Inf that a zero-weight pair must not pass on (rare).
+    // (kRegs: the thread's share of the one tile it copied.)
     const bool nonfinite = __syncthreads_or(
         may_zero &&
         (k_nonfinite ||
-         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
-                                    Cfg::kThreads>(tQ, vec, tid) ||
-         strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout,
-                                    Cfg::kThreads>(tdO, vec, tid)));
+         (kRegs ? strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
+                                             typename Cfg::Layout, Cfg::kCopyThreads>(
+                      tid >= Cfg::kCopyThreads ? tdO : tQ, vec, tid % Cfg::kCopyThreads)
+                : strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
+                                             typename Cfg::Layout, Cfg::kThreads>(tQ, vec, tid) ||
+                      strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
+                                                 typename Cfg::Layout, Cfg::kThreads>(tdO, vec,
+                                                                                      tid))));
     const float* tLse = sLse + do_stage * Cfg::kBlockM;
     const float* tD = sD + do_stage * Cfg::kBlockM;
 
@@ -996,12 +1001,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             mma_pair<T>(acc_dk[mt][j], acc_dk[mt][j + 1], ds_frag[mt], b4);
         }
       }
-      // Every warp is done with dOi (and Qi): the next step's dOi, lse and D (kQWithDo: and
-      // Qi) load during dQ.
+      // Every warp is done with Qi and dOi: the next step's Qi, dOi, lse and D load during dQ
+      // (each warp half copies one tile, each warp reads both after the next step's first
+      // barrier).
       __syncthreads();
       if (const int next = next_step(step + 1, step); next < steps)
-        load_parts(std::integral_constant<int, Cfg::kQWithDo ? 3 : 2>{}, next,
-                   (stage + 1) % Cfg::kStages, (stage + 1) % Cfg::kDoStages);
+        load_step(next, (stage + 1) % Cfg::kStages, (stage + 1) % Cfg::kDoStages);
       cp_async_commit();
     } else {
       // The accumulators of n-tiles 2k, 2k+1 are the A fragment of k-step k (keys g / g+8,
