@@ -282,6 +282,63 @@ FMHA_DEVICE void query_range(const FwdParams& p, const score::Seq& s, int n0, in
   m_end = hi / kBlockM + 1;
 }
 
+// The tiled pass's copy of one Qi or dOi block by a warp half (Cfg::kCopyThreads) where two
+// threads share each row (d = 128: 64 rows of 16 chunks, 8 chunks a thread): thread c takes
+// chunks 2k + half(c) of row row_of(c), so that its global and shared addresses are one
+// pointer each plus 32 k bytes, immediates (FullBlock's chunks, rows apart, cost ~27 64-bit
+// multiplies and adds a pass, ptxas 13.0). The two lanes of a row read its bytes [32 k,
+// 32 k + 32) at once: whole sectors. The 8 lanes of a phase of cp.async stores take 8 rows,
+// one 16-byte bank group each where a padded row is an odd number of 16-byte groups long.
+// strong_zero::has_nonfinite reads back the same chunks (nonfinite); the element-wise copy of
+// unaligned tensors (!vec) stays tile::load's.
+template <typename T, typename Cfg>
+struct RowPairCopy {
+  using Layout = typename Cfg::Layout;
+  static constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+  static constexpr int kPerThread = kChunksPerRow / 2;
+  static constexpr bool kUsable = Cfg::kQWithDo && Cfg::kCopyThreads == 2 * Cfg::kBlockM &&
+                                  Cfg::kBlockM % 16 == 0 && kChunksPerRow % 2 == 0 &&
+                                  Layout::kPadded && (Layout::kStride / 8) % 2 == 1;
+  // Thread c (bits 0-2: a row of 8, bit 3: the half-row, bits 4-6: the group of 8 rows; the
+  // bits above, the warp half's, ignored): c / 32 * 16 + c % 32 / 16 * 8 + c % 8 as bits.
+  static_assert(Cfg::kCopyThreads == 128, "7 bits of a copying thread");
+  FMHA_DEVICE static int row_of(int c) { return (c & 7) | ((c >> 1) & 0x38); }
+  FMHA_DEVICE static int half(int c) { return (c >> 3) & 1; }
+  // Thread c's first chunk from the block's first element (row stride ld), and in the tile.
+  FMHA_DEVICE static int64_t thread_offset(int64_t ld, int c) {
+    return int64_t(row_of(c)) * ld + half(c) * 8;
+  }
+  FMHA_DEVICE static int smem_offset(int c) { return Layout::offset(row_of(c), half(c) * 8); }
+  // A block whose rows are whole (the tile's width) and 16-byte aligned: dst, src thread c's
+  // first chunk in the tile and in the matrix; a row past the matrix (!row_in) is zero-filled,
+  // read from `any` (a valid address) instead: one test a thread, no branch.
+  FMHA_DEVICE static void load(T* dst, const T* src, bool row_in, const T* any) {
+    const T* from = row_in ? src : any;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) cp_async_16(dst + 16 * k, from + 16 * k, row_in ? 16 : 0);
+  }
+  // An edge block (vec, columns short of the tile's): rows [0, rows) and columns [0, cols) of
+  // g (its first row, stride ld) copied, the rest of the tile zero.
+  FMHA_DEVICE static void load_checked(T* tile, const T* g, int64_t ld, int rows, int cols,
+                                       int c) {
+    const int r = row_of(c);
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int col = (2 * k + half(c)) * 8;
+      const int valid = r < rows && col < cols ? min(cols - col, 8) : 0;
+      cp_async_16(tile + Layout::offset(r, col), valid > 0 ? g + r * ld + col : g, valid * 2);
+    }
+  }
+  // Whether thread c's chunks of the tile hold a NaN or Inf, once its copies retired.
+  FMHA_DEVICE static bool nonfinite(const T* tile, int c) {
+    const T* first = tile + smem_offset(c);
+    uint32_t carry = 0;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) carry |= strong_zero::chunk_nonfinite_carry<T>(first + 16 * k);
+    return (carry & 0x80008000u) != 0;
+  }
+};
+
 // x / d and x % d for a divisor fixed through a loop: a multiply-high, an add and a shift
 // instead of the ~20 instructions of a runtime integer division (Granlund & Montgomery's
 // round-up method; exact for 0 <= x < 2^31 and 1 <= d < 2^31).
@@ -501,6 +558,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // and the thread holds one pointer. (The half from the thread index read where it is used:
   // held from the kernel's start, it spilled the d = 128 kernel on sm_80, 14 bytes, ptxas 13.0.)
   constexpr bool kRegs = Cfg::kQWithDo;
+  // Where two threads of a half share each row (d = 128): bwd_detail::RowPairCopy.
+  using PairCopy = bwd_detail::RowPairCopy<T, Cfg>;
+  constexpr bool kRowPairs = PairCopy::kUsable;
   struct CopyHalf {
     bool is_do;         // the half that copies dOi
     int tid;            // the thread's index in its half
@@ -535,7 +595,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     if constexpr (kRegs) {
       const CopyHalf c = copy_half(unsigned(tid));
       copy_src = (c.is_do ? do_head(h_kv * group) : q_head(h_kv * group)) + row0 * c.row_stride +
-                 FullQ::thread_offset(c.row_stride, c.tid);
+                 (kRowPairs ? PairCopy::thread_offset(c.row_stride, c.tid)
+                            : FullQ::thread_offset(c.row_stride, c.tid));
     } else {
       slots[0] = q_head(h_kv * group) + row0 * p.q_row_stride +
                  FullQ::thread_offset(p.q_row_stride, tid);
@@ -569,10 +630,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       const CopyHalf c = copy_half(thread_index_reread());
       T* const dst = c.is_do ? do_dst : q_dst;
       const T* const src = copy_src;
-      if (vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim && m0 + Cfg::kBlockM <= s.sq) {
+      if (kRowPairs && vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim) {
+        // (Rows past the sequence, of the last block, zero-filled by the one copy path.)
+        PairCopy::load(dst + PairCopy::smem_offset(c.tid), src,
+                       m0 + PairCopy::row_of(c.tid) < s.sq, static_cast<const T*>(p.q));
+      } else if (!kRowPairs && vec && d == Cfg::kHeadDim && dv == Cfg::kHeadDim &&
+                 m0 + Cfg::kBlockM <= s.sq) {
         FullQ::load_stepping(dst + FullQ::smem_offset(c.tid), src,
                              FullQ::kRowsPerPass * c.row_stride);
-      } else {  // (head_dim and head_dim_v both: see below)
+      } else if (kRowPairs && vec) {  // (head_dim and head_dim_v both: see below)
+        PairCopy::load_checked(dst, (c.is_do ? do_head(h) : q_head(h)) + int64_t(m0) * c.row_stride,
+                               c.row_stride, s.sq - m0, c.is_do ? dv : d, c.tid);
+      } else {
         tile::load<T, Cfg::kBlockM, Cfg::kHeadDim, typename Cfg::Layout, Cfg::kCopyThreads,
                    false>(dst, c.is_do ? do_head(h) : q_head(h), c.row_stride, s.sq,
                           c.is_do ? dv : d, m0, vec, c.tid);
@@ -724,9 +793,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     const bool nonfinite = __syncthreads_or(
         may_zero &&
         (k_nonfinite ||
-         (kRegs ? strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
-                                             typename Cfg::Layout, Cfg::kCopyThreads>(
-                      tid >= Cfg::kCopyThreads ? tdO : tQ, vec, tid % Cfg::kCopyThreads)
+         (kRegs ? kRowPairs && vec
+                      ? PairCopy::nonfinite(tid >= Cfg::kCopyThreads ? tdO : tQ,
+                                            tid % Cfg::kCopyThreads)
+                      : strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
+                                                   typename Cfg::Layout, Cfg::kCopyThreads>(
+                            tid >= Cfg::kCopyThreads ? tdO : tQ, vec, tid % Cfg::kCopyThreads)
                 : strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,
                                              typename Cfg::Layout, Cfg::kThreads>(tQ, vec, tid) ||
                       strong_zero::has_nonfinite<T, Cfg::kBlockM, Cfg::kHeadDim,

@@ -56,6 +56,20 @@ FMHA_DEVICE uint32_t finite_pair(uint32_t x) {
   return x & ~((bad & 1u ? 0x0000FFFFu : 0u) | (bad & 2u ? 0xFFFF0000u : 0u));
 }
 
+// A 16-byte chunk of 16-bit floats in shared memory: its word's sign bits (0x80008000) are set
+// where a half is NaN or Inf (has_nonfinite's test, below).
+template <typename T>
+FMHA_DEVICE uint32_t chunk_nonfinite_carry(const T* at) {
+  constexpr uint32_t kExp = exponent_mask<T>();
+  constexpr uint32_t kExp2 = kExp | (kExp << 16), kOne2 = (kExp & ~(kExp << 1)) * 0x00010001u;
+  struct alignas(16) Chunk {
+    uint32_t w[4];
+  };
+  const Chunk x = *reinterpret_cast<const Chunk*>(at);
+  return ((x.w[0] & kExp2) + kOne2) | ((x.w[1] & kExp2) + kOne2) | ((x.w[2] & kExp2) + kOne2) |
+         ((x.w[3] & kExp2) + kOne2);
+}
+
 // True when this thread's share of a tile that tile::load filled (same template arguments,
 // same `vec`) holds a NaN or Inf: the chunks, or elements, it copied itself, which it may read
 // once its cp_async_wait retired them -- the check needs no barrier of its own. Two integer
@@ -66,12 +80,9 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
   constexpr uint32_t kExp = exponent_mask<T>();
-  constexpr uint32_t kExp2 = kExp | (kExp << 16), kOne2 = (kExp & ~(kExp << 1)) * 0x00010001u;
+  constexpr uint32_t kOne2 = (kExp & ~(kExp << 1)) * 0x00010001u;
   uint32_t carry = 0;
   if (vec) {
-    struct alignas(16) Chunk {
-      uint32_t w[4];
-    };
     // Chunk tid + i kThreads; when a pass of the threads covers whole rows (8 of them when
     // swizzled), it lies a fixed number of rows below chunk tid: constant offsets from one
     // address.
@@ -86,9 +97,7 @@ FMHA_DEVICE bool has_nonfinite(const T* smem, bool vec, int tid) {
       if (kChunks % kThreads != 0 && chunk >= kChunks) break;
       const T* at = kWholeRows ? first + i * (kThreads / kChunksPerRow) * Layout::kStride
                                : smem + Layout::offset(Copy::row_of(chunk), (chunk % kChunksPerRow) * 8);
-      const Chunk x = *reinterpret_cast<const Chunk*>(at);
-      carry |= ((x.w[0] & kExp2) + kOne2) | ((x.w[1] & kExp2) + kOne2) |
-               ((x.w[2] & kExp2) + kOne2) | ((x.w[3] & kExp2) + kOne2);
+      carry |= chunk_nonfinite_carry<T>(at);
     }
   } else {
 #pragma unroll 1
