@@ -265,7 +265,15 @@ namespace bwd_detail {
 
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
+// kUnsigned: the same value from unsigned products of the (non-negative) 32-bit operands,
+// exact in 64 bits without their sign extensions: the tiled pass's lse, D and dQ rows, 4-8
+// instructions a pass fewer (the extras kernels spilled with it, 4-40 bytes, ptxas 13.0).
+template <bool kUnsigned = false>
 FMHA_DEVICE int64_t work_row(const FwdParams& p, int h, int b, int i) {
+  if constexpr (kUnsigned) {
+    const uint64_t hb = uint64_t(uint32_t(h)) * uint32_t(p.batch) + uint32_t(b);
+    return int64_t(hb * uint32_t(p.seqlen_q) + uint32_t(i));
+  }
   return (int64_t(h) * p.batch + b) * p.seqlen_q + i;
 }
 
@@ -296,12 +304,12 @@ struct RowPairCopy {
   using Layout = typename Cfg::Layout;
   static constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
   static constexpr int kPerThread = kChunksPerRow / 2;
-  static constexpr bool kUsable = Cfg::kQWithDo && Cfg::kCopyThreads == 2 * Cfg::kBlockM &&
-                                  Cfg::kBlockM % 16 == 0 && kChunksPerRow % 2 == 0 &&
+  static constexpr bool kUsable = Cfg::kQWithDo && Cfg::kCopyThreads == 128 &&
+                                  Cfg::kBlockM == 64 && kChunksPerRow % 2 == 0 &&
                                   Layout::kPadded && (Layout::kStride / 8) % 2 == 1;
   // Thread c (bits 0-2: a row of 8, bit 3: the half-row, bits 4-6: the group of 8 rows; the
-  // bits above, the warp half's, ignored): c / 32 * 16 + c % 32 / 16 * 8 + c % 8 as bits.
-  static_assert(Cfg::kCopyThreads == 128, "7 bits of a copying thread");
+  // bits above, the warp half's, ignored): c / 32 * 16 + c % 32 / 16 * 8 + c % 8 as bits,
+  // every row of 64 twice.
   FMHA_DEVICE static int row_of(int c) { return (c & 7) | ((c >> 1) & 0x38); }
   FMHA_DEVICE static int half(int c) { return (c >> 3) & 1; }
   // Thread c's first chunk from the block's first element (row stride ld), and in the tile.
@@ -334,7 +342,8 @@ struct RowPairCopy {
     const T* first = tile + smem_offset(c);
     uint32_t carry = 0;
 #pragma unroll
-    for (int k = 0; k < kPerThread; ++k) carry |= strong_zero::chunk_nonfinite_carry<T>(first + 16 * k);
+    for (int k = 0; k < kPerThread; ++k)
+      carry |= strong_zero::chunk_nonfinite_carry<T>(first + 16 * k);
     return (carry & 0x80008000u) != 0;
   }
 };
@@ -556,7 +565,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   // loads and stores a pass fewer (~3,000 bytes). There each warp half copies one tile
   // (Cfg::kCopyThreads): CopyHalf selects dOi's source, strides and destination over Qi's,
   // and the thread holds one pointer. (The half from the thread index read where it is used:
-  // held from the kernel's start, it spilled the d = 128 kernel on sm_80, 14 bytes, ptxas 13.0.)
+  // held from the kernel's start, it spilled the d = 128 kernel on sm_80, 10 spill loads and 4
+  // stores a pass, ptxas 13.0.)
   constexpr bool kRegs = Cfg::kQWithDo;
   // Where two threads of a half share each row (d = 128): bwd_detail::RowPairCopy.
   using PairCopy = bwd_detail::RowPairCopy<T, Cfg>;
@@ -638,7 +648,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                  m0 + Cfg::kBlockM <= s.sq) {
         FullQ::load_stepping(dst + FullQ::smem_offset(c.tid), src,
                              FullQ::kRowsPerPass * c.row_stride);
-      } else if (kRowPairs && vec) {  // (head_dim and head_dim_v both: see below)
+      } else if (kRowPairs && vec) {  // head_dim or head_dim_v short of the tile: both tiles
         PairCopy::load_checked(dst, (c.is_do ? do_head(h) : q_head(h)) + int64_t(m0) * c.row_stride,
                                c.row_stride, s.sq - m0, c.is_do ? dv : d, c.tid);
       } else {
@@ -692,7 +702,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       const int i = m0 + r;
       float lse_l2 = INFINITY;
       if (i < s.sq) {
-        lse_l2 = w.lse2[bwd_detail::work_row(p, h, b, i)];
+        lse_l2 = w.lse2[bwd_detail::work_row<kTiled>(p, h, b, i)];
         // NaN, or -inf from a finite lse below -2.4e38: the fast path's exp2(S - lse) would
         // not give the rule's 0 for S = -inf there.
         if (!(lse_l2 > -INFINITY)) sNanLse[stage] = step;  // (stage: dOi's)
@@ -702,7 +712,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     auto load_d = [&](int r) {
       const int i = m0 + r;
       sD[stage * Cfg::kBlockM + lse_slot(r)] =
-          i < s.sq ? w.d[bwd_detail::work_row(p, h, b, i)] : 0.0f;
+          i < s.sq ? w.d[bwd_detail::work_row<kTiled>(p, h, b, i)] : 0.0f;
     };
     // With 8 warps, lse and D by different warps: each warp's pass issues one of the two
     // address computations at most (the slowest warp's pass, d = 128: 57 instructions above
@@ -1119,7 +1129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
       // warp takes several (Cfg::kDqHoistDs), the row group's dS fragments, its two row
       // addresses and the edge test are taken once for all of them; else in the chunk. (What is
       // held where is what kept every build free of spills, ptxas 13.0.)
-      float* dq_rows = w.dq_accum + bwd_detail::work_row(p, h, b, 0) * d;
+      float* dq_rows = w.dq_accum + bwd_detail::work_row<kTiled>(p, h, b, 0) * d;
       constexpr int kChunks = Cfg::kNTilesD / Cfg::kDqChunk;
       constexpr int kRowGroups = Cfg::kBlockM / (16 * Cfg::kDqRows);  // of a warp's rows
       static_assert(Cfg::kWarps % kRowGroups == 0, "whole warps per row group");
