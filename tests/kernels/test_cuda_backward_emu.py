@@ -41,8 +41,10 @@ def emu_grads(q, k, v, dout, *, bias=None, bias_grad=False, deterministic=False,
     emu.reset_stats()
     emu.flash_backward(dout, q, k, v, out, lse, dq, dk, dv, dbias=dbias,
                        deterministic=deterministic, bias=bias, **kw)
+    stats = emu.stats()
     res = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv,
-               scratch_peak_bytes=emu.stats()["scratch_peak_bytes"])
+               scratch_peak_bytes=stats["scratch_peak_bytes"], cp_async=stats["cp_async"],
+               cp_async_zero_filled=stats["cp_async_zero_filled"])
     if bias_grad:
         res["dbias"] = dbias
     return res
@@ -58,14 +60,17 @@ def window_args(causal, window, alignment):
 def run_case(*, batch=1, sq, sk, hq=1, hkv=1, d=64, dtype=torch.float16, causal=False,
              window=(-1, -1), alignment="bottom_right", scale=None, softcap=0.0, bias=None,
              bias_grad=False, mask=None, alibi_slopes=None, dropout_p=0.0, seed=0,
-             deterministic=False, seed_data=0, runs=1):
+             deterministic=False, seed_data=0, runs=1, unaligned=False):
     """The emulated gradients against the reference; runs > 1 repeats the backward, which
-    must then give the same bits (deterministic=True)."""
+    must then give the same bits (deterministic=True). unaligned: q, k, v and dout are views
+    whose rows start 2 bytes past a 16-byte boundary."""
     gen = torch.Generator().manual_seed(seed_data)
-    q = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
-    k = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(batch, sk, hkv, d, generator=gen).to(dtype)
-    dout = torch.randn(batch, sq, hq, d, generator=gen).to(dtype)
+    pad = 1 if unaligned else 0
+
+    def tensor(rows, heads):
+        return torch.randn(batch, rows, heads, d + pad, generator=gen).to(dtype)[..., pad:]
+
+    q, k, v, dout = tensor(sq, hq), tensor(sk, hkv), tensor(sk, hkv), tensor(sq, hq)
     emu_kw = dict(bias=bias, bias_grad=bias_grad, scale=scale, softcap=softcap, mask=mask,
                   alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                   deterministic=deterministic, **window_args(causal, window, alignment))
@@ -134,6 +139,19 @@ def test_gqa_several_query_blocks(deterministic):
     # from block to block and from one head's last block to the next head's first, whole
     # blocks and the sequence's partial last one (d = 128: the plain kernel's tiled pass).
     run_case(batch=2, sq=150, sk=140, hq=4, hkv=2, d=128, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_copies_of_a_partial_block(d, unaligned):
+    # The tiled pass's Qi and dOi copies (each by its warp half) of a partial last query
+    # block: by cp.async, the rows past the sequence zero-filled; with rows not 16-byte
+    # aligned, element by element (no cp.async at all).
+    got = run_case(sq=150, sk=140, hq=2, d=d, unaligned=unaligned)
+    if unaligned:
+        assert got["cp_async"] == 0
+    else:
+        assert got["cp_async_zero_filled"] > 0
 
 
 @pytest.mark.parametrize("d", [8, 40, 59, 111, 200])
