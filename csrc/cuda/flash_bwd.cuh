@@ -1188,11 +1188,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           // takes a constant offset from one address (the generic adds cost ~60 address
           // instructions a pass, 4 rows each found and clamped). The row's offset from the
           // head's first in 32 bits, up to 2^24 rows (the 64-bit product spilled the fp16 sm_90 or
-          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds.
+          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds. The head's
+          // first row as one 32 x 32-bit product, (h, b) by the rows' span (the generic adds'
+          // 64-bit row base cost 12 more instructions a pass on sm_90).
           constexpr bool kOneAddress = kTiled && Cfg::kSplits == 1;
           if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d &&
               p.seqlen_q <= (1 << 24)) {
-            float* const at = dq_rows + (m0 + q0 + g) * Cfg::kOutDim + col;
+            float* const at =
+                w.dq_accum +
+                uint64_t(uint32_t(h * p.batch + b)) * (uint32_t(p.seqlen_q) * Cfg::kOutDim) +
+                (uint32_t(m0 + q0 + g) * Cfg::kOutDim + uint32_t(col));
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg)
 #pragma unroll
