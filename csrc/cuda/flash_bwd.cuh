@@ -103,6 +103,10 @@ struct FlashBwdConfig {
   // registers (d = 128: S^T, dP^T, dK and dV at once spilled 4-56 bytes, ptxas 13.0); at
   // d = 64, where they fit, P stays float32 (unpacking it cost 32 instructions a pass).
   static constexpr bool kPackP = kTiled && kHeadDim_ >= 128;
+  // Where P is packed, dP^T - D is one product, its accumulators starting at -D: the stage
+  // holds -D twice per query pair, (-D_2i, -D_2i+1, -D_2i, -D_2i+1) -- a thread's C operand of
+  // an n-tile as one 16-byte load (the FADD of dP - D saved per score: 32 a pass).
+  static constexpr int kDWords = kPackP ? 2 : 1;  // floats of the D stage per query
   // Queries per step. 16-key warps: S^T and dP^T cost kBlockM/2 registers each on top of dK,
   // dV. At d >= 96, 64 queries spilled (ptxas 13.0, sm_80: 56-76 bytes at d = 128) and 32 did
   // too with the score pipeline of kExtras (8-56 bytes, varying with which feature was cut).
@@ -146,10 +150,11 @@ struct FlashBwdConfig {
       kPointersInSmem && !kQWithDo ? 2 * int(sizeof(void*)) * kThreads + 8 * int(sizeof(int64_t))
                                    : 0;
   // Kj, Vj; kStages x Qi; kDoStages x dOi; dS^T (and P^T); the pointers; kDoStages x (lse,
-  // D) of the query block; kDoStages ints (the step whose lse holds a NaN).
+  // D: kDWords floats a query) of the query block; kDoStages ints (the step whose lse holds a
+  // NaN).
   static constexpr size_t kSmemBytes =
       size_t(2 * kTileKV + (kStages + kDoStages) * kTileQ + (kTiled ? 2 : 1) * kTileDs) * 2 +
-      kPointerBytes + size_t(2 * kDoStages * kBlockM) * sizeof(float) +
+      kPointerBytes + size_t((1 + kDWords) * kDoStages * kBlockM) * sizeof(float) +
       kDoStages * sizeof(int);
 
   static_assert(kSmemBytes <= 163 * 1024, "fits an sm_80 CTA's shared memory");
@@ -380,12 +385,14 @@ FMHA_DEVICE bool inner_step(const score::Seq& s, bool in_window, int m0, int n0)
 // reverse for S, dP.
 // A warp's tile is kMTiles x 16 rows from A row a_row0 by kNTiles x 8 from B row b_row0;
 // acc[mt * kNTiles + j] is m-tile mt, n-tile j. With two m-tiles every B fragment feeds two
-// mma pairs. kProducts: 1 S, 2 dP, 3 both.
+// mma pairs. kProducts: 1 S, 2 dP, 3 both. dp0 (where given): dP's accumulators start at
+// dp0[j] in every m-tile (else at 0), its first k-step's mma taking them as C.
 template <typename T, typename Cfg, int kMTiles = 1, int kNTiles = Cfg::kNTilesS,
           int kProducts = 3>
 FMHA_DEVICE void s_and_dp(float (&acc_s)[kMTiles * kNTiles][4],
                           float (&acc_dp)[kMTiles * kNTiles][4], const T* a_s, const T* a_dp,
-                          const T* b_s, const T* b_dp, int a_row0, int b_row0, int lane) {
+                          const T* b_s, const T* b_dp, int a_row0, int b_row0, int lane,
+                          const float (*dp0)[4] = nullptr) {
 #pragma unroll
   for (int j = 0; j < kMTiles * kNTiles; ++j)
 #pragma unroll
@@ -423,8 +430,17 @@ FMHA_DEVICE void s_and_dp(float (&acc_s)[kMTiles * kNTiles][4],
       if (kProducts & 2) {
         ldmatrix<4>(b4, b_dp + row * Cfg::kStride + dim);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-          mma_pair<T>(acc_dp[mt * kNTiles + j], acc_dp[mt * kNTiles + j + 1], fa_dp[mt], b4);
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          float(&d0)[4] = acc_dp[mt * kNTiles + j];
+          float(&d1)[4] = acc_dp[mt * kNTiles + j + 1];
+          if (kk == 0 && dp0 != nullptr) {
+            const uint32_t b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
+            mma_m16n8k16<T>(d0, fa_dp[mt], b0, dp0[j]);
+            mma_m16n8k16<T>(d1, fa_dp[mt], b1, dp0[j + 1]);
+          } else {
+            mma_pair<T>(d0, d1, fa_dp[mt], b4);
+          }
+        }
       }
     }
   }
@@ -491,10 +507,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
   T* sP = sdS + Cfg::kTileDs;                   // [kBlockN][kDsStride]: P^T (tiled)
   char* sPointers = reinterpret_cast<char*>(sdS + (kTiled ? 2 : 1) * Cfg::kTileDs);
   float* sLse = reinterpret_cast<float*>(sPointers + Cfg::kPointerBytes);  // [kDoStages][kBlockM]
-  float* sD = sLse + Cfg::kDoStages * Cfg::kBlockM;                        // [kDoStages][kBlockM]
+  float* sD = sLse + Cfg::kDoStages * Cfg::kBlockM;  // [kDoStages][kDWords * kBlockM]
   // [kDoStages]: the step whose lse (loaded into that stage) holds a NaN; older values are
   // other steps', so nothing needs clearing.
-  int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kDoStages * Cfg::kBlockM);
+  int* sNanLse = reinterpret_cast<int*>(sD + Cfg::kDWords * Cfg::kDoStages * Cfg::kBlockM);
 
   // (t from the unsigned index: taken from the signed lane, with its sign fix-up, it spilled
   // 4 bytes of the d = 128 atomic-dQ kernel, ptxas 13.0.)
@@ -711,8 +727,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     };
     auto load_d = [&](int r) {
       const int i = m0 + r;
-      sD[stage * Cfg::kBlockM + lse_slot(r)] =
-          i < s.sq ? w.d[bwd_detail::work_row<kTiled>(p, h, b, i)] : 0.0f;
+      const float d_i = i < s.sq ? w.d[bwd_detail::work_row<kTiled>(p, h, b, i)] : 0.0f;
+      if constexpr (Cfg::kDWords == 2) {  // -D twice per query pair (Cfg::kDWords)
+        float* at = sD + stage * 2 * Cfg::kBlockM + r + (r & ~1);  // 2 (r & ~1) + r % 2
+        at[0] = at[2] = -d_i;
+      } else {
+        sD[stage * Cfg::kBlockM + lse_slot(r)] = d_i;
+      }
     };
     // With 8 warps, lse and D by different warps: each warp's pass issues one of the two
     // address computations at most (the slowest warp's pass, d = 128: 57 instructions above
@@ -815,7 +836,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
                                                  typename Cfg::Layout, Cfg::kThreads>(tdO, vec,
                                                                                       tid))));
     const float* tLse = sLse + do_stage * Cfg::kBlockM;
-    const float* tD = sD + do_stage * Cfg::kBlockM;
+    const float* tD = sD + do_stage * Cfg::kDWords * Cfg::kBlockM;
 
     // Which score rules the step takes (the same in every sub-pass): the pair tests unless it is
     // an inner step (bwd_detail::inner_step), the test of S = -inf where its lse holds a NaN.
@@ -961,21 +982,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           p_pack[jj][1] = pack2<T>(acc_s[jj][2], acc_s[jj][3]);
           store_t(sP, jj, p_pack[jj][0], p_pack[jj][1]);
         }
+        // dP^T - D as one product: its accumulators start at -D (Cfg::kDWords).
+        float minus_d[kNT][4];
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const FloatPairs d4 =
+              *reinterpret_cast<const FloatPairs*>(tD + 2 * (q_off + j * 8 + 2 * t));
+          minus_d[j][0] = d4.lo.x;
+          minus_d[j][1] = d4.lo.y;
+          minus_d[j][2] = d4.hi.x;
+          minus_d[j][3] = d4.hi.y;
+        }
         bwd_detail::s_and_dp<T, Cfg, Cfg::kMTiles, kNT, 2>(acc_s, acc_dp, sK, sV, tQ, tdO,
-                                                           key_row0, q_off, lane);
+                                                           key_row0, q_off, lane, minus_d);
         // dS = P (dP - D), 0 where P is (also against a non-finite dP or D), as scores_fast
         // takes it: without the per-score test, NaN only where P = 0 meets a non-finite
         // dP - D; one unordered compare per two scores finds it, and only then (rare) are the
         // P = 0 entries of the packed dS set to 0. (An exact 0 from P = 0 may be -0 here: the
         // same value in every sum it enters.)
         bool nan_ds = false;
-        for_each_score([&](int j, int e, int, int, float, float d_i) {
-          const uint32_t pair = p_pack[j][e / 2];
-          const float prob =
-              to_float(from_bits<T>(uint16_t(e % 2 ? pair >> 16 : pair & 0xFFFFu)));
-          acc_dp[j][e] = prob * (acc_dp[j][e] - d_i);
-          if (e % 2) nan_ds |= acc_dp[j][e - 1] != acc_dp[j][e - 1] || acc_dp[j][e] != acc_dp[j][e];
-        });
+#pragma unroll
+        for (int j = 0; j < Cfg::kMTiles * kNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const FloatPair prob2 = unpack2<T>(p_pack[j][e / 2]);
+            acc_dp[j][e] = (e % 2 ? prob2.y : prob2.x) * acc_dp[j][e];  // P (dP - D)
+            if (e % 2)
+              nan_ds |= acc_dp[j][e - 1] != acc_dp[j][e - 1] || acc_dp[j][e] != acc_dp[j][e];
+          }
         uint32_t ds_pack[Cfg::kMTiles * kNT][2];
 #pragma unroll
         for (int jj = 0; jj < Cfg::kMTiles * kNT; ++jj) {
@@ -1241,11 +1275,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
           // takes a constant offset from one address (the generic adds cost ~60 address
           // instructions a pass, 4 rows each found and clamped). The row's offset from the
           // head's first in 32 bits, up to 2^24 rows (the 64-bit product spilled the fp16 sm_90 or
-          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds.
+          // the bf16 kernel, ptxas 13.0); longer sequences take the generic adds. The head's
+          // first row as one 32 x 32-bit product, (h, b) by the rows' span (the generic adds'
+          // 64-bit row base cost 12 more instructions a pass on sm_90).
           constexpr bool kOneAddress = kTiled && Cfg::kSplits == 1;
           if (kOneAddress && m0 + Cfg::kBlockM <= s.sq && Cfg::kOutDim <= d &&
               p.seqlen_q <= (1 << 24)) {
-            float* const at = dq_rows + (m0 + q0 + g) * Cfg::kOutDim + col;
+            float* const at =
+                w.dq_accum +
+                uint64_t(uint32_t(h * p.batch + b)) * (uint32_t(p.seqlen_q) * Cfg::kOutDim) +
+                (uint32_t(m0 + q0 + g) * Cfg::kOutDim + uint32_t(col));
 #pragma unroll
             for (int rg = 0; rg < kRows; ++rg)
 #pragma unroll

@@ -328,6 +328,27 @@ struct alignas(16) FloatPairs {
   FloatPair lo, hi;
 };
 
+// The two 16-bit values of x (as pack2 makes them) as floats, exactly: x = lo in bits 0..15.
+// bf16: each half moved into a float's upper bits, one instruction each (converting the
+// upper half as a 16-bit value first took two).
+template <typename T>
+FMHA_DEVICE FloatPair unpack2(uint32_t x);
+template <>
+FMHA_DEVICE FloatPair unpack2<half_t>(uint32_t x) {
+  return {to_float(from_bits<half_t>(uint16_t(x & 0xFFFFu))),
+          to_float(from_bits<half_t>(uint16_t(x >> 16)))};
+}
+template <>
+FMHA_DEVICE FloatPair unpack2<bf16_t>(uint32_t x) {
+#if defined(FMHA_GPU_DEVICE_PATH)
+  return {__uint_as_float(x << 16), __uint_as_float(x & 0xFFFF0000u)};
+#elif defined(FMHA_GPU_EMU_PATH)
+  return {::emu::f32_from_bits(x << 16), ::emu::f32_from_bits(x & 0xFFFF0000u)};
+#else
+  return {0.0f, 0.0f};
+#endif
+}
+
 // 2^x: ex2.approx.ftz.f32 (PTX ISA 9.0 §9.7.3.21): subnormal inputs and results flush to
 // zero; maximum relative error about 2^-22. The emulator computes exp2f and flushes the same.
 FMHA_DEVICE float exp2_approx(float x) {

@@ -467,20 +467,32 @@ struct CvtCase {
   uint16_t want;
 };
 
+float f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 __global__ void cvt_kernel(const float* in, uint16_t* h, uint16_t* bf, uint32_t* packed_h,
-                           uint32_t* packed_bf, int n) {
+                           uint32_t* packed_bf, FloatPair* unpacked_h, FloatPair* unpacked_bf,
+                           int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     h[i] = bits_of(from_float<half_t>(in[i]));
     bf[i] = bits_of(from_float<bf16_t>(in[i]));
     packed_h[i] = pack2<half_t>(in[i], -in[i]);
     packed_bf[i] = pack2<bf16_t>(in[i], -in[i]);
+    unpacked_h[i] = unpack2<half_t>(packed_h[i]);
+    unpacked_bf[i] = unpack2<bf16_t>(packed_bf[i]);
   }
 }
 
-float f32(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+// The value of 16-bit float bits, exactly (binary16, or bfloat16: binary32's upper half).
+float decode16(uint16_t x, bool bf16) {
+  if (bf16) return f32(uint32_t(x) << 16);
+  const int e = (x >> 10) & 0x1F, m = x & 0x3FF;
+  const float sign = (x & 0x8000u) ? -1.0f : 1.0f;
+  if (e == 0x1F) return m ? std::numeric_limits<float>::quiet_NaN() : sign * INFINITY;
+  return sign * std::ldexp(float(e ? m + 1024 : m), (e ? e : 1) - 25);
 }
 
 Result cvt_kat(bool bf16_case, std::initializer_list<CvtCase> cases) {
@@ -490,8 +502,9 @@ Result cvt_kat(bool bf16_case, std::initializer_list<CvtCase> cases) {
   const size_t count = static_cast<size_t>(n);
   std::vector<uint16_t> h(count), bf(count);
   std::vector<uint32_t> ph(count), pb(count);
+  std::vector<FloatPair> uh(count), ub(count);
   FMHA_LAUNCH(cvt_kernel, dim3(1), dim3(32), 0, nullptr, in.data(), h.data(), bf.data(),
-              ph.data(), pb.data(), n);
+              ph.data(), pb.data(), uh.data(), ub.data(), n);
   int i = 0;
   for (const CvtCase& c : cases) {
     const uint16_t got = bf16_case ? bf[size_t(i)] : h[size_t(i)];
@@ -509,6 +522,17 @@ Result cvt_kat(bool bf16_case, std::initializer_list<CvtCase> cases) {
     if ((packed & 0xFFFFu) != c.want || (packed >> 16) != neg) {
       std::snprintf(buf, sizeof buf, "pack2(0x%08x, -x) = 0x%08x, expected 0x%04x%04x", c.f32,
                     packed, neg, c.want);
+      return fail(buf);
+    }
+    // unpack2 gives back both halves' values exactly, lo first (NaN as NaN).
+    const FloatPair u = bf16_case ? ub[size_t(i)] : uh[size_t(i)];
+    const float lo = decode16(c.want, bf16_case), hi = decode16(neg, bf16_case);
+    auto same = [](float a, float b) {
+      return std::isnan(a) ? std::isnan(b) : std::memcmp(&a, &b, 4) == 0;
+    };
+    if (!same(u.x, lo) || !same(u.y, hi)) {
+      std::snprintf(buf, sizeof buf, "unpack2(0x%08x) = (%g, %g), expected (%g, %g)", packed,
+                    double(u.x), double(u.y), double(lo), double(hi));
       return fail(buf);
     }
     ++i;
