@@ -615,6 +615,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
     return static_cast<const T*>(p.dout) +
            score::q_base(p, s, b, p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride;
   };
+  static_assert(kSlots || !kRegs, "the tiled pass's copies start from copy_src");
   if constexpr (kSlots) {
     // Step 0: the group's first query head, block m_begin.
     const int64_t row0 = int64_t(m_begin) * Cfg::kBlockM;
@@ -889,10 +890,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) flash_bwd_kernel(BwdParams p
             for_tile(j + 1, lse4.hi, d4.hi);
           }
         } else {
+          // (Where the D stage holds -D quads, Cfg::kDWords == 2, dP - D comes from the
+          // product and f's D is NaN: read by no one, as it must not be.)
 #pragma unroll
           for (int j = 0; j < kNT; ++j)
             for_tile(j, *reinterpret_cast<const FloatPair*>(tLse + q_off + j * 8 + 2 * t),
-                     *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t));
+                     Cfg::kDWords == 1
+                         ? *reinterpret_cast<const FloatPair*>(tD + q_off + j * 8 + 2 * t)
+                         : FloatPair{NAN, NAN});
         }
       };
       // kInner: a plain step whose rows and keys all lie inside the sequences and the window

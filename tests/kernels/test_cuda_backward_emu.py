@@ -146,12 +146,25 @@ def test_gqa_several_query_blocks(deterministic):
 def test_copies_of_a_partial_block(d, unaligned):
     # The tiled pass's Qi and dOi copies (each by its warp half) of a partial last query
     # block: by cp.async, the rows past the sequence zero-filled; with rows not 16-byte
-    # aligned, element by element (no cp.async at all).
-    got = run_case(sq=150, sk=140, hq=2, d=d, unaligned=unaligned)
+    # aligned, element by element (no cp.async at all). sk = 128 is one whole key block, so
+    # every zero-filled chunk is one of Qi's or dOi's.
+    sq, hq = 150, 2
+    got = run_case(sq=sq, sk=128, hq=hq, d=d, unaligned=unaligned)
     if unaligned:
         assert got["cp_async"] == 0
     else:
-        assert got["cp_async_zero_filled"] > 0
+        block_m = 128 if d == 64 else 64  # queries a step (FlashBwdConfig::kBlockM)
+        rows_past = -sq % block_m
+        assert got["cp_async_zero_filled"] == rows_past * (2 * d // 16) * 2 * hq
+
+
+@pytest.mark.parametrize("sq", [50, 150])
+def test_checked_copies_of_the_128_tile(sq):
+    # d = 112 with aligned rows runs the 128 tile's tiled pass with its checked row copies
+    # (the columns past d zero-filled); at sq = 50 the one partial block's rows past the
+    # sequence are read by no earlier step, so a row not zero-filled would be NaN.
+    run_case(sq=sq, sk=140, hq=2, d=112)
+    run_case(sq=sq, sk=140, hq=2, d=112, deterministic=True)
 
 
 @pytest.mark.parametrize("d", [8, 40, 59, 111, 200])
